@@ -1,0 +1,1 @@
+"""Deployment files shipped with the package: the Kafka runtime pom, docker-compose."""

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The test command (`make test`): set-up from a fresh machine, a broker for the tests, pytest.
+# Installs what is missing (virtual environment, Python packages, Debian packages for the
+# Alertmanager and browser tests), fetches the Kafka jars once, starts a broker on a free
+# port, runs pytest against it and stops it again, whatever pytest's outcome.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c 'import trainguard, torch, pytest, hypothesis' 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.installed ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[dev,torch]"
+  touch .venv/.installed
+fi
+
+need_apt=()
+command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-alertmanager)
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+if [ ${#need_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "installing ${need_apt[*]} (Debian packages used by the alerting and report tests)"
+  apt-get update -qq >/dev/null 2>&1 || true
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" \
+    >/dev/null 2>&1 || echo "warning: could not install ${need_apt[*]}; those tests will skip"
+fi
+
+export TRAINGUARD_HOME=${TRAINGUARD_HOME:-$HOME/.cache/trainguard}
+port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+data=$(mktemp -d /tmp/trainguard-test-broker.XXXXXX)
+cleanup() {
+  .venv/bin/trainguard broker stop --port "$port" --data "$data" >/dev/null 2>&1 || true
+  rm -rf "$data"
+}
+trap cleanup EXIT
+.venv/bin/trainguard broker start --port "$port" --data "$data"
+export TRAINGUARD_BOOTSTRAP=127.0.0.1:$port
+
+set +e
+.venv/bin/python -m pytest "$@"
+rc=$?
+set -e
+if [ $rc -eq 5 ]; then
+  echo "pytest collected no tests" >&2
+fi
+exit $rc

@@ -1,0 +1,53 @@
+"""Shared fixtures: the real Kafka broker, per-test topic prefixes, paths to shared data."""
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trainguard.config import Config, Topics
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} is not there (the project's ../shared/data)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap():
+    """Bootstrap of a real broker: $TRAINGUARD_BOOTSTRAP when set, else one started here."""
+    if os.environ.get("TRAINGUARD_BOOTSTRAP"):
+        yield os.environ["TRAINGUARD_BOOTSTRAP"]
+        return
+    from trainguard.broker import free_port, local_broker
+
+    data = tempfile.mkdtemp(prefix="tg-test-broker-")
+    broker = local_broker(port=free_port(), data=data)
+    broker.start(log=lambda m: None)
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def kafka_config(kafka_bootstrap, topic_prefix) -> Config:
+    """A config on the real broker with this test's own topics, already created."""
+    from trainguard.topics import TopicPlan, create_topics
+
+    config = Config(bootstrap=kafka_bootstrap, topics=Topics(prefix=topic_prefix))
+    create_topics(config, TopicPlan(telemetry_partitions=4, other_partitions=2))
+    return config

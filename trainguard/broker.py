@@ -1,0 +1,371 @@
+"""The local single-node Apache Kafka (KRaft) behind ``trainguard broker start|stop|status``.
+
+The jars are the real Apache Kafka broker, named by ``deploy/kafka/pom.xml`` and copied
+by Maven once into a per-user cache (``$TRAINGUARD_HOME/kafka-<version>``, else
+``~/.cache/trainguard/kafka-<version>``); later starts work offline from the cache.
+One JVM runs a combined broker and controller on 127.0.0.1 with every replication
+factor at 1, so consumer groups, Faust and transactions work on one node.
+"""
+from __future__ import annotations
+
+from .errors import UserError
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+HEAP = "512m"
+START_TIMEOUT_S = 90.0
+STOP_GRACE_S = 20.0
+
+
+class BrokerError(UserError):
+    """A one-line reason the broker cannot be fetched, started or stopped."""
+
+
+def pom_path() -> Path:
+    return Path(str(resources.files("trainguard.deploy") / "kafka" / "pom.xml"))
+
+
+def kafka_version(pom: Path | None = None) -> str:
+    text = (pom or pom_path()).read_text(encoding="utf-8")
+    match = re.search(r"<kafka\.version>([^<]+)</kafka\.version>", text)
+    if not match:
+        raise BrokerError(f"{pom or pom_path()} names no <kafka.version>")
+    return match.group(1).strip()
+
+
+def trainguard_home(environ=None) -> Path:
+    environ = os.environ if environ is None else environ
+    if environ.get("TRAINGUARD_HOME"):
+        return Path(environ["TRAINGUARD_HOME"]).expanduser()
+    cache = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "trainguard"
+
+
+def java_major_version(java: str) -> int:
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BrokerError(f"cannot run {java}: {exc}; install Java 17 or newer") from None
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+    if not match:
+        raise BrokerError(f"cannot tell the version of {java}; install Java 17 or newer")
+    major = int(match.group(1))
+    return int(match.group(2)) if major == 1 else major
+
+
+def find_java() -> str:
+    home = os.environ.get("JAVA_HOME")
+    candidates = [str(Path(home) / "bin" / "java")] if home else []
+    found = shutil.which("java")
+    if found:
+        candidates.append(found)
+    for java in candidates:
+        if Path(java).exists():
+            major = java_major_version(java)
+            if major < 17:
+                raise BrokerError(f"Java {major} found at {java}; Kafka 4 needs Java 17 or newer "
+                                  "(install openjdk-17-jre-headless or set JAVA_HOME)")
+            return java
+    raise BrokerError("Java not found; install Java 17 or newer (e.g. apt-get install "
+                      "openjdk-17-jre-headless) or set JAVA_HOME")
+
+
+@dataclass(kw_only=True)
+class KafkaRuntime:
+    """The cached jars of one Kafka version; :meth:`ensure` fetches them once with Maven."""
+
+    home: Path
+    pom: Path
+
+    def __post_init__(self):
+        self.version = kafka_version(self.pom)
+
+    @property
+    def libs(self) -> Path:
+        return self.home / f"kafka-{self.version}" / "libs"
+
+    @property
+    def complete_marker(self) -> Path:
+        return self.libs.parent / ".complete"
+
+    def is_cached(self) -> bool:
+        return self.complete_marker.exists()
+
+    def ensure(self, log=None) -> Path:
+        if self.is_cached():
+            return self.libs
+        mvn = shutil.which("mvn")
+        if mvn is None:
+            raise BrokerError(f"Kafka {self.version} is not cached in {self.libs.parent} and "
+                              "Maven is not installed; install maven (apt-get install maven) "
+                              "once, or copy a filled cache there")
+        staging = self.libs.parent / f".staging-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        if log:
+            log(f"fetching Apache Kafka {self.version} with Maven into {self.libs.parent} ...")
+        cmd = [mvn, "-B", "-q", "-f", str(self.pom), "dependency:copy-dependencies",
+               f"-DoutputDirectory={staging}", "-DincludeScope=runtime"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            tail = " | ".join((result.stdout + result.stderr).strip().splitlines()[-3:])
+            raise BrokerError(f"Maven could not fetch Kafka {self.version}: {tail[-400:]}")
+        shutil.rmtree(self.libs, ignore_errors=True)
+        staging.rename(self.libs)
+        self.complete_marker.write_text(f"kafka {self.version}\n")
+        return self.libs
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def broker_answers(bootstrap: str, timeout: float = 3.0) -> bool:
+    """True when a Kafka metadata request to ``bootstrap`` is answered with a broker."""
+    from confluent_kafka.admin import AdminClient
+
+    client = AdminClient({"bootstrap.servers": bootstrap, "socket.timeout.ms": int(timeout * 1000),
+                          "log_level": 0, "logger": _QuietLogger()})
+    try:
+        return bool(client.list_topics(timeout=timeout).brokers)
+    except Exception:  # any client-side failure means "does not answer"
+        return False
+
+
+class _QuietLogger:
+    def log(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return self.log
+
+
+SERVER_PROPERTIES = """\
+# written by trainguard broker start; edit freely, it is kept across restarts
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:{controller_port}
+listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}
+advertised.listeners=PLAINTEXT://127.0.0.1:{port}
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs={log_dirs}
+num.partitions=1
+default.replication.factor=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=10
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=4
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=true
+log.retention.hours=72
+"""
+
+LOG4J2_YAML = """\
+Configuration:
+  Appenders:
+    RollingFile:
+      name: FILE
+      fileName: "{log}"
+      filePattern: "{log}.%i"
+      PatternLayout:
+        pattern: "[%d] %p %m (%c)%n"
+      Policies:
+        SizeBasedTriggeringPolicy:
+          size: 20MB
+      DefaultRolloverStrategy:
+        max: 3
+  Loggers:
+    Root:
+      level: INFO
+      AppenderRef:
+        - ref: FILE
+    Logger:
+      - name: kafka.request.logger
+        level: WARN
+"""
+
+
+@dataclass(kw_only=True)
+class LocalBroker:
+    """One local broker: its port, data folder and pid file. Several run side by side."""
+
+    port: int = 9092
+    data: Path
+    runtime: KafkaRuntime
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.data / "broker.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.data / "server.log"
+
+    @property
+    def properties(self) -> Path:
+        return self.data / "server.properties"
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        cmdline = Path(f"/proc/{pid}/cmdline")
+        if cmdline.exists() and b"kafka.Kafka" not in cmdline.read_bytes():
+            return None
+        return pid
+
+    def running(self) -> bool:
+        return self.pid() is not None and broker_answers(self.bootstrap)
+
+    def _write_config(self) -> None:
+        controller_port = None
+        if self.properties.exists():
+            match = re.search(r"CONTROLLER://127\.0\.0\.1:(\d+)", self.properties.read_text())
+            port_ok = re.search(rf"PLAINTEXT://127\.0\.0\.1:{self.port}\b",
+                                self.properties.read_text())
+            if match and port_ok and not port_in_use(int(match.group(1))):
+                return
+            if match and not port_in_use(int(match.group(1))):
+                controller_port = int(match.group(1))
+        controller_port = controller_port or free_port()
+        self.properties.write_text(SERVER_PROPERTIES.format(
+            port=self.port, controller_port=controller_port, log_dirs=self.data / "kraft-logs"))
+
+    def _format_storage(self, java: str, classpath: str) -> None:
+        if (self.data / "kraft-logs" / "meta.properties").exists():
+            return
+        cluster_id = _kafka_cluster_id()
+        cmd = [java, f"-Dlog4j2.configurationFile={self.data / 'log4j2.yaml'}", "-cp", classpath,
+               "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(self.properties)]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            tail = " | ".join((result.stdout + result.stderr).strip().splitlines()[-3:])
+            raise BrokerError(f"formatting KRaft storage in {self.data} failed: {tail[-300:]}")
+
+    def start(self, log=print, timeout: float = START_TIMEOUT_S) -> str:
+        """Start the broker and wait until it answers; returns a one-line status."""
+        if self.pid() is not None and broker_answers(self.bootstrap, timeout=10):
+            return f"broker already running on {self.bootstrap} (pid {self.pid()})"
+        if port_in_use(self.port):
+            raise BrokerError(f"port {self.port} is already in use by another program; "
+                              "choose another with --port")
+        java = find_java()
+        libs = self.runtime.ensure(log=log)
+        self.data.mkdir(parents=True, exist_ok=True)
+        (self.data / "log4j2.yaml").write_text(LOG4J2_YAML.format(log=self.log_file))
+        self._write_config()
+        classpath = f"{libs}/*"
+        self._format_storage(java, classpath)
+        cmd = [java, f"-Xmx{HEAP}", f"-Xms{HEAP}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+               "-Djava.awt.headless=true",
+               f"-Dlog4j2.configurationFile={self.data / 'log4j2.yaml'}",
+               "-cp", classpath, "kafka.Kafka", str(self.properties)]
+        with open(self.data / "kafka.out", "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, cwd=self.data,
+                                    start_new_session=True)
+        self.pid_file.write_text(f"{proc.pid}\n")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                self.pid_file.unlink(missing_ok=True)
+                raise BrokerError(f"the broker exited during start (code {proc.returncode}); "
+                                  f"last log lines: {self.last_log_lines()}")
+            if broker_answers(self.bootstrap, timeout=2):
+                return f"broker started on {self.bootstrap} (pid {proc.pid}, data {self.data})"
+            time.sleep(0.3)
+        proc.kill()
+        self.pid_file.unlink(missing_ok=True)
+        raise BrokerError(f"the broker did not answer within {timeout:.0f}s; "
+                          f"last log lines: {self.last_log_lines()}")
+
+    def stop(self, grace: float = STOP_GRACE_S) -> str:
+        pid = self.pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return f"no broker running for {self.data}"
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.2)
+        forced = _alive(pid)
+        if forced:
+            os.kill(pid, signal.SIGKILL)
+            while _alive(pid):
+                time.sleep(0.1)
+        self.pid_file.unlink(missing_ok=True)
+        return f"broker on {self.bootstrap} stopped" + (" (forcibly)" if forced else "")
+
+    def last_log_lines(self, count: int = 5) -> str:
+        lines = []
+        for path in (self.data / "kafka.out", self.log_file):
+            try:
+                lines += path.read_text(errors="replace").strip().splitlines()[-count:]
+            except OSError:
+                pass
+        return " | ".join(line.strip() for line in lines[-count:]) or "(no log)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _kafka_cluster_id() -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+def local_broker(port: int = 9092, data: str | Path | None = None, environ=None) -> LocalBroker:
+    home = trainguard_home(environ)
+    runtime = KafkaRuntime(home=home, pom=pom_path())
+    data_dir = Path(data).expanduser().resolve() if data else home / "brokers" / str(port)
+    return LocalBroker(port=port, data=data_dir, runtime=runtime)
+

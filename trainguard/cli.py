@@ -1,0 +1,181 @@
+"""``trainguard``: the command line of SPEC §4. Thin: each command parses its flags and
+calls into the room that owns the work, imported only when that command runs."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+from .errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def _add_kafka_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Kafka")
+    group.add_argument("--bootstrap", metavar="HOST:PORT[,...]",
+                       help="bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)")
+    group.add_argument("--prefix", metavar="PREFIX",
+                       help="topic prefix (default: $TRAINGUARD_TOPIC_PREFIX or tg)")
+    group.add_argument("--kafka-config", metavar="FILE",
+                       help="librdkafka key=value settings (SASL/SSL) for real clusters "
+                            "(default: $TRAINGUARD_KAFKA_CONFIG)")
+
+
+def config_from(args):
+    from .config import Config
+
+    return Config.from_env(bootstrap=getattr(args, "bootstrap", None),
+                           prefix=getattr(args, "prefix", None),
+                           kafka_config=getattr(args, "kafka_config", None))
+
+
+def cmd_broker(args) -> int:
+    from .broker import local_broker
+
+    broker = local_broker(port=args.port, data=args.data)
+    if args.action == "start":
+        print(broker.start(log=lambda m: print(m, file=sys.stderr)))
+        return 0
+    if args.action == "stop":
+        print(broker.stop())
+        return 0
+    if broker.running():
+        print(f"broker on {broker.bootstrap} is running (pid {broker.pid()}, data {broker.data})")
+        return 0
+    print(f"no broker answers on {broker.bootstrap}")
+    return 1
+
+
+def cmd_topics(args) -> int:
+    from .topics import TopicPlan, create_topics
+
+    config = config_from(args)
+    plan = TopicPlan(telemetry_partitions=args.telemetry_partitions,
+                     other_partitions=args.partitions)
+    for name, state in sorted(create_topics(config, plan).items()):
+        print(f"{name}\t{state}")
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    from .detectors.offline import analyze_file
+
+    result = analyze_file(args.file, report=args.report)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['events']} events, {result['invalid']} invalid, "
+              f"{len(result['incidents'])} incidents")
+        for incident in result["incidents"]:
+            print(f"  [{incident['severity']}] {incident['kind']} ranks={incident['ranks']} "
+                  f"nodes={incident['nodes']} step={incident['step']}: {incident['summary']}")
+    return 0
+
+
+def _print_localization(result: dict, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(result["summary"])
+        for cls in result["classes"]:
+            print(f"  ranks {cls['ranks']}: {cls['signature']}")
+        print(f"suspects: {result['suspects']}  missing: {result['missing']}")
+    return 0
+
+
+def cmd_stacks(args) -> int:
+    from .actions.stacks import analyze_dir
+
+    return _print_localization(analyze_dir(args.dir), args.json)
+
+
+def cmd_fr(args) -> int:
+    from .actions.flight_recorder import analyze_dir
+
+    return _print_localization(analyze_dir(args.dir), args.json)
+
+
+def _delegate(module: str, function: str = "main"):
+    """A command whose whole work lives in one room's module: ``module.main(args, config)``."""
+
+    def run(args) -> int:
+        import importlib
+
+        try:
+            room = importlib.import_module(module, __package__)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith(f"{__package__}{module}"):
+                raise UserError(f"`{args.command}` is not part of this build") from None
+            raise
+        return getattr(room, function)(args, config_from(args))
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainguard", description="Watch every rank of a training job, find what goes "
+        "wrong, show who is to blame, and get training going again.")
+    parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    broker = sub.add_parser("broker", help="the local single-node Apache Kafka (KRaft)")
+    broker.add_argument("action", choices=("start", "stop", "status"))
+    broker.add_argument("--port", type=int, default=9092, help="listener port (default 9092)")
+    broker.add_argument("--data", metavar="DIR",
+                        help="data folder (default: $TRAINGUARD_HOME/brokers/PORT)")
+    broker.set_defaults(func=cmd_broker)
+
+    topics = sub.add_parser("topics", help="create the trainguard topics (idempotent)")
+    topics.add_argument("action", choices=("create",))
+    topics.add_argument("--telemetry-partitions", type=int, default=24,
+                        help="partitions of the telemetry topic (default 24)")
+    topics.add_argument("--partitions", type=int, default=4,
+                        help="partitions of the other topics (default 4)")
+    _add_kafka_flags(topics)
+    topics.set_defaults(func=cmd_topics)
+
+    from .commands import add_service_commands
+
+    add_service_commands(sub, _add_kafka_flags, _delegate)
+
+    analyze = sub.add_parser("analyze", help="run the detectors offline on a recording")
+    analyze.add_argument("file", help="recording: .jsonl, .jsonl.gz or .jsonl.zst")
+    analyze.add_argument("--json", action="store_true", help="print SPEC JSON")
+    analyze.add_argument("--report", metavar="OUT.html", help="also write an HTML report")
+    analyze.set_defaults(func=cmd_analyze)
+
+    stacks = sub.add_parser("stacks", help="aggregate stack dumps of all ranks")
+    stacks.add_argument("action", choices=("analyze",))
+    stacks.add_argument("dir", help="folder of py-spy dump --json files or recordings")
+    stacks.add_argument("--json", action="store_true", help="print SPEC JSON")
+    stacks.set_defaults(func=cmd_stacks)
+
+    fr = sub.add_parser("fr", help="analyze PyTorch Flight Recorder dumps of all ranks")
+    fr.add_argument("action", choices=("analyze",))
+    fr.add_argument("dir", help="folder of Flight Recorder dumps, one per rank")
+    fr.add_argument("--json", action="store_true", help="print SPEC JSON")
+    fr.set_defaults(func=cmd_fr)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except UserError as exc:
+        print(f"trainguard {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except FileNotFoundError as exc:
+        print(f"trainguard {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"trainguard {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""The SPEC §1 events as typed classes, with ``encode`` and ``decode``.
+
+Every Kafka message value and every recording line is one JSON object, the envelope
+(``v``, ``type``, ``job``, ``ts``, ``node``, ``rank``) plus the fields of its type.
+``decode`` validates it fully and raises :class:`InvalidEvent`, and nothing else,
+whatever the bytes; unknown extra fields are kept in ``extra`` and written back.
+
+>>> ev = Step(job="j1", ts=1764680000.0, node="n1", rank=3, step=7, step_time=0.5,
+...           loss=float("nan"))
+>>> raw = encode(ev)
+>>> b'"loss":"NaN"' in raw
+True
+>>> back = decode(raw)
+>>> back.type, back.rank, back.step, math.isnan(back.loss)
+('step', 3, 7, True)
+>>> decode(b'{"v":1,"type":"step","job":"bad job!","ts":1}')
+Traceback (most recent call last):
+...
+trainguard.fields.InvalidEvent: job: 'bad job!' does not match [A-Za-z0-9._-]{1,128}
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .fields import (AnyObject, Bool, Int, InvalidEvent, ListOf, Nullable, Num, Object, OneOf,
+                     Str)
+
+__all__ = [
+    "VERSION", "InvalidEvent", "Event", "Step", "Heartbeat", "Gpu", "Xid", "Lifecycle",
+    "Command", "Stack", "Anomaly", "Action", "EVENT_TYPES", "ANOMALY_KINDS", "SEVERITIES",
+    "ACTIONS", "ACTION_STATUSES", "encode", "decode", "from_dict", "to_dict", "json_schema",
+]
+
+VERSION = 1
+JOB_PATTERN = r"[A-Za-z0-9._-]{1,128}"
+ANOMALY_KINDS = ("nan", "loss_spike", "grad_spike", "straggler", "throughput_drop", "hang",
+                 "gpu_fault", "gpu_degraded", "crash", "silent")
+SEVERITIES = ("info", "warning", "critical")
+ACTIONS = ("alert", "capture_stacks", "restart", "evict", "rollback", "none")
+ACTION_STATUSES = ("planned", "done", "failed", "dry_run", "rate_limited")
+
+ENVELOPE = {
+    "job": Str(pattern=JOB_PATTERN),
+    "ts": Num(minimum=0),
+}
+ENVELOPE_NULLABLE = {
+    "node": Nullable(Str(min_length=1, max_length=255)),
+    "rank": Nullable(Int(minimum=0)),
+}
+RANKS = ListOf(Int(minimum=0))
+FRAME = Object({"function": Str(), "file": Str()}, {"line": Nullable(Int())})
+THREAD = Object({"frames": ListOf(FRAME)},
+                {"name": Nullable(Str()), "id": Nullable(Int()), "active": Nullable(Bool())})
+GPU_ENTRY = Object(
+    {"index": Int(minimum=0), "uuid": Str()},
+    {"util": Num(minimum=0), "mem_used": Int(minimum=0), "mem_total": Int(minimum=0),
+     "temp": Num(), "power": Num(minimum=0), "sm_clock": Int(minimum=0),
+     "throttle": ListOf(Str()), "ecc_sbe": Int(minimum=0), "ecc_dbe": Int(minimum=0),
+     "remapped_pending": Bool(), "remapped_failure": Bool(), "pcie_replay": Int(minimum=0),
+     "nvlink_errors": Int(minimum=0), "lost": Bool()},
+)
+TOPOLOGY = Object({"tp": Int(minimum=1), "pp": Int(minimum=1), "dp": Int(minimum=1)},
+                  {"layout": Str()})
+
+
+@dataclass(kw_only=True)
+class Event:
+    """The envelope. Subclasses add their type's fields; ``extra`` keeps unknown ones."""
+
+    TYPE: ClassVar[str] = ""
+    REQUIRED: ClassVar[dict] = {}
+    OPTIONAL: ClassVar[dict] = {}
+
+    job: str
+    ts: float
+    node: str | None = None
+    rank: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def type(self) -> str:
+        return self.TYPE
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    def replace(self, **changes) -> "Event":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(kw_only=True)
+class Step(Event):
+    """One per rank per training step, after the step ends."""
+
+    TYPE: ClassVar[str] = "step"
+    REQUIRED: ClassVar[dict] = {"step": Int(minimum=0), "step_time": Num(minimum=0)}
+    OPTIONAL: ClassVar[dict] = {
+        "compute_time": Nullable(Num(minimum=0)), "loss": Nullable(Num(finite=False)),
+        "grad_norm": Nullable(Num(finite=False)), "loss_scale": Nullable(Num(finite=False)),
+        "tokens": Nullable(Int(minimum=0)), "lr": Nullable(Num(finite=False)),
+    }
+    step: int
+    step_time: float
+    compute_time: float | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    tokens: int | None = None
+    lr: float | None = None
+
+
+@dataclass(kw_only=True)
+class Heartbeat(Event):
+    """About every second from each rank's collector thread, also while the loop is stuck."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    REQUIRED: ClassVar[dict] = {
+        "pid": Int(minimum=0), "phase": Str(min_length=1, max_length=64),
+        "phase_since": Num(minimum=0), "dropped": Int(minimum=0),
+    }
+    OPTIONAL: ClassVar[dict] = {"step": Nullable(Int(minimum=0))}
+    pid: int
+    phase: str
+    phase_since: float
+    dropped: int = 0
+    step: int | None = None
+
+
+@dataclass(kw_only=True)
+class Gpu(Event):
+    """A machine's GPU sample; ``status="unavailable"`` with a ``reason`` where NVML is missing.
+
+    ``lost`` (optional, per GPU) is a trainguard extension: the device answered
+    ``GPU is lost``; the entry then carries only ``index``, ``uuid`` and ``lost``.
+    """
+
+    TYPE: ClassVar[str] = "gpu"
+    REQUIRED: ClassVar[dict] = {"gpus": ListOf(GPU_ENTRY)}
+    OPTIONAL: ClassVar[dict] = {"status": Nullable(Str()), "reason": Nullable(Str())}
+    gpus: list
+    status: str | None = None
+    reason: str | None = None
+
+
+@dataclass(kw_only=True)
+class Xid(Event):
+    """An Xid error, from NVML's event set or the kernel log."""
+
+    TYPE: ClassVar[str] = "xid"
+    REQUIRED: ClassVar[dict] = {"xid": Int(minimum=0), "source": Str(enum=("nvml", "kmsg")),
+                                "message": Str()}
+    OPTIONAL: ClassVar[dict] = {"gpu": Nullable(Int(minimum=0))}
+    xid: int
+    source: str
+    message: str
+    gpu: int | None = None
+
+
+@dataclass(kw_only=True)
+class Lifecycle(Event):
+    """``event="start"`` (pid, world_size required) or ``event="exit"``."""
+
+    TYPE: ClassVar[str] = "lifecycle"
+    REQUIRED: ClassVar[dict] = {"event": Str(enum=("start", "exit"))}
+    OPTIONAL: ClassVar[dict] = {
+        "pid": Int(minimum=0), "world_size": Int(minimum=1),
+        "local_rank": Nullable(Int(minimum=0)), "topology": Nullable(TOPOLOGY),
+        "argv": Nullable(ListOf(Str())), "exit_code": Nullable(Int()),
+        "signal": Nullable(Str()),
+    }
+    START_REQUIRED: ClassVar[tuple] = ("pid", "world_size")
+    event: str
+    pid: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    topology: dict | None = None
+    argv: list | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+
+
+@dataclass(kw_only=True)
+class Command(Event):
+    """Action service to node agents. Only this enumerated form is ever obeyed.
+
+    ``native`` (optional bool) is a trainguard extension: ask py-spy for native frames.
+    """
+
+    TYPE: ClassVar[str] = "command"
+    REQUIRED: ClassVar[dict] = {
+        "command": Str(enum=("capture_stacks",)), "capture_id": Str(min_length=1, max_length=128),
+        "ranks": OneOf(RANKS, Str(enum=("all",))),
+    }
+    OPTIONAL: ClassVar[dict] = {"native": Bool()}
+    command: str
+    capture_id: str
+    ranks: Any = "all"
+    native: bool | None = None
+
+
+@dataclass(kw_only=True)
+class Stack(Event):
+    """Reply to ``capture_stacks``, one per rank process; frames innermost first."""
+
+    TYPE: ClassVar[str] = "stack"
+    REQUIRED: ClassVar[dict] = {"capture_id": Str(), "pid": Int(minimum=0),
+                                "method": Str(enum=("py-spy", "inproc")),
+                                "threads": ListOf(THREAD)}
+    OPTIONAL: ClassVar[dict] = {"error": Nullable(Str())}
+    capture_id: str
+    pid: int
+    method: str
+    threads: list
+    error: str | None = None
+
+
+@dataclass(kw_only=True)
+class Anomaly(Event):
+    """A stream processor's finding."""
+
+    TYPE: ClassVar[str] = "anomaly"
+    REQUIRED: ClassVar[dict] = {
+        "id": Str(min_length=1), "kind": Str(enum=ANOMALY_KINDS),
+        "severity": Str(enum=SEVERITIES), "ranks": RANKS, "nodes": ListOf(Str()),
+        "onset_ts": Num(minimum=0), "detected_ts": Num(minimum=0), "detector": Str(),
+        "summary": Str(),
+    }
+    OPTIONAL: ClassVar[dict] = {"step": Nullable(Int(minimum=0)), "evidence": AnyObject()}
+    id: str
+    kind: str
+    severity: str
+    ranks: list
+    nodes: list
+    onset_ts: float
+    detected_ts: float
+    detector: str
+    summary: str
+    step: int | None = None
+    evidence: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Action(Event):
+    """The action service's audit record, also for what it decided not to do."""
+
+    TYPE: ClassVar[str] = "action"
+    REQUIRED: ClassVar[dict] = {"incident": Str(), "action": Str(enum=ACTIONS),
+                                "targets": AnyObject(), "status": Str(enum=ACTION_STATUSES),
+                                "reason": Str()}
+    incident: str
+    action: str
+    targets: dict
+    status: str
+    reason: str
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.TYPE: cls for cls in (Step, Heartbeat, Gpu, Xid, Lifecycle, Command, Stack, Anomaly,
+                              Action)
+}
+_ENVELOPE_KEYS = frozenset(("v", "type", *ENVELOPE, *ENVELOPE_NULLABLE))
+_DECLARED = {name: frozenset((*cls.REQUIRED, *cls.OPTIONAL)) for name, cls in EVENT_TYPES.items()}
+
+
+def from_dict(obj: Any) -> Event:
+    """Validate a decoded JSON value and build its typed event."""
+    if type(obj) is not dict:
+        raise InvalidEvent(f"an event must be a JSON object, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version != VERSION or type(version) is not int:
+        raise InvalidEvent(f"v: unsupported contract version {version!r} (expected {VERSION})")
+    kind = obj.get("type")
+    cls = EVENT_TYPES.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise InvalidEvent(f"type: unknown event type {kind!r}")
+    values = {}
+    for name, checker in ENVELOPE.items():
+        if name not in obj:
+            raise InvalidEvent(f"missing required field {name!r}")
+        values[name] = checker.check(obj[name], name)
+    for name, checker in ENVELOPE_NULLABLE.items():
+        values[name] = checker.check(obj.get(name), name)
+    for name, checker in cls.REQUIRED.items():
+        if name not in obj:
+            raise InvalidEvent(f"{kind}: missing required field {name!r}")
+        values[name] = checker.check(obj[name], name)
+    for name, checker in cls.OPTIONAL.items():
+        if name in obj:
+            values[name] = checker.check(obj[name], name)
+    if cls is Lifecycle and values["event"] == "start":
+        for name in Lifecycle.START_REQUIRED:
+            if values.get(name) is None:
+                raise InvalidEvent(f"lifecycle start: missing required field {name!r}")
+    declared = _DECLARED[kind]
+    extra = {k: v for k, v in obj.items() if k not in _ENVELOPE_KEYS and k not in declared}
+    if extra:
+        values["extra"] = extra
+    return cls(**values)
+
+
+def decode(raw: bytes | bytearray | memoryview | str) -> Event:
+    """Parse and validate one envelope; raises only :class:`InvalidEvent`."""
+    try:
+        if not isinstance(raw, str):
+            raw = bytes(raw).decode("utf-8")
+        obj = json.loads(raw)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise InvalidEvent(f"not valid UTF-8 JSON: {str(exc)[:120]}") from None
+    try:
+        return from_dict(obj)
+    except InvalidEvent:
+        raise
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise InvalidEvent(f"malformed event: {str(exc)[:120]}") from None
+
+
+def to_dict(event: Event) -> dict:
+    """The envelope as a plain dict: declared fields, then the kept extra ones."""
+    out = {"v": VERSION, "type": event.TYPE, "job": event.job, "ts": event.ts,
+           "node": event.node, "rank": event.rank}
+    for name in event.REQUIRED:
+        out[name] = getattr(event, name)
+    for name in event.OPTIONAL:
+        value = getattr(event, name)
+        if value is not None:
+            out[name] = value
+    for key, value in event.extra.items():
+        out.setdefault(key, value)
+    return out
+
+
+def _nonfinite_as_strings(value):
+    if type(value) is float and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if type(value) is dict:
+        return {k: _nonfinite_as_strings(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return [_nonfinite_as_strings(v) for v in value]
+    return value
+
+
+def dumps(obj: dict) -> str:
+    """Plain JSON, with NaN and ±Infinity written as the strings of SPEC §1."""
+    try:
+        return json.dumps(obj, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        return json.dumps(_nonfinite_as_strings(obj), allow_nan=False, separators=(",", ":"))
+
+
+def encode(event: Event) -> bytes:
+    return dumps(to_dict(event)).encode("utf-8")
+
+
+def json_schema(kind: str) -> dict:
+    """The JSON Schema (draft 2020-12) of one event type, for users' own producers."""
+    cls = EVENT_TYPES[kind]
+    props = {"v": {"const": VERSION}, "type": {"const": kind}}
+    props.update({n: c.schema() for n, c in {**ENVELOPE, **ENVELOPE_NULLABLE}.items()})
+    props.update({n: c.schema() for n, c in {**cls.REQUIRED, **cls.OPTIONAL}.items()})
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"trainguard/v{VERSION}/{kind}.json",
+        "title": f"trainguard {kind} event",
+        "description": (cls.__doc__ or "").strip().split("\n")[0],
+        "type": "object",
+        "required": ["v", "type", *ENVELOPE, *cls.REQUIRED],
+        "properties": props,
+        "additionalProperties": True,
+    }
+    if cls is Lifecycle:
+        schema["if"] = {"properties": {"event": {"const": "start"}}}
+        schema["then"] = {"required": list(Lifecycle.START_REQUIRED),
+                          "properties": {n: {"not": {"type": "null"}}
+                                         for n in Lifecycle.START_REQUIRED}}
+    return schema

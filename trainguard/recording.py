@@ -1,0 +1,109 @@
+"""SPEC §3 recordings: JSON Lines of envelopes, plain, gzip or zstd.
+
+>>> import tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), "r.jsonl.gz")
+>>> with RecordingWriter(path) as out:
+...     out.write_raw(b'{"v":1,"type":"heartbeat","job":"j","ts":1,"pid":1,"phase":"idle",'
+...                   b'"phase_since":1,"dropped":0}')
+...     out.write_raw(b'not json')
+>>> stats = ReadStats()
+>>> [e.type for e in read_events(path, stats)], stats.invalid
+(['heartbeat'], 1)
+"""
+from __future__ import annotations
+
+import gzip
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterator
+
+from .errors import UserError
+from .events import Event, InvalidEvent, decode
+
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+
+
+class RecordingError(UserError):
+    """The recording cannot be opened (missing, unreadable, unknown compression)."""
+
+
+def _open_binary(path: Path, mode: str) -> IO[bytes]:
+    name = path.name
+    if name.endswith(".gz"):
+        return gzip.open(path, mode)
+    if name.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise RecordingError(f"{path}: reading .zst needs the zstandard package") from None
+        if "r" in mode:
+            return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"))
+        return zstandard.ZstdCompressor().stream_writer(open(path, "wb"))
+    return open(path, mode)
+
+
+def iter_lines(path: str | Path) -> Iterator[bytes]:
+    """Non-blank lines of a recording, without their line ends."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecordingError(f"recording {path} does not exist or is not a file")
+    try:
+        with _open_binary(path, "rb") as raw:
+            for line in io.BufferedReader(raw, buffer_size=1 << 20):
+                line = line.strip()
+                if line:
+                    yield line
+    except (OSError, EOFError) as exc:
+        raise RecordingError(f"cannot read {path}: {exc}") from None
+
+
+@dataclass
+class ReadStats:
+    events: int = 0
+    invalid: int = 0
+    reasons: dict = field(default_factory=dict)
+
+    def count_invalid(self, reason: str) -> None:
+        self.invalid += 1
+        key = reason.split(":")[0][:60]
+        self.reasons[key] = self.reasons.get(key, 0) + 1
+
+
+def read_events(path: str | Path, stats: ReadStats | None = None) -> Iterator[Event]:
+    """Valid events in recorded order; invalid lines are counted in ``stats``, not fatal."""
+    stats = stats if stats is not None else ReadStats()
+    for line in iter_lines(path):
+        try:
+            event = decode(line)
+        except InvalidEvent as exc:
+            stats.count_invalid(str(exc))
+            continue
+        stats.events += 1
+        yield event
+
+
+class RecordingWriter:
+    """Appends envelopes to a recording; compression follows the file name."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.name.endswith(SUFFIXES):
+            raise RecordingError(f"{self.path}: a recording's name ends in one of "
+                                 f"{', '.join(SUFFIXES)}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._out = _open_binary(self.path, "wb")
+        self.lines = 0
+
+    def write_raw(self, value: bytes) -> None:
+        self._out.write(value.rstrip(b"\n") + b"\n")
+        self.lines += 1
+
+    def close(self) -> None:
+        self._out.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,1 @@
+"""JSON Schemas of the SPEC §1 event types (generated: python -m trainguard.schemas)."""

@@ -1,0 +1,81 @@
+"""The SPEC §2 topics: names from :class:`~trainguard.config.Topics`, created idempotently."""
+from __future__ import annotations
+
+from .errors import UserError
+
+from dataclasses import dataclass
+
+from .config import Config
+
+DEFAULT_TELEMETRY_PARTITIONS = 24
+
+
+class TopicError(UserError):
+    """Topics could not be created; the message says why."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class TopicPlan:
+    """Partition counts per topic. Telemetry is keyed by job and rank, so a large job
+    spreads over as many workers as it has partitions."""
+
+    telemetry_partitions: int = DEFAULT_TELEMETRY_PARTITIONS
+    other_partitions: int = 4
+    deadletter_partitions: int = 1
+
+    def __post_init__(self):
+        for name in ("telemetry_partitions", "other_partitions", "deadletter_partitions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+    def partitions(self, config: Config) -> dict[str, int]:
+        topics = config.topics
+        plan = {name: self.other_partitions for name in topics.all()}
+        plan[topics.telemetry] = self.telemetry_partitions
+        plan[topics.deadletter] = self.deadletter_partitions
+        return plan
+
+
+def create_topics(config: Config, plan: TopicPlan = TopicPlan(), timeout: float = 30.0,
+                  extra: dict[str, int] | None = None) -> dict[str, str]:
+    """Create what is missing; returns ``{topic: "created" | "exists"}``."""
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient(config.kafka())
+    wanted = {**plan.partitions(config), **(extra or {})}
+    try:
+        existing = admin.list_topics(timeout=timeout).topics
+    except KafkaException as exc:
+        raise TopicError(f"cannot reach Kafka at {config.bootstrap}: {exc.args[0].str()}; "
+                         "start one with `trainguard broker start` or set --bootstrap") from None
+    result = {name: "exists" for name in wanted if name in existing}
+    new = [NewTopic(name, num_partitions=count, replication_factor=-1)
+           for name, count in wanted.items() if name not in existing]
+    if new:
+        futures = admin.create_topics(new, operation_timeout=timeout, request_timeout=timeout)
+        for name, future in futures.items():
+            try:
+                future.result()
+                result[name] = "created"
+            except KafkaException as exc:
+                error = exc.args[0]
+                if error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    result[name] = "exists"
+                else:
+                    raise TopicError(f"creating topic {name} failed: {error.str()}") from None
+    _wait_until_visible(admin, list(wanted), timeout)
+    return result
+
+
+def _wait_until_visible(admin, names, timeout):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        topics = admin.list_topics(timeout=timeout).topics
+        if all(name in topics and not topics[name].error and topics[name].partitions
+               for name in names):
+            return
+        time.sleep(0.2)
+    raise TopicError(f"topics {names} did not become visible within {timeout:.0f}s")
