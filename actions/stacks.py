@@ -226,11 +226,15 @@ def load_stack_file(path: str | os.PathLike) -> dict[int, list[dict] | str]:
 
     ``.json`` files are py-spy dumps or single stack events (rank from the
     file name, else from the event); recordings give every rank of their
-    latest capture.  Raises ``ValueError``/``OSError`` on unreadable input.
+    latest capture, skipping invalid lines.  Raises on unreadable input.
     """
-    p = Path(path)
+    return _load(Path(path))[0]
+
+
+def _load(p: Path) -> tuple[dict[int, list[dict] | str], int]:
+    """:func:`load_stack_file` plus the count of invalid recording lines."""
     if p.name.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst")):
-        events, _ = _read_recording(p)
+        events, invalid = _read_recording(p)
         out: dict[int, list[dict] | str] = {}
         for rank, ev in events.items():
             if ev.get("error"):
@@ -240,7 +244,7 @@ def load_stack_file(path: str | os.PathLike) -> dict[int, list[dict] | str]:
                     out[rank] = normalize_threads(ev.get("threads") or [])
                 except ValueError as e:
                     out[rank] = f"bad threads: {e}"
-        return out
+        return out, invalid
     with open(p, "r", encoding="utf-8") as fh:
         data = json.load(fh)
     rank = rank_from_name(p.name)
@@ -249,8 +253,8 @@ def load_stack_file(path: str | os.PathLike) -> dict[int, list[dict] | str]:
     if rank is None:
         raise ValueError("no rank in file name")
     if isinstance(data, dict) and data.get("error"):
-        return {rank: str(data["error"])}
-    return {rank: normalize_threads(data)}
+        return {rank: str(data["error"])}, 0
+    return {rank: normalize_threads(data)}, 0
 
 
 # ----------------------------------------------------------------- the tree
@@ -373,23 +377,25 @@ def analyze_threads(per_rank: dict[int, list[dict] | str | None],
     stop, tree_suspects, divergences = _walk(root) if paths else (root, set(), [])
     suspects = sorted(tree_suspects | no_stack | set(missing))
     common = _common_path(root)
-    waiting_on = stop.label if (stop.label and is_collective_frame(stop.label)) else (
-        common[-1] if common else None)
+    collective = stop.label if stop.label and is_collective_frame(stop.label) else None
+    # all alike: the innermost common frame; else where the dominant ranks stopped
+    waiting_on = (common[-1] if common else None) if not tree_suspects else (stop.label or None)
 
     n = len(expected | seen)
     if not paths:
         summary = f"no stacks from any of {n} ranks"
     elif not tree_suspects:
-        what = waiting_on or "different frames"
-        summary = f"all {len(paths)} ranks with stacks are alike: they all wait in {what}"
+        summary = f"all {len(paths)} ranks with stacks are alike: they all wait in {waiting_on}"
+        if collective and collective != waiting_on:
+            summary += f", inside {collective}"
         if len(by_path) > 1:
-            summary += " (their stacks differ only inside it)"
+            summary += " (their stacks differ only below that)"
     else:
         d = divergences[0]
         summary = (f"rank(s) {format_ranks(tree_suspects)} diverge from the others "
                    f"at {d['at']}: in {d['branch']} while rank(s) "
-                   f"{format_ranks(d['dominant_ranks'])} go on to "
-                   f"{waiting_on or d['dominant']}")
+                   f"{format_ranks(d['dominant_ranks'])} are in "
+                   f"{waiting_on}")
     extra = []
     if missing:
         extra.append(f"no dump from rank(s) {format_ranks(missing)}")
@@ -424,8 +430,12 @@ def analyze_dir(path: str | os.PathLike, expected_ranks: Iterable[int] | None = 
         if not f.is_file() or not f.name.endswith(_STACK_SUFFIXES):
             continue
         try:
-            per_rank.update(load_stack_file(f))
-        except (OSError, ValueError, EOFError) as e:  # JSONDecodeError, gzip, zstd, ...
+            got, invalid = _load(f)
+            per_rank.update(got)
+            if invalid:
+                errors.append({"file": f.name, "rank": None,
+                               "error": f"{invalid} invalid line(s) skipped"})
+        except Exception as e:  # noqa: BLE001 -- JSON, gzip, zstd, OS errors: never fatal
             rank = rank_from_name(f.name) if f.name.endswith(".json") else None
             errors.append({"file": f.name, "rank": rank, "error": f"{type(e).__name__}: {e}"})
             if rank is not None:
