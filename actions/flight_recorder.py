@@ -44,7 +44,6 @@ Classes group ranks whose collective progress is alike: the same
 """
 from __future__ import annotations
 
-import ast
 import json
 import os
 import pickle
@@ -127,16 +126,14 @@ def load_dump(path: str | os.PathLike) -> dict:
 def _int(x: Any, default: int | None = None) -> int | None:
     try:
         return int(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return default
 
 
 def _parse_ranks(value: Any) -> list[int] | None:
-    if isinstance(value, str):
-        try:
-            value = ast.literal_eval(value)  # literals only, never code
-        except (ValueError, SyntaxError):
-            return None
+    """Member ranks, given as a list or as its text (``"[0, 1, 2]"``)."""
+    if isinstance(value, str) and value.strip().startswith(("[", "(")):
+        return [int(x) for x in re.findall(r"-?\d+", value)]
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
         return list(value)
     return None
@@ -150,18 +147,19 @@ def _rank_view(rank: int, dump: dict) -> dict[str, dict]:
     """``{group name: {"desc", "ranks", "C", "E", "pending": [entries]}}`` of one rank."""
     config = dump.get("pg_config") if isinstance(dump.get("pg_config"), dict) else {}
     status = dump.get("pg_status") if isinstance(dump.get("pg_status"), dict) else None
-    entries = [e for e in dump.get("entries") or [] if isinstance(e, dict)]
+    raw = dump.get("entries")
+    entries = [e for e in raw if isinstance(e, dict)] if isinstance(raw, (list, tuple)) else []
     id2name: dict[str, str] = {}
     for e in entries:
         pg = e.get("process_group")
         if e.get("pg_id") is not None and isinstance(pg, (list, tuple)) and pg:
             id2name[str(e["pg_id"])] = str(pg[0])
-    if status is not None:  # the remaining ids by creation order (see module doc)
-        ids = sorted((i for i in status if str(i) not in id2name), key=lambda i: _int(i, 1 << 62))
-        names = sorted((n for n in config if str(n) not in id2name.values()),
-                       key=lambda n: _int(n, 1 << 62))
-        if len(ids) == len(names):
-            id2name.update({str(i): str(n) for i, n in zip(ids, names)})
+    if status is not None:  # the other ids by creation order, where entries agree (module doc)
+        ids = sorted(map(str, status), key=lambda i: _int(i, 1 << 62))
+        names = sorted(map(str, config), key=lambda n: _int(n, 1 << 62))
+        by_order = dict(zip(ids, names))
+        if len(ids) == len(names) and all(by_order.get(i) == n for i, n in id2name.items()):
+            id2name = {**by_order, **id2name}
     groups: dict[str, dict] = {}
     for name, cfg in config.items():
         cfg = cfg if isinstance(cfg, dict) else {}
@@ -210,38 +208,49 @@ def _p2p_peer(entry: dict, members: list[int] | None) -> tuple[int, str] | None:
 
 # ----------------------------------------------------------------- analysis
 def _terminal_sccs(nodes: set[int], edges: dict[int, set[int]]) -> list[set[int]]:
-    """Strongly connected components with no edge leaving them (Tarjan, iterative)."""
+    """Strongly connected components with no edge leaving them (iterative Tarjan).
+
+    >>> _terminal_sccs({0, 1, 2, 3}, {0: {1}, 1: {2}, 2: {1}, 3: set()})
+    [{1, 2}, {3}]
+    """
     index: dict[int, int] = {}
     low: dict[int, int] = {}
-    on, stack, comps, counter = set(), [], [], [0]
+    stack: list[int] = []
+    on_stack: set[int] = set()
+    comps: list[set[int]] = []
+
+    def visit(v: int) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+
     for start in sorted(nodes):
         if start in index:
             continue
+        visit(start)
         work = [(start, iter(sorted(edges.get(start, ()))))]
-        index[start] = low[start] = counter[0]; counter[0] += 1
-        stack.append(start); on.add(start)
         while work:
             v, it = work[-1]
             for w in it:
                 if w not in index:
-                    index[w] = low[w] = counter[0]; counter[0] += 1
-                    stack.append(w); on.add(w)
+                    visit(w)
                     work.append((w, iter(sorted(edges.get(w, ())))))
                     break
-                if w in on:
+                if w in on_stack:
                     low[v] = min(low[v], index[w])
             else:
                 work.pop()
                 if work:
                     low[work[-1][0]] = min(low[work[-1][0]], low[v])
                 if low[v] == index[v]:
-                    comp = set()
-                    while True:
-                        w = stack.pop(); on.discard(w); comp.add(w)
-                        if w == v:
-                            break
+                    comp: set[int] = set()
+                    while not comp or v not in comp:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.add(w)
                     comps.append(comp)
-    return [c for c in comps if all(edges.get(v, set()) <= c for v in c)]
+    terminal = [c for c in comps if all(edges.get(v, set()) <= c for v in c)]
+    return sorted(terminal, key=min)
 
 
 def analyze_dumps(per_rank: dict[int, dict], expected_ranks: Iterable[int] | None = None,

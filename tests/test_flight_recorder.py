@@ -229,3 +229,29 @@ def test_missing_rank_in_a_waiting_group_is_a_suspect():
     r = analyze_dumps({0: _dump(g), 1: _dump(g)})
     assert r["missing"] == [2] and r["suspects"] == [2]
     assert r["waits_for"] == {"0": [2], "1": [2]}
+
+
+# ----------------------------------------------------------------- robustness
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_scalar = st.one_of(st.none(), st.booleans(), st.integers(-3, 20), st.text(max_size=8), st.floats(),
+                    st.sampled_from(["[0, 1]", "nccl:send 0->1", "nccl:recv 1<-0", "completed"]))
+_entry = st.fixed_dictionaries({}, optional={
+    k: _scalar for k in ("pg_id", "collective_seq_id", "p2p_seq_id", "is_p2p", "state",
+                         "profiling_name")} | {"process_group": st.one_of(
+                             _scalar, st.tuples(st.sampled_from(["0", "1"]), st.text(max_size=4)))})
+_dump_st = st.fixed_dictionaries({}, optional={
+    "entries": st.one_of(_scalar, st.lists(st.one_of(_entry, _scalar), max_size=4)),
+    "pg_config": st.one_of(_scalar, st.dictionaries(st.sampled_from(["0", "1", "x"]), st.one_of(
+        _scalar, st.fixed_dictionaries({}, optional={"desc": _scalar, "ranks": _scalar})))),
+    "pg_status": st.one_of(_scalar, st.dictionaries(st.sampled_from(["0", "1", "2"]), st.one_of(
+        _scalar, st.fixed_dictionaries({}, optional={"last_completed_collective": _scalar,
+                                                     "last_enqueued_collective": _scalar})))),
+})
+
+
+@settings(max_examples=4000, deadline=None)
+@given(st.dictionaries(st.integers(0, 5), _dump_st, max_size=4))
+def test_odd_dumps_never_crash(per_rank):
+    check_contract(analyze_dumps(per_rank))
