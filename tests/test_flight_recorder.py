@@ -251,7 +251,7 @@ _dump_st = st.fixed_dictionaries({}, optional={
 })
 
 
-@settings(max_examples=4000, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.integers(0, 5), _dump_st, max_size=4))
 def test_odd_dumps_never_crash(per_rank):
     check_contract(analyze_dumps(per_rank))
