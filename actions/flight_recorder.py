@@ -292,17 +292,18 @@ def analyze_dumps(per_rank: dict[int, dict], expected_ranks: Iterable[int] | Non
                     continue
                 gr = st.get(r)
                 if gr is None:
-                    reason = "no dump" if r not in views else "group unknown in its dump"
+                    reason = ("has no dump, blocking" if r not in views
+                              else "has no record of the group, blocking")
                 elif peer:
                     posted = any(_p2p_peer(e, mem) and _p2p_peer(e, mem)[0] == w
                                  for e in gr["pending"]) or (gr["E"] > gr["C"] and not gr["pending"])
                     if posted:
                         continue
-                    reason = "never posted the matching " + ("recv" if peer[1] == "send" else "send")
+                    reason = "never posted the " + ("recv" if peer[1] == "send" else "send") + " matching"
                 elif gr["E"] <= gw["C"]:
-                    reason = "never reached it"
+                    reason = "never reached"
                 elif gr["C"] < gw["C"]:
-                    reason = f"never completed #{gr['C'] + 1}"
+                    reason = f"never completed #{gr['C'] + 1}, blocking"
                 else:
                     continue
                 edges[w].add(r)
@@ -350,8 +351,8 @@ def analyze_dumps(per_rank: dict[int, dict], expected_ranks: Iterable[int] | Non
                 if t == r and where not in by_reason.setdefault(reason, []):
                     by_reason[reason].append(where)
             parts.append(f"rank {r} " + ", ".join(
-                f"{reason}: {', '.join(ws[:2])}" + (f" (+{len(ws) - 2} more)" if len(ws) > 2 else "")
-                for reason, ws in by_reason.items()))
+                f"{reason} {', '.join(ws[:2])}" + (f" (+{len(ws) - 2} more)" if len(ws) > 2 else "")
+                for reason, ws in sorted(by_reason.items(), key=lambda kv: "posted" in kv[0])))
         summary = (f"rank(s) {_fmt(roots)} hold up the job; " + "; ".join(parts)
                    + f"; {len(set(blocked) - roots)} other rank(s) wait on them directly or in turn")
         idle = sorted(r for r in roots if r in views and not any(

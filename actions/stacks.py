@@ -358,7 +358,12 @@ def analyze_threads(per_rank: dict[int, list[dict] | str | None],
             no_stack.add(rank)
             errors.append({"rank": rank, "error": f"capture failed: {threads}"})
             continue
-        path = main_path(threads or [])
+        try:
+            path = main_path(normalize_threads(threads or []))
+        except ValueError as e:
+            no_stack.add(rank)
+            errors.append({"rank": rank, "error": f"bad stack: {e}"})
+            continue
         if not path:
             no_stack.add(rank)
             errors.append({"rank": rank, "error": "no frames in the stack"})
@@ -494,7 +499,7 @@ def _coords(rank: int, order: list[str], sizes: dict[str, int]) -> dict[str, int
 
 def map_suspects(suspects: Iterable[int], rank_to_node: dict[int, str] | None = None,
                  topology: dict | None = None, world_size: int | None = None) -> dict:
-    """Machines and TP/DP/PP groups of the suspect ranks.
+    """Machines and TP/DP/PP groups of the suspect ranks (``unmapped``: ranks with no node).
 
     Layout is TP fastest, then DP, then PP (Megatron-LM), unless
     ``topology["layout"]`` names another order, fastest first (``"tp-pp-dp"``).
@@ -517,15 +522,13 @@ def map_suspects(suspects: Iterable[int], rank_to_node: dict[int, str] | None = 
         order = ["tp", "dp", "pp"]
     world = world_size or sizes["tp"] * sizes["dp"] * sizes["pp"]
     coords = {r: _coords(r, order, sizes) for r in range(world)}
-    for dim in ("tp", "dp", "pp"):
-        seen: set[tuple[int, ...]] = set()
-        for r in sus:
-            if r not in coords:
-                continue
-            key = tuple(coords[r][o] for o in order if o != dim)
-            members = [s for s in range(world)
-                       if tuple(coords[s][o] for o in order if o != dim) == key]
-            if tuple(members) not in seen:
-                seen.add(tuple(members))
-                groups[dim].append(members)
+    for dim in ("tp", "dp", "pp"):  # a group: all ranks sharing the other coordinates
+        others = [o for o in order if o != dim]
+        wanted = {tuple(coords[r][o] for o in others) for r in sus if r in coords}
+        members: dict[tuple[int, ...], list[int]] = {}
+        for s in range(world):
+            key = tuple(coords[s][o] for o in others)
+            if key in wanted:
+                members.setdefault(key, []).append(s)
+        groups[dim] = sorted(members.values())
     return result

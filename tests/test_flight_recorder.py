@@ -53,6 +53,22 @@ def test_lock_gil_1st_suspects_are_the_injected_ranks(lock_gil):
     assert "9" not in r["waits_for"] and "14" not in r["waits_for"]
 
 
+def test_megatron_layout_of_map_suspects_matches_the_real_groups(lock_gil):
+    from trainguard.actions.stacks import map_suspects
+    r = analyze_dir(lock_gil)
+    m = map_suspects(r["suspects"], {k: f"node{k // 8}" for k in range(16)},
+                     {"tp": 4, "dp": 2, "pp": 2}, 16)
+    assert m["nodes"] == ["node1"]
+    real = {}
+    for k in r["suspects"]:
+        cfg = load_dump(lock_gil / f"_dump_{k}")["pg_config"]
+        for g in cfg.values():
+            real.setdefault(g["desc"], set()).add(tuple(json.loads(g["ranks"])))
+    assert {tuple(g) for g in m["groups"]["tp"]} == real["TENSOR_MODEL_PARALLEL_GROUP"]
+    assert {tuple(g) for g in m["groups"]["dp"]} == real["DATA_PARALLEL_GROUP_WITH_CP"]
+    assert {tuple(g) for g in m["groups"]["pp"]} == real["PIPELINE_MODEL_PARALLEL_GROUP"]
+
+
 def test_lock_gil_1st_with_a_missing_dump(lock_gil, tmp_path):
     for f in lock_gil.iterdir():
         if f.name != "_dump_14":
@@ -214,7 +230,7 @@ def test_p2p_waits_only_on_the_named_peer():
     d5 = _dump({"7": ("PP", grp, 2, 2)})
     r = analyze_dumps({3: d3, 4: d4, 5: d5}, expected_ranks=[3, 4, 5])
     assert r["waits_for"] == {"3": [5]}
-    assert r["suspects"] == [5] and "never posted the matching send" in r["summary"]
+    assert r["suspects"] == [5] and "never posted the send matching PP #3 nccl:recv" in r["summary"]
 
 
 def test_progress_from_entries_when_pg_status_is_absent():

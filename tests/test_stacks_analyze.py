@@ -337,3 +337,17 @@ def test_properties(choice):
             isinstance(next(iter(per_rank.values())), list) and next(iter(per_rank.values())):
         assert set(r["suspects"]) == set(r["missing"])
     render_tree_text(r)
+
+
+_junk = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5)),
+                     lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                             st.dictionaries(st.sampled_from(
+                                                 ["frames", "threads", "name", "function", "file",
+                                                  "line", "filename"]), inner, max_size=4)),
+                     max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.integers(0, 6), _junk, max_size=5))
+def test_junk_threads_never_crash(per_rank):
+    check_contract(analyze_threads(per_rank))
