@@ -142,7 +142,8 @@ class KmsgFollower:
     its end unless ``replay``), else ``dmesg_argv`` (``dmesg --follow-new``, or ``--follow``
     with lines older than the start skipped unless ``replay``); else :attr:`available` is
     False and :attr:`reason` says why. ``extra_source`` is a file tailed like a log (from its
-    end unless ``replay``; it may appear later and may be truncated). No thread busy-spins:
+    end unless ``replay``; it may appear later, be replaced, or be truncated to less than
+what was read). No thread busy-spins:
     ``/dev/kmsg`` waits in ``poll``, dmesg in a blocking read, the file in ``Event.wait``.
     """
 
@@ -365,7 +366,8 @@ class KmsgFollower:
             if fh is None:
                 try:
                     fh = open(path, "rb")
-                except OSError:
+                except OSError:  # not there yet: when it comes, read it all
+                    at_end = False
                     self._stop.wait(self.poll_interval)
                     continue
                 if at_end:

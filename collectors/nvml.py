@@ -195,6 +195,13 @@ class PynvmlSource:
         self.init()
         return {d.bus_id: d.index for d in self._devices if d.bus_id}
 
+    def device_info(self) -> list:
+        """Identity of each GPU: ``index``, ``uuid``, ``bus_id``, ``lost``, and how many
+        (link, counter) NVLink pairs answer (None before the first sample)."""
+        return [{"index": d.index, "uuid": d.uuid, "bus_id": d.bus_id, "lost": d.lost,
+                 "nvlink_pairs": None if d.nvlinks is None else len(d.nvlinks)}
+                for d in self._devices]
+
     def field_status(self) -> dict:
         """``{index: {field: "ok" | "not_supported" | "error: ..."}}`` from the reads so far."""
         return {d.index: dict(d.status) for d in self._devices}
@@ -229,7 +236,7 @@ class PynvmlSource:
         if mem is not _MISSING:
             e["mem_used"], e["mem_total"] = int(mem.used), int(mem.total)
         reads = (
-            ("temp", lambda: lib.nvmlDeviceGetTemperature(h, lib.NVML_TEMPERATURE_GPU)),
+            ("temp", lambda: self._temperature(h)),
             ("power", lambda: round(lib.nvmlDeviceGetPowerUsage(h) / 1000.0, 3)),
             ("sm_clock", lambda: int(lib.nvmlDeviceGetClockInfo(h, lib.NVML_CLOCK_SM))),
             ("throttle", lambda: self._throttle(h)),
@@ -257,7 +264,7 @@ class PynvmlSource:
             value = fn()
         except lib.NVMLError_GpuIsLost:
             raise _Lost() from None
-        except lib.NVMLError_NotSupported:
+        except (lib.NVMLError_NotSupported, _deprecated(lib)):
             dev.status[field] = "not_supported"
             return _MISSING
         except lib.NVMLError as err:
@@ -268,6 +275,15 @@ class PynvmlSource:
             return _MISSING
         dev.status[field] = "ok"
         return value
+
+    def _temperature(self, handle: Any) -> int:
+        lib = self.lib
+        try:
+            return lib.nvmlDeviceGetTemperature(handle, lib.NVML_TEMPERATURE_GPU)
+        except (lib.NVMLError_FunctionNotFound, _deprecated(lib)):
+            if not hasattr(lib, "nvmlDeviceGetTemperatureV"):  # newer drivers' replacement
+                raise
+            return lib.nvmlDeviceGetTemperatureV(handle, lib.NVML_TEMPERATURE_GPU)
 
     def _throttle(self, handle: Any) -> list:
         lib = self.lib
@@ -348,7 +364,10 @@ class PynvmlSource:
 
         Returns ``{"gpu", "xid", "source": "nvml", "message"}`` or None on timeout (also when
         no GPU supports events: then it just waits, so a loop around it never spins).
+        After :meth:`shutdown` it raises :class:`NvmlUnavailable` rather than reopen NVML.
         """
+        if self._closed.is_set() and not self._initialized:
+            raise NvmlUnavailable("NVML is unavailable: the source was shut down.")
         self.init()
         with self._event_lock:
             if not self._events_ready and not self._closed.is_set():
@@ -385,6 +404,11 @@ class PynvmlSource:
         if key not in self._logged:
             self._logged.add(key)
             log.warning(msg, *args)
+
+
+def _deprecated(lib: Any) -> type:
+    """NVML_ERROR_DEPRECATED's class (newer pynvml only), treated like NotSupported."""
+    return getattr(lib, "NVMLError_Deprecated", lib.NVMLError_NotSupported)
 
 
 def _text(value: Any) -> str:

@@ -89,7 +89,8 @@ def inproc_threads(frames: Optional[dict] = None, skip_thread: Optional[int] = N
 
 class InprocDumper:
     """The training-side handler; see the module docstring. Configuration in the constructor,
-    effects in :meth:`install` (main thread only) and :meth:`uninstall`."""
+    effects in :meth:`install` and :meth:`uninstall`, which must run in the main thread
+    (``signal.signal`` raises ``ValueError`` elsewhere)."""
 
     def __init__(self, runtime_dir: os.PathLike, signum: int = DEFAULT_SIGNAL,
                  wakeup_thread: bool = True):
@@ -316,7 +317,12 @@ def _inproc_capture(pid: int, runtime_dir: os.PathLike, signum: int, timeout: fl
         try:
             doc = json.loads(path.read_text())
             if doc.get("ts", 0) >= t0 - 1.0:
-                return list(doc["threads"]), None
+                threads = doc["threads"]
+                if not isinstance(threads, list) or not all(
+                        isinstance(t, dict) and isinstance(t.get("frames"), list)
+                        for t in threads):
+                    return None, f"malformed in-process dump in {path}"
+                return threads, None
         except (OSError, ValueError, KeyError, TypeError):
             pass
         if _process_state(pid):

@@ -161,6 +161,10 @@ class FakePynvml:
         assert sensor == pynvml.NVML_TEMPERATURE_GPU
         return self._gpu(handle, "nvmlDeviceGetTemperature").temp
 
+    def nvmlDeviceGetTemperatureV(self, handle: FakeHandle, sensor: int, version=None) -> int:
+        assert sensor == pynvml.NVML_TEMPERATURE_GPU
+        return self._gpu(handle, "nvmlDeviceGetTemperatureV").temp
+
     def nvmlDeviceGetPowerUsage(self, handle: FakeHandle) -> int:
         return self._gpu(handle, "nvmlDeviceGetPowerUsage").power_mw
 

@@ -5,6 +5,7 @@ The last tests run the real pynvml on this machine, which has no GPU.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -134,6 +135,17 @@ def test_other_nvml_errors_omit_the_field_and_log_once(caplog):
             assert "temp" not in g and "util" in g
     assert len([r for r in caplog.records if "temp" in r.getMessage()]) == 1
     assert src.field_status()[0]["temp"] == "error: NVMLError_NoPermission"
+
+
+def test_deprecated_temperature_call_falls_back_to_the_versioned_one():
+    fake = hgx_node(n=1, errors={"nvmlDeviceGetTemperature": pynvml.NVML_ERROR_DEPRECATED})
+    src = source(fake)
+    assert src.sample()[0]["temp"] == 58
+    assert fake.calls["nvmlDeviceGetTemperatureV"] == 1
+    fake.gpus[0].unsupported.add("nvmlDeviceGetTemperatureV")
+    src2 = source(fake)
+    assert "temp" not in src2.sample()[0]
+    assert src2.field_status()[0]["temp"] == "not_supported"
 
 
 def test_lost_gpu_is_flagged_and_logged_once(caplog):
@@ -299,3 +311,65 @@ def test_real_pynvml_either_samples_or_reports_unavailable():
         assert payload["gpus"] == [] and payload["reason"]
     else:
         assert payload["gpus"] and all("uuid" in g for g in payload["gpus"])
+
+
+def test_doctests():
+    import doctest
+
+    from trainguard.collectors import nvml
+    assert doctest.testmod(nvml).failed == 0
+
+
+# -- scripts/gpu_check.py ----------------------------------------------------------------------
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+def _load_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tg_gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_script_full_path_with_the_fake(tmp_path, capsys):
+    fake = hgx_node("H200", n=4, unsupported={"nvmlDeviceGetPcieReplayCounter"})
+    fake.post_event(1, XID, 79)
+    out = tmp_path / "check.json"
+    rc = _load_script().main([str(out), "--seconds", "1.2", "--interval", "0.2",
+                              "--event-wait-ms", "100"], lib=fake)
+    assert rc == 0 and "4 GPU(s)" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["status"] == "ok" and report["device_count"] == 4
+    assert report["support"]["pcie_replay"] == {"not_supported": 4}
+    assert report["support"]["util"] == {"ok": 4}
+    assert report["versions"]["driver"] == "550.127.08"
+    assert report["event_wait"]["events"] == 1 and report["event_wait"]["timeouts"] >= 3
+    kinds = [e["type"] for e in report["events"]]
+    assert kinds.count("gpu") >= 5
+    xid = next(e for e in report["events"] if e["type"] == "xid")
+    assert (xid["gpu"], xid["xid"], xid["source"]) == (1, 79, "nvml")
+    lines = (tmp_path / "check.events.jsonl").read_text().splitlines()
+    assert len(lines) == len(report["events"])
+    events = pytest.importorskip("trainguard.events")
+    for line in lines:
+        events.decode(line)
+    assert fake.event_sets[0].freed and not fake.initialized
+
+
+def test_gpu_check_script_standalone_without_a_gpu(tmp_path):
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # load by path
+    out = tmp_path / "check.json"
+    argv = ["timeout", "-s", "KILL", "120", sys.executable, str(SCRIPT), str(out),
+            "--seconds", "1", "--interval", "0.5", "--no-kmsg"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    if report["status"] == "unavailable":
+        assert report["reason"] in proc.stdout
+        assert report["events"][0]["gpus"] == [] and report["events"][0]["status"] == "unavailable"
+        proc = subprocess.run(argv + ["--require-gpu"], capture_output=True, env=env, timeout=150)
+        assert proc.returncode == 3
+    else:
+        assert report["device_count"] >= 1
