@@ -41,12 +41,13 @@ log = logging.getLogger("trainguard.actions.alerts")
 RESULT_STATUSES = ("sent", "failed", "rate_limited", "deduplicated")
 RETRYABLE_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
 MAX_BODY = 64 * 1024
+TOKEN_MIN = 16  # a URL piece this long is taken for a token and scrubbed from errors
 
 
 def mask_url(url: str | None) -> str:
     """Scheme and host of a URL, nothing of its path, query or user info."""
     if not url:
-        return repr(url)
+        return "***"
     try:
         parts = urllib.parse.urlsplit(url)
         host = parts.hostname or "?"
@@ -334,8 +335,10 @@ class Sink:
             if isinstance(value, str) and value:
                 values.append(value)
                 parts = urllib.parse.urlsplit(value)
-                values += [p for p in (parts.path, parts.query, parts.password) if p and
-                           len(p) > 3]
+                pieces = [parts.path, parts.query, parts.password or "",
+                          *parts.path.split("/"),
+                          *(v for _, v in urllib.parse.parse_qsl(parts.query))]
+                values += [p for p in pieces if len(p) >= TOKEN_MIN]
         return sorted(values, key=len, reverse=True)
 
     def _scrub(self, text: str) -> str:
@@ -346,15 +349,13 @@ class Sink:
     def __repr__(self) -> str:
         shown = []
         for f in fields(self):
-            if f.name in ("sleep", "clock", "wall_clock", "delivery"):
-                continue
             value = getattr(self, f.name)
+            if f.name in ("sleep", "clock", "wall_clock", "delivery") or value is None:
+                continue
             if f.name in self.SECRETS:
-                text = (mask_url(value) if f.name.endswith("url") else
-                        ("'***'" if value else repr(value)))
-                shown.append(f"{f.name}={text}" if text.startswith("'") or text == "None"
-                             else f"{f.name}='{text}'")
-            elif value is not None:
+                text = mask_url(value) if f.name.endswith("url") else "***"
+                shown.append(f"{f.name}='{text}'")
+            else:
                 shown.append(f"{f.name}={value!r}")
         return f"{type(self).__name__}({', '.join(shown)})"
 

@@ -68,7 +68,7 @@ class SlackSink(Sink):
         if message.detector:
             context += f" · detector `{e(message.detector)}`"
         blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": context}]})
-        return {"text": _cut(f"{message.title}: {message.what()}", SECTION_MAX),
+        return {"text": _cut(e(f"{message.title}: {message.what()}"), SECTION_MAX),
                 "blocks": blocks}
 
     def request(self, message: AlertMessage) -> HttpRequest:
