@@ -1,0 +1,310 @@
+"""The node agent's pure parts, without Kafka: command addressing, stack answers, the GPU
+sample loop on the fake NVML, and the Xid paths (NVML event thread, kernel-log file)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pynvml
+import pytest
+
+from trainguard import events as ev
+from trainguard.collectors import agent as agent_mod
+from trainguard.collectors.agent import Agent, GpuSampler, Publisher, event_jobs
+from trainguard.collectors.agent_commands import (CaptureRunner, CommandHandler, address,
+                                                  stack_event)
+from trainguard.collectors.nvml import PynvmlSource
+from trainguard.config import Config, Topics
+
+from fakes_nvml import FakePynvml, hgx_node
+
+NOW = 1_764_680_000.0
+FRAMES = [{"function": "load_batch", "file": "/x/train.py", "line": 7},
+          {"function": "<module>", "file": "/x/train.py", "line": 20}]
+
+
+def ranks(job="j1", node="n1", count=4, **extra):
+    return [{"job": job, "rank": r, "local_rank": r, "pid": 1000 + r, "node": node,
+             "start_time": NOW - 60, **extra} for r in range(count)]
+
+
+def command(**changes) -> ev.Command:
+    fields = dict(job="j1", ts=NOW, command="capture_stacks", capture_id="c1", ranks="all")
+    fields.update(changes)
+    return ev.Command(**fields)
+
+
+def roundtrip(event: ev.Event) -> ev.Event:
+    return ev.decode(ev.encode(event))
+
+
+# -- addressing ----------------------------------------------------------------------------
+def test_all_ranks_of_the_job_on_this_node():
+    targets, why = address(command(), "n1", ranks() + ranks(job="j2"), now=NOW + 1)
+    assert why is None and [(e["job"], e["rank"]) for e in targets] == [("j1", r) for r in range(4)]
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"job": "j2"}, "no local rank of job j2"),
+    ({"node": "elsewhere"}, "addressed to node elsewhere"),
+    ({"ranks": [7, 8]}, "none of ranks [7, 8] runs here"),
+    ({"ts": NOW - 600}, "stale"),
+])
+def test_commands_not_for_this_agent_are_ignored(changes, reason):
+    targets, why = address(command(**changes), "n1", ranks(), now=NOW + 1)
+    assert targets == [] and why.startswith(reason)
+
+
+def test_node_may_be_the_agents_name_or_the_ranks_own():
+    entries = ranks(node="gpu-host-7")
+    for node in (None, "agent-name", "gpu-host-7"):
+        targets, why = address(command(node=node), "agent-name", entries, now=NOW)
+        assert why is None and len(targets) == 4
+
+
+def test_rank_list_selects_local_ranks_only():
+    targets, _ = address(command(ranks=[3, 1, 12]), "n1", ranks(), now=NOW)
+    assert [e["rank"] for e in targets] == [1, 3]
+
+
+def test_malformed_entries_and_reused_pids_are_skipped():
+    entries = ranks() + [{"job": "j1", "rank": "x", "pid": 5}, {"job": "j1", "rank": 9},
+                         "not a dict"]
+    started = {1000: NOW - 70, 1001: NOW - 10, 1002: NOW + 3600, 1003: None}
+    targets, why = address(command(), "n1", entries, now=NOW,
+                           started_at=lambda pid: started.get(pid))
+    assert why is None and [e["rank"] for e in targets] == [0, 1, 3]  # 1002: a new process
+
+
+def test_only_the_enumerated_command_form_is_obeyed():
+    assert address(ev.Heartbeat(job="j1", ts=NOW, pid=1, phase="idle", phase_since=NOW),
+                   "n1", ranks(), now=NOW)[0] == []
+
+
+# -- the handler ---------------------------------------------------------------------------
+class FakeRunner:
+    max_pending = 8
+
+    def __init__(self, accept=True):
+        self.accept = accept
+        self.got = []
+
+    def submit(self, cmd, entries):
+        self.got.append((cmd, entries))
+        return self.accept
+
+
+def test_handler_accepts_ignores_and_never_raises():
+    runner = FakeRunner()
+    handler = CommandHandler(node="n1", entries=lambda: ranks(), runner=runner,
+                             clock=lambda: NOW + 1)
+    ok = ev.encode(command(capture_id="c-ok"))
+    assert handler.handle(ok) == "accepted"
+    assert handler.handle(ok) == "duplicate"
+    assert handler.handle(ev.encode(command(job="j2"))) == "ignored"
+    shell = ev.to_dict(command(capture_id="c-x"))
+    shell["command"] = "sh -c 'rm -rf /'"
+    for bad in (b"\xff\xfe", b"[]", b'{"v":1}', None, ev.dumps(shell).encode(),
+                ev.encode(ev.Heartbeat(job="j1", ts=NOW, pid=1, phase="idle", phase_since=NOW))):
+        assert handler.handle(bad) == "invalid"
+    assert [(c.capture_id, len(e)) for c, e in runner.got] == [("c-ok", 4)]
+
+
+def test_handler_survives_a_broken_registry_and_a_full_runner():
+    def broken():
+        raise OSError("disk gone")
+
+    assert CommandHandler(node="n1", entries=broken, runner=FakeRunner(),
+                          clock=lambda: NOW).handle(ev.encode(command())) == "ignored"
+    assert CommandHandler(node="n1", entries=ranks, runner=FakeRunner(accept=False),
+                          clock=lambda: NOW).handle(ev.encode(command())) == "dropped"
+
+
+# -- stack answers -------------------------------------------------------------------------
+def test_stack_event_is_contract_valid_and_keeps_the_fallback_reason():
+    result = {"pid": 1002, "method": "inproc", "error": None,
+              "fallback_reason": "py-spy dump failed (1): Permission denied",
+              "threads": [{"name": "MainThread", "id": 1, "active": True, "frames": FRAMES,
+                           "native_id": 77}]}
+    event = roundtrip(stack_event(command(), ranks()[2], result, "agent-node", ts=NOW))
+    assert (event.rank, event.node, event.pid, event.method) == (2, "n1", 1002, "inproc")
+    assert event.extra == {"fallback_reason": result["fallback_reason"], "local_rank": 2}
+    assert event.threads[0]["frames"][0]["function"] == "load_batch"
+
+
+def test_failed_capture_reports_the_error_and_the_agents_node():
+    entry = {"job": "j1", "rank": 5, "pid": 99}
+    result = {"pid": 99, "method": "py-spy", "threads": [], "error": "process 99 has exited"}
+    event = roundtrip(stack_event(command(), entry, result, "n7", ts=NOW))
+    assert (event.node, event.error, event.threads) == ("n7", "process 99 has exited", [])
+
+
+def test_huge_stacks_are_cut_to_fit_one_message():
+    frame = {"function": "f" * 200, "file": "/very/long/path/" * 10, "line": 1}
+    threads = [{"name": f"t{i}", "id": i, "active": False, "frames": [frame] * 500}
+               for i in range(20)]
+    result = {"pid": 1000, "method": "py-spy", "threads": threads, "error": None}
+    event = stack_event(command(), ranks()[0], result, "n1", ts=NOW, max_bytes=200_000)
+    assert len(ev.encode(event)) <= 200_000 and event.extra["truncated"] is True
+    assert len(event.threads) == 20 and 0 < len(event.threads[0]["frames"]) < 500
+    roundtrip(event)
+
+
+def test_runner_captures_every_rank_in_parallel_and_survives_a_failing_capture():
+    barrier = threading.Barrier(4, timeout=5)  # all four captures must run at once
+    calls = []
+
+    def capture(pid, native, timeout, runtime_dir, signum):
+        calls.append((pid, native, runtime_dir))
+        barrier.wait()
+        if pid == 1003:
+            raise RuntimeError("boom")
+        return {"pid": pid, "method": "py-spy", "error": None,
+                "threads": [{"name": "MainThread", "id": 1, "active": True, "frames": FRAMES}]}
+
+    published = []
+    runner = CaptureRunner(published.append, node="n1", runtime_dir="/run/tg", capture=capture,
+                           clock=lambda: NOW)
+    out = runner.run(command(native=True), ranks())
+    assert sorted(e.rank for e in published) == [0, 1, 2, 3] and len(out) == 4
+    assert all(native and rd == "/run/tg" for _, native, rd in calls)
+    errors = {e.rank: e.error for e in published}
+    assert errors[3].startswith("stack capture failed: RuntimeError") and errors[0] is None
+    for event in published:
+        roundtrip(event)
+
+
+# -- GPU samples ---------------------------------------------------------------------------
+def test_gpu_samples_from_the_fake_nvml_are_contract_valid():
+    fake = hgx_node("H200")
+    fake.gpus[3].clock_reasons = pynvml.nvmlClocksThrottleReasonHwThermalSlowdown
+    ready = []
+    sampler = GpuSampler(PynvmlSource(lib=fake), node="n1", on_available=lambda: ready.append(1))
+    for t in range(3):
+        events = sampler.tick(["j1", "j2"], now=NOW + t)
+        assert [e.job for e in events] == ["j1", "j2"]
+        for event in events:
+            back = roundtrip(event)
+            assert back.type == "gpu" and back.rank is None and back.node == "n1"
+            assert back.status is None and len(back.gpus) == 8
+    assert ready == [1]
+    gpu3 = back.gpus[3]
+    assert gpu3["throttle"] == ["hw_thermal"] and gpu3["mem_total"] == fake.gpus[3].mem_total
+    assert {"util", "temp", "power", "sm_clock", "ecc_dbe", "nvlink_errors",
+            "remapped_failure", "pcie_replay"} <= set(gpu3)
+
+
+def test_lost_gpu_and_nvml_that_comes_and_goes():
+    fake = FakePynvml(hgx_node(n=2).gpus, init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    ready = []
+    sampler = GpuSampler(PynvmlSource(lib=fake), node="n1", unavailable_interval=60,
+                         on_available=lambda: ready.append(1))
+    first = sampler.tick(["j1"], now=NOW)
+    assert [roundtrip(e).status for e in first] == ["unavailable"]
+    assert "driver is not loaded" in first[0].reason and first[0].gpus == []
+    assert sampler.tick(["j1"], now=NOW + 1) == [] and ready == []
+    fake.init_error = None  # the driver is loaded: seen at the next retry
+    assert sampler.tick(["j1"], now=NOW + 30) == []
+    assert len(roundtrip(sampler.tick(["j1"], now=NOW + 61)[0]).gpus[1]) > 3
+    fake.gpus[1].lost = True
+    back = roundtrip(sampler.tick(["j1"], now=NOW + 62)[0])
+    assert back.status is None and back.gpus[1] == {"index": 1, "uuid": fake.gpus[1].uuid,
+                                                    "lost": True}
+    assert ready == [1]
+
+
+def test_event_jobs_come_from_the_registry():
+    assert event_jobs(None, ranks("a") + ranks("b") + [{"job": "../x"}]) == ["a", "b"]
+    assert event_jobs(None, []) == [agent_mod.IDLE_JOB]
+
+
+# -- Xid paths -----------------------------------------------------------------------------
+class FakePublisher:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, topic, event, key):
+        self.sent.append((topic, roundtrip(event), key))
+        return True
+
+
+def wait_for(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_xids_from_the_nvml_event_set_and_a_kernel_log_file(tmp_path):
+    fake = hgx_node()
+    kmsg_file = tmp_path / "kmsg.log"
+    kmsg_file.write_text("")
+    agent = Agent(config=Config(topics=Topics(prefix="tx")), node="n1", job="j1",
+                  runtime_dir=tmp_path, kmsg_extra=[str(kmsg_file)],
+                  source=PynvmlSource(lib=fake), kmsg_path=None, dmesg_argv=[],
+                  clock=lambda: NOW)
+    agent.publisher = FakePublisher()
+    stop = threading.Event()
+    agent._start_followers()
+    GpuSampler(agent.source, node="n1", on_available=agent._nvml_up).tick(["j1"], NOW)
+    thread = threading.Thread(target=agent._nvml_events, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        fake.post_event(6, pynvml.nvmlEventTypeXidCriticalError, 79)
+        with open(kmsg_file, "a") as fh:  # bus 0x5d is GPU 3 of the HGX board
+            fh.write("[  9.1] NVRM: Xid (PCI:0000:5d:00): 94, pid=4242, name=python, "
+                     "Contained: SM (0x1). RST: No, D-RST: No\nunrelated line\n")
+        assert wait_for(lambda: len(agent.publisher.sent) == 2)
+    finally:
+        stop.set()
+        for follower in agent._followers:
+            follower.stop(timeout=1)
+        thread.join(3)
+        agent.source.shutdown()
+    got = {e.source: e for _, e, _ in agent.publisher.sent}
+    assert (got["nvml"].gpu, got["nvml"].xid) == (6, 79)
+    assert (got["kmsg"].gpu, got["kmsg"].xid) == (3, 94)
+    assert got["kmsg"].message.startswith("pid=4242, name=python, Contained")
+    assert {(t, k) for t, _, k in agent.publisher.sent} == {("tx.telemetry", b"j1/n1")}
+    assert not thread.is_alive()
+
+
+def test_publisher_drops_invalid_events_and_survives_a_full_queue():
+    class FullProducer:
+        def __init__(self, settings):
+            self.settings, self.calls = settings, 0
+
+        def produce(self, topic, value, key):
+            self.calls += 1
+            raise BufferError("queue full")
+
+        def poll(self, timeout):
+            return 0
+
+        def flush(self, timeout):
+            return 0
+
+    pub = Publisher({"bootstrap.servers": "127.0.0.1:1"}, producer_factory=FullProducer)
+    pub.start()
+    try:
+        bad = ev.Gpu(job="bad job!", ts=NOW, gpus=[])
+        assert pub.send("t", bad, b"k") is False and pub._client.calls == 0
+        good = ev.Gpu(job="j1", ts=NOW, gpus=[], status="unavailable", reason="none")
+        assert pub.send("t", good, b"k") is False and pub._client.calls == 2
+    finally:
+        assert pub.close(0.1) == 0
+
+
+def test_bad_flags_are_user_errors(tmp_path):
+    from argparse import Namespace
+
+    from trainguard.errors import UserError
+
+    base = dict(node="n1", job=None, interval=1.0, kmsg_extra=[], runtime_dir=str(tmp_path),
+                native=False)
+    for bad in ({"job": "no spaces"}, {"interval": 0.0}, {"node": "x" * 300},
+                {"kmsg_extra": [str(tmp_path / "missing" / "k.log")]}):
+        with pytest.raises(UserError):
+            agent_mod.main(Namespace(**{**base, **bad}), Config())
