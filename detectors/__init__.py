@@ -1,1 +1,64 @@
-"""trainguard.detectors"""
+"""trainguard.detectors — pure detection logic and incident correlation (no I/O, no clock).
+
+The stable API, used by ``streams/`` (online, on Faust) and ``offline.py`` (``trainguard
+analyze``):
+
+``RankStage(config)`` — one per (job, rank); partition key ``job/rank``.
+    ``update(event) -> list[dict]`` takes that rank's ``ev.Step``, ``ev.Heartbeat`` and
+    ``ev.Lifecycle`` events and returns compact, JSON-serializable summaries, to be
+    repartitioned by job:
+
+    - ``{"k": "step", "job", "rank", "node", "ts", "step", "step_time", "compute_time",
+      "loss", "grad_norm", "loss_scale"}`` for every step (non-finite numbers as the SPEC
+      strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``);
+    - ``{"k": "hb", "job", "rank", "node", "ts", "step", "phase", "phase_since", "pid",
+      "dropped"}`` when the rank enters or leaves a ``checkpoint``/``eval``/``init`` phase,
+      else once every ``heartbeat_summary_s`` (5 s): liveness and a hang's odd ranks need no
+      more, and progress travels in the step summaries;
+    - ``{"k": "life", "job", "rank", "node", "ts", "event", "exit_code", "signal", "pid",
+      "world_size", "local_rank", "step"}`` for lifecycle events (``step``: last step seen).
+
+``JobStage(config)`` — one per job; partition key ``job``.
+    ``update(item) -> list[ev.Anomaly]`` takes the summaries above and the machines' node
+    events (``ev.Gpu``, ``ev.Xid``, or their SPEC dicts) directly. ``advance(now) ->
+    list[ev.Anomaly]`` runs the time-driven checks (hang, silent, step closing); call it with
+    the wall clock online (about every second) and with event time offline.
+    ``incidents() -> list[dict]`` gives the correlated incidents (SPEC §4 objects plus
+    ``"anomalies": [ids]``). Anomalies carry stable ids (a sha1 prefix of job, kind,
+    detector, first step or onset, ranks and nodes), so re-processing after a restart
+    re-creates the same ids; a JobStage emits each id once.
+
+``Engine(config)`` — routes raw events through the two stages, per key:
+    ``update(event)``, ``advance(now, force=False)``, ``incidents()``.
+
+``DetectorConfig`` — every threshold (kw_only dataclass, validated). All state pickles.
+
+Detectors (river style; constructor = configuration; ``update(item) -> list[Finding]``,
+``advance(now)`` for the time-driven ones; ``clone()``): :class:`NanDetector`,
+:class:`LossSpikeDetector`, :class:`GradSpikeDetector`, :class:`StragglerDetector`,
+:class:`ThroughputDetector`, :class:`HangDetector`, :class:`SilentDetector`,
+:class:`CrashDetector`, :class:`GpuFaultDetector`, :class:`GpuDegradedDetector`.
+Incident correlation: :class:`Correlator` (``correlate.py``, root-cause priority and rules).
+
+>>> from trainguard import events as ev
+>>> stage = JobStage()
+>>> stage.update({"k": "life", "job": "j1", "rank": 2, "node": "n1", "ts": 5.0,
+...               "event": "exit", "exit_code": 1, "signal": None, "step": 40})[0].kind
+'crash'
+"""
+from .base import Detector, Finding, anomaly_id, make_jobstep, to_anomaly
+from .config import DetectorConfig
+from .correlate import PRIORITY, Correlator
+from .gpu import FAULT_XIDS, XID_TABLE, GpuDegradedDetector, GpuFaultDetector, xid_info
+from .liveness import CrashDetector, HangDetector, SilentDetector
+from .stages import DETECTORS, Engine, JobStage, RankStage, StepAggregator
+from .timing import StragglerDetector, ThroughputDetector
+from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
+
+__all__ = [
+    "Detector", "Finding", "anomaly_id", "to_anomaly", "make_jobstep", "DetectorConfig",
+    "Correlator", "PRIORITY", "XID_TABLE", "FAULT_XIDS", "xid_info", "NanDetector",
+    "LossSpikeDetector", "GradSpikeDetector", "StragglerDetector", "ThroughputDetector",
+    "HangDetector", "SilentDetector", "CrashDetector", "GpuFaultDetector",
+    "GpuDegradedDetector", "RankStage", "JobStage", "Engine", "StepAggregator", "DETECTORS",
+]

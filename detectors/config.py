@@ -1,0 +1,134 @@
+"""Every threshold of the detectors, the stages and the correlation, in one validated config.
+
+Field names are ``<detector prefix>_<constructor argument>``: ``straggler_ratio`` is the
+``ratio`` argument of :class:`~trainguard.detectors.timing.StragglerDetector`, whose
+``PREFIX`` is ``"straggler"``. :meth:`DetectorConfig.params_for` builds a detector's
+constructor arguments from it, so the defaults below are the detectors' defaults.
+
+>>> config = DetectorConfig(hang_floor_s=30.0)
+>>> config.hang_floor_s, config.straggler_k, config.straggler_n
+(30.0, 8, 10)
+>>> DetectorConfig(straggler_k=12, straggler_n=10)
+Traceback (most recent call last):
+...
+ValueError: straggler_k (12) must be between 1 and straggler_n (10)
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class DetectorConfig:
+    # -- nan: non-finite loss or gradient norm -------------------------------------------
+    #: with a dynamic loss scaler in use (``loss_scale`` reported), a non-finite gradient norm
+    #: alone is the scaler's normal overflow skip; reported only after this many steps in a row
+    nan_scaler_patience: int = 8
+
+    # -- loss_spike / grad_spike: robust online baseline of the per-step median across ranks
+    loss_spike_window: int = 50            # steps in the rolling median baseline
+    loss_spike_tail_window: int = 1000     # steps over which the tail of deviations is learned
+    loss_spike_tail_quantile: float = 0.995
+    loss_spike_tail_factor: float = 4.0    # spike: log deviation > factor x tail quantile ...
+    loss_spike_min_ratio: float = 1.1      # ... and value > min_ratio x baseline
+    loss_spike_warmup: int = 250           # steps learned before any report
+    loss_spike_cooldown: int = 20          # quiet steps that end a spike episode
+    grad_spike_window: int = 50
+    grad_spike_tail_window: int = 1000
+    grad_spike_tail_quantile: float = 0.995
+    grad_spike_tail_factor: float = 4.0
+    grad_spike_min_ratio: float = 2.5
+    grad_spike_warmup: int = 250
+    grad_spike_cooldown: int = 20
+
+    # -- straggler: a rank's compute_time against the median of its peers, per step ---------
+    straggler_ratio: float = 1.2           # slow in a step: compute_time >= ratio x peers' median
+    straggler_min_excess_s: float = 0.002  # ... and at least this many seconds more
+    straggler_k: int = 8                   # persistent: slow in k ...
+    straggler_n: int = 10                  # ... of the last n steps it reported
+    straggler_settle: int = 2              # steps to wait for more ranks before naming them
+    straggler_min_ranks: int = 3           # ranks needed in a step to compare at all
+
+    # -- throughput_drop: Page-Hinkley on the job's log step time, confirmed by a ratio ------
+    throughput_warmup: int = 50            # steps before learning starts (compile, warm-up)
+    throughput_baseline_window: int = 200  # steps in the protected baseline median
+    throughput_window: int = 20            # steps in the recent median compared with it
+    throughput_ratio: float = 1.25         # confirmed when recent median >= ratio x baseline
+    throughput_clip: float = 4.0           # one step counts at most clip x baseline
+    throughput_delta: float = 0.05         # Page-Hinkley delta, in log step time
+    throughput_threshold: float = 4.0      # Page-Hinkley threshold, in log step time
+    throughput_standout_ratio: float = 1.2  # a rank slower than this vs peers "stands out"
+
+    # -- hang: no new step for longer than an adaptive, phase-aware timeout ------------------
+    hang_floor_s: float = 20.0
+    hang_factor: float = 5.0
+    hang_quantile: float = 0.99
+    hang_window: int = 500                 # step intervals the quantile is learned over
+    hang_checkpoint_s: float = 900.0       # allowance while any rank is in `checkpoint`
+    hang_eval_s: float = 900.0             # ... in `eval`
+    hang_init_s: float = 1200.0            # ... in `init`, and before the first step
+    hang_stale_s: float = 10.0             # a rank with no heartbeat for this long is a suspect
+
+    # -- silent: a rank or machine that stops sending while the rest go on -------------------
+    silent_timeout_s: float = 15.0
+
+    # -- gpu_fault / gpu_degraded ---------------------------------------------------------------
+    gpu_fault_missing_samples: int = 2     # samples a GPU must be absent to be "missing"
+    gpu_fault_repeat_s: float = 300.0      # the same Xid on the same GPU within this is one
+    gpu_degraded_window_s: float = 60.0
+    gpu_degraded_throttle_fraction: float = 0.8
+    gpu_degraded_min_samples: int = 10
+    gpu_degraded_pcie_replays: int = 50    # PCIe replays per window
+    gpu_degraded_nvlink_increments: int = 3  # samples in the window in which NVLink errors rose
+    gpu_degraded_sbe_increase: int = 10    # single-bit ECC errors per window ...
+    gpu_degraded_sbe_increments: int = 2   # ... rising in at least this many samples
+
+    # -- stages -----------------------------------------------------------------------------------
+    heartbeat_summary_s: float = 5.0       # RankStage forwards an unchanged heartbeat this often
+    step_close_lag: int = 2                # a step is closed once a rank is this many steps on
+    step_close_s: float = 5.0              # ... or this long after its first record
+    advance_interval_s: float = 0.5        # Engine.advance does work at most this often
+    emitted_ids_kept: int = 10000          # anomaly ids remembered for de-duplication
+
+    # -- correlation ------------------------------------------------------------------------------
+    correlate_window_s: float = 180.0      # anomalies this close in time may share a root
+    correlate_root_slack_s: float = 2.0    # root-kind anomalies this close are co-suspects
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int":
+                if type(value) is not int or value < 0:
+                    raise ValueError(f"{f.name} must be a non-negative integer, got {value!r}")
+            elif f.type == "float":
+                if type(value) not in (int, float) or not value >= 0:
+                    raise ValueError(f"{f.name} must be a non-negative number, got {value!r}")
+                setattr(self, f.name, float(value))
+        if not 1 <= self.straggler_k <= self.straggler_n:
+            raise ValueError(f"straggler_k ({self.straggler_k}) must be between 1 and "
+                             f"straggler_n ({self.straggler_n})")
+        for name in ("loss_spike_tail_quantile", "grad_spike_tail_quantile", "hang_quantile",
+                     "gpu_degraded_throttle_fraction"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("loss_spike_min_ratio", "grad_spike_min_ratio", "straggler_ratio",
+                     "throughput_ratio", "throughput_clip", "throughput_standout_ratio"):
+            if getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be above 1, got {getattr(self, name)}")
+        for name in ("loss_spike_window", "grad_spike_window", "loss_spike_tail_window",
+                     "grad_spike_tail_window", "throughput_window", "throughput_baseline_window",
+                     "hang_window", "straggler_min_ranks", "gpu_fault_missing_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.straggler_min_ranks < 2:
+            raise ValueError("straggler_min_ranks must be at least 2 (a rank needs peers)")
+
+    def params_for(self, cls) -> dict:
+        """Constructor arguments of detector class ``cls`` from the fields ``<PREFIX>_<arg>``."""
+        out = {}
+        for name in inspect.signature(cls.__init__).parameters:
+            if name != "self":
+                out[name] = getattr(self, f"{cls.PREFIX}_{name}")
+        return out

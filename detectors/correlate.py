@@ -1,0 +1,178 @@
+"""Incident correlation: anomalies that share one root problem become one incident.
+
+An incident's ``kind`` is its root cause: the member of highest :data:`PRIORITY`. A new
+anomaly joins an open incident of the same job when it is close in time (its onset no later
+than ``window_s`` after the incident's last detection, its detection no earlier than
+``window_s`` before the incident's onset) and a member of the incident can cause it, or it
+can cause a member, by :data:`CONSEQUENCES`. Some consequences follow from their cause
+anywhere in the job (a crash makes *every* other rank hang); others only where they share a
+rank or a machine (an Xid on GPU 3 of n1 explains rank 3 going silent, not rank 12 on n2).
+Machines of ranks come from the anomalies' ``nodes`` and ``evidence["rank_nodes"]``.
+
+The incident's suspects (``ranks``, ``nodes``) are those of its root-kind members detected
+within ``root_slack_s`` of the root's onset: the first crashed rank, not the ranks torn down
+after it. Its id is taken from the first anomaly that opened it, so it is stable for a given
+stream of anomalies.
+
+>>> from trainguard import events as ev
+>>> def a(kind, ts, ranks=(), nodes=(), onset=None, **evidence):
+...     return ev.Anomaly(job="j", ts=ts, id=f"{kind}-{ts:g}", kind=kind, severity="critical",
+...                       ranks=list(ranks), nodes=list(nodes), onset_ts=onset or ts,
+...                       detected_ts=ts, detector=kind, summary=f"{kind} at {ts:g}",
+...                       evidence=evidence)
+>>> c = Correlator()
+>>> _ = c.add(a("gpu_fault", 100.0, [3], ["n1"]))
+>>> _ = c.add(a("silent", 115.0, [3], onset=100.2, rank_nodes={"3": "n1"}))
+>>> _ = c.add(a("hang", 125.0, onset=99.8))
+>>> [(i["kind"], i["ranks"], i["nodes"], len(i["anomalies"])) for i in c.incidents()]
+[('gpu_fault', [3], ['n1'], 3)]
+"""
+from __future__ import annotations
+
+__all__ = ["PRIORITY", "CONSEQUENCES", "Correlator"]
+
+#: Root-cause priority, most fundamental first.
+PRIORITY = ("gpu_fault", "nan", "crash", "silent", "gpu_degraded", "straggler", "hang",
+            "loss_spike", "grad_spike", "throughput_drop")
+_RANK = {k: i for i, k in enumerate(PRIORITY)}
+
+ANY, SHARED = "any", "shared"
+#: cause kind -> {consequence kind: ANY (anywhere in the job) or SHARED (same rank/machine)}
+CONSEQUENCES = {
+    "gpu_fault": {"hang": ANY, "throughput_drop": ANY, "silent": SHARED, "crash": SHARED,
+                  "nan": SHARED, "straggler": SHARED, "gpu_degraded": SHARED,
+                  "gpu_fault": SHARED, "loss_spike": ANY, "grad_spike": ANY},
+    "nan": {"nan": ANY, "loss_spike": ANY, "grad_spike": ANY, "crash": ANY, "hang": ANY},
+    "crash": {"crash": ANY, "hang": ANY, "silent": ANY},
+    "silent": {"silent": ANY, "hang": ANY},
+    "gpu_degraded": {"gpu_degraded": SHARED, "straggler": SHARED, "throughput_drop": ANY},
+    "straggler": {"straggler": SHARED, "hang": SHARED},
+    "hang": {"hang": ANY},
+    "loss_spike": {"loss_spike": ANY, "grad_spike": ANY},
+    "grad_spike": {"grad_spike": ANY, "loss_spike": ANY},
+    "throughput_drop": {"throughput_drop": ANY},
+}
+_SEVERITY = {"info": 0, "warning": 1, "critical": 2}
+
+
+def _places(anomaly) -> tuple:
+    nodes = set(anomaly.nodes)
+    where = (anomaly.evidence or {}).get("rank_nodes") or {}
+    nodes.update(n for n in where.values() if n)
+    return set(anomaly.ranks), nodes
+
+
+def _relation(cause, effect):
+    return CONSEQUENCES.get(cause.kind, {}).get(effect.kind)
+
+
+def _linked(x, y) -> bool:
+    for cause, effect in ((x, y), (y, x)):
+        how = _relation(cause, effect)
+        if how == ANY:
+            return True
+        if how == SHARED:
+            (r1, n1), (r2, n2) = _places(cause), _places(effect)
+            if r1 & r2 or n1 & n2:
+                return True
+    return False
+
+
+class _Incident:
+    def __init__(self, anomaly):
+        self.id = "inc-" + anomaly.id
+        self.job = anomaly.job
+        self.members = [anomaly]
+        self.first = anomaly.onset_ts
+        self.last = anomaly.detected_ts
+
+    def root(self):
+        return min(self.members, key=lambda a: (_RANK.get(a.kind, len(_RANK)), a.onset_ts,
+                                               a.detected_ts))
+
+    def add(self, anomaly):
+        self.members.append(anomaly)
+        self.first = min(self.first, anomaly.onset_ts)
+        self.last = max(self.last, anomaly.detected_ts)
+
+    def to_dict(self, root_slack_s: float) -> dict:
+        root = self.root()
+        ranks, nodes = set(), set()
+        for m in self.members:
+            if m.kind == root.kind and m.detected_ts <= root.onset_ts + root_slack_s:
+                ranks.update(m.ranks)
+                nodes.update(m.nodes)
+        ranks.update(root.ranks)
+        nodes.update(root.nodes)
+        others = sorted({m.kind for m in self.members if m is not root})
+        extra = len(self.members) - 1
+        summary = root.summary
+        if extra:
+            summary += f" (with {extra} related finding{'s' if extra > 1 else ''}: " \
+                       f"{', '.join(others)})"
+        step = root.step
+        if step is None:
+            steps = [m.step for m in self.members if m.step is not None]
+            step = min(steps) if steps else None
+        return {"id": self.id, "kind": root.kind, "job": self.job, "ranks": sorted(ranks),
+                "nodes": sorted(nodes), "step": step,
+                "onset_ts": min(m.onset_ts for m in self.members),
+                "detected_ts": min(m.detected_ts for m in self.members),
+                "severity": max((m.severity for m in self.members), key=_SEVERITY.get),
+                "summary": summary, "anomalies": [m.id for m in self.members]}
+
+
+class Correlator:
+    """Groups anomalies (``ev.Anomaly``) into incidents; see the module docstring.
+
+    ``add`` returns the incident (as SPEC §4 dict) the anomaly now belongs to. An anomaly id
+    already seen is ignored (returns its incident unchanged). Incidents idle for longer than
+    ``window_s`` are closed: later anomalies open new ones; only the last ``keep_closed``
+    closed incidents are kept (bounded memory in a long-running worker).
+    """
+
+    def __init__(self, window_s: float = 180.0, root_slack_s: float = 2.0,
+                 keep_closed: int = 1000):
+        self.window_s = window_s
+        self.root_slack_s = root_slack_s
+        self.keep_closed = keep_closed
+        self._open: list = []
+        self._closed: list = []
+        self._by_anomaly: dict = {}
+
+    def add(self, anomaly) -> dict:
+        known = self._by_anomaly.get(anomaly.id)
+        if known is not None:
+            return known.to_dict(self.root_slack_s)
+        horizon = anomaly.detected_ts - self.window_s
+        still = []
+        for inc in self._open:
+            (still if inc.last >= horizon else self._closed).append(inc)
+        self._open = still
+        while len(self._closed) > self.keep_closed:
+            for member in self._closed.pop(0).members:
+                self._by_anomaly.pop(member.id, None)
+        best = None
+        for inc in self._open:
+            if inc.job != anomaly.job:
+                continue
+            if anomaly.onset_ts > inc.last + self.window_s:
+                continue
+            if anomaly.detected_ts < inc.first - self.window_s:
+                continue
+            if not any(_linked(m, anomaly) for m in inc.members):
+                continue
+            if best is None or _RANK.get(inc.root().kind, 99) < _RANK.get(best.root().kind, 99):
+                best = inc
+        if best is None:
+            best = _Incident(anomaly)
+            self._open.append(best)
+        else:
+            best.add(anomaly)
+        self._by_anomaly[anomaly.id] = best
+        return best.to_dict(self.root_slack_s)
+
+    def incidents(self) -> list[dict]:
+        """All incidents, open and closed, by onset time."""
+        every = [inc.to_dict(self.root_slack_s) for inc in self._closed + self._open]
+        return sorted(every, key=lambda i: (i["onset_ts"], i["id"]))

@@ -1,0 +1,369 @@
+"""GPU health from the node agents: faults (take the machine out) and degradation (watch it).
+
+Inputs are ``ev.Xid`` and ``ev.Gpu`` events. The GPU of a rank is found from lifecycle
+``start`` summaries (``local_rank`` = GPU index, as torchrun sets ``CUDA_VISIBLE_DEVICES``
+defaults) or, failing that, from the order of the ranks seen on a machine.
+
+>>> from trainguard import events as ev
+>>> d = GpuFaultDetector()
+>>> x = ev.Xid(job="j", ts=10.0, node="n1", gpu=3, xid=79, source="kmsg",
+...            message="GPU has fallen off the bus.")
+>>> [(f.kind, f.nodes, f.severity) for f in d.update(x)]
+[('gpu_fault', ['n1'], 'critical')]
+>>> d.update(x.replace(ts=11.0, xid=13, message="Graphics Engine Exception"))
+[]
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from .base import Detector, Finding
+
+__all__ = ["XID_TABLE", "FAULT_XIDS", "APPLICATION_XIDS", "xid_info", "is_fault_xid",
+           "Placement", "GpuFaultDetector", "GpuDegradedDetector"]
+
+#: Xid -> (name, category, severity), after NVIDIA's Xid catalog ("XID Errors", the
+#: r5xx driver documentation). Category ``hardware`` means the GPU or its links failed and the
+#: machine should be taken out; ``application`` means the user's program faulted (bad address,
+#: illegal instruction, a killed channel): the GPU is fine and the job's own code is to blame;
+#: ``driver`` entries are follow-ons or driver-side events, not faults on their own.
+XID_TABLE = {
+    13: ("Graphics Engine Exception", "application", None),
+    31: ("GPU memory page fault (MMU fault)", "application", None),
+    43: ("GPU stopped processing (channel reset after an application fault)", "application", None),
+    45: ("Preemptive cleanup, due to previous errors", "driver", None),
+    48: ("Double Bit ECC Error (DBE)", "hardware", "critical"),
+    61: ("Internal micro-controller breakpoint/warning", "driver", None),
+    62: ("Internal micro-controller halt", "driver", None),
+    63: ("ECC page retirement or row remapping recording event", "hardware", "critical"),
+    64: ("ECC page retirement or row remapper recording failure", "hardware", "critical"),
+    68: ("NVDEC0 Exception", "application", None),
+    69: ("Graphics Engine class error", "application", None),
+    74: ("NVLink Error", "hardware", "critical"),
+    79: ("GPU has fallen off the bus", "hardware", "critical"),
+    92: ("High single-bit ECC error rate", "hardware", "critical"),
+    94: ("Contained ECC error", "hardware", "critical"),
+    95: ("Uncontained ECC error", "hardware", "critical"),
+    119: ("GSP RPC timeout", "hardware", "critical"),
+    120: ("GSP error", "hardware", "critical"),
+}
+FAULT_XIDS = frozenset(x for x, (_, cat, _) in XID_TABLE.items() if cat == "hardware")
+APPLICATION_XIDS = frozenset(x for x, (_, cat, _) in XID_TABLE.items() if cat == "application")
+
+
+def xid_info(xid: int) -> tuple:
+    """``(name, category, severity)``; unknown Xids are ``("Xid N", "unknown", None)``.
+
+    >>> xid_info(79)
+    ('GPU has fallen off the bus', 'hardware', 'critical')
+    >>> sorted(FAULT_XIDS)
+    [48, 63, 64, 74, 79, 92, 94, 95, 119, 120]
+    >>> is_fault_xid(43), is_fault_xid(95)
+    (False, True)
+    """
+    return XID_TABLE.get(xid, (f"Xid {xid}", "unknown", None))
+
+
+def is_fault_xid(xid: int) -> bool:
+    return xid in FAULT_XIDS
+
+
+class Placement:
+    """Which rank runs on which GPU of which machine, learned from summaries.
+
+    >>> p = Placement()
+    >>> for r in (9, 8):
+    ...     p.learn({"k": "step", "rank": r, "node": "n2"})
+    >>> p.rank_of("n2", 1), p.rank_of("n2", 5)
+    (9, None)
+    >>> p.learn({"k": "life", "event": "start", "rank": 8, "node": "n2", "local_rank": 1})
+    >>> p.rank_of("n2", 1)
+    8
+    """
+
+    def __init__(self):
+        self.node_of: dict = {}      # rank -> node
+        self.local: dict = {}        # (node, local_rank) -> rank, from lifecycle start
+
+    def learn(self, item) -> None:
+        k = item.get("k")
+        if k == "jobstep":
+            for rank, rec in item["ranks"].items():
+                node = rec.get("node")
+                if node and self.node_of.get(rank) != node:
+                    self.node_of[rank] = node
+            return
+        rank, node = item.get("rank"), item.get("node")
+        if rank is None or not node:
+            return
+        self.node_of[rank] = node
+        if k == "life" and item.get("event") == "start" and item.get("local_rank") is not None:
+            self.local[(node, item["local_rank"])] = rank
+
+    def rank_of(self, node, gpu):
+        if gpu is None or node is None:
+            return None
+        rank = self.local.get((node, gpu))
+        if rank is not None:
+            return rank
+        if any(n == node for n, _ in self.local):
+            return None
+        ranks = sorted(r for r, n in self.node_of.items() if n == node)
+        return ranks[gpu] if gpu < len(ranks) else None
+
+
+class _GpuDetector(Detector):
+    def __init__(self):
+        self._placement = Placement()
+
+    def _learn(self, item) -> bool:
+        """Learn placement from a summary; True when the item was a summary."""
+        if type(item) is dict:
+            if item.get("k") in ("jobstep", "life"):
+                self._placement.learn(item)
+            return True
+        return False
+
+    def _finding(self, kind, severity, node, gpu, ts, summary, evidence, key, onset=None):
+        rank = self._placement.rank_of(node, gpu)
+        ranks = [rank] if rank is not None else []
+        evidence = {"gpu": gpu, **evidence,
+                    "rank_nodes": {str(rank): node} if rank is not None else {}}
+        return Finding(kind=kind, severity=severity, ranks=ranks, nodes=[node] if node else [],
+                       step=None, onset_ts=ts if onset is None else onset, detected_ts=ts,
+                       detector=self.PREFIX, summary=summary, evidence=evidence, key=key)
+
+
+class GpuFaultDetector(_GpuDetector):
+    """Hardware faults: a hardware Xid of :data:`XID_TABLE`, a rise in ``ecc_dbe``,
+    ``remapped_failure``, a GPU entry with ``lost``, or a GPU missing from its machine's
+    samples for ``missing_samples`` samples in a row. The same Xid on the same GPU within
+    ``repeat_s`` is one finding; the other conditions are reported once until they clear.
+    """
+
+    PREFIX = "gpu_fault"
+
+    def __init__(self, missing_samples: int = 2, repeat_s: float = 300.0):
+        super().__init__()
+        self.missing_samples = missing_samples
+        self.repeat_s = repeat_s
+        self._xid_last: dict = {}       # (node, gpu, xid) -> ts
+        self._dbe: dict = {}            # (node, index) -> count
+        self._flags: set = set()        # (node, index, what) currently reported
+        self._known: dict = {}          # node -> set of indices
+        self._missing: dict = {}        # (node, index) -> consecutive samples absent
+
+    def update(self, item) -> list[Finding]:
+        if self._learn(item):
+            return []
+        kind = getattr(item, "TYPE", "")
+        if kind == "xid":
+            return self._xid(item)
+        if kind == "gpu":
+            return self._sample(item)
+        return []
+
+    def _xid(self, x) -> list[Finding]:
+        name, category, severity = xid_info(x.xid)
+        if category != "hardware":
+            return []
+        key = (x.node, x.gpu, x.xid)
+        last = self._xid_last.get(key)
+        self._xid_last[key] = x.ts
+        if last is not None and 0 <= x.ts - last < self.repeat_s:
+            return []
+        gpu = f"GPU {x.gpu}" if x.gpu is not None else "a GPU"
+        return [self._finding(
+            "gpu_fault", severity, x.node, x.gpu, x.ts,
+            f"Xid {x.xid} ({name}) on {gpu} of {x.node or 'an unknown machine'}",
+            {"xid": x.xid, "xid_name": name, "source": x.source, "message": x.message[:300]},
+            key=f"xid{x.xid}:{x.gpu}:{x.ts:.3f}")]
+
+    def _flag(self, node, index, what, on, ts, summary, evidence) -> list[Finding]:
+        key = (node, index, what)
+        if not on:
+            self._flags.discard(key)
+            return []
+        if key in self._flags:
+            return []
+        self._flags.add(key)
+        return [self._finding("gpu_fault", "critical", node, index, ts, summary, evidence,
+                              key=f"{what}:{index}:{ts:.3f}")]
+
+    def _sample(self, g) -> list[Finding]:
+        node = g.node
+        if node is None or g.status == "unavailable":
+            return []
+        out = []
+        present = set()
+        for gpu in g.gpus:
+            index = gpu.get("index")
+            if index is None:
+                continue
+            present.add(index)
+            where = f"GPU {index} of {node}"
+            out += self._flag(node, index, "lost", gpu.get("lost") is True, g.ts,
+                              f"{where} is lost (the driver cannot reach it)", {"lost": True})
+            dbe = gpu.get("ecc_dbe")
+            if dbe is not None:
+                prev = self._dbe.get((node, index))
+                self._dbe[(node, index)] = dbe
+                if prev is not None and dbe > prev:
+                    out.append(self._finding(
+                        "gpu_fault", "critical", node, index, g.ts,
+                        f"uncorrectable ECC errors on {where}: ecc_dbe rose {prev} -> {dbe}",
+                        {"ecc_dbe": dbe, "previous": prev}, key=f"dbe{dbe}:{index}"))
+            out += self._flag(node, index, "remap", gpu.get("remapped_failure") is True, g.ts,
+                              f"row remapping failed on {where}", {"remapped_failure": True})
+        known = self._known.setdefault(node, set())
+        if present:
+            for index in known - present:
+                n = self._missing.get((node, index), 0) + 1
+                self._missing[(node, index)] = n
+                if n >= self.missing_samples:
+                    out += self._flag(node, index, "missing", True, g.ts,
+                                      f"GPU {index} is missing from {node}'s samples",
+                                      {"missing_samples": n, "present": sorted(present)})
+            for index in present:
+                if self._missing.pop((node, index), None):
+                    self._flag(node, index, "missing", False, g.ts, "", {})
+            known |= present
+        return out
+
+
+_COUNTERS = ("pcie_replay", "nvlink_errors", "ecc_sbe")
+
+
+class _Window:
+    """One GPU's samples of the last window, with running counts (no rescans per sample)."""
+
+    def __init__(self):
+        self.rows = deque()          # (ts, hw throttled, counter values, counter rose)
+        self.throttled = 0
+        self.ups = [0, 0, 0]
+        self.last = [None, None, None]
+
+    def add(self, ts, hw, values, horizon):
+        rose = []
+        for col, value in enumerate(values):
+            prev = self.last[col]
+            up = value is not None and prev is not None and value > prev
+            if value is not None:
+                self.last[col] = value
+            if up:
+                self.ups[col] += 1
+            rose.append(up)
+        self.rows.append((ts, hw, values, rose))
+        self.throttled += hw
+        while self.rows[0][0] < horizon:
+            old = self.rows.popleft()
+            self.throttled -= old[1]
+            for col, up in enumerate(old[3]):
+                if up:
+                    self.ups[col] -= 1
+
+
+class GpuDegradedDetector(_GpuDetector):
+    """Sustained trouble short of a fault, per GPU over the last ``window_s`` seconds:
+
+    - hardware throttling (a reason starting with ``hw_``, or ``sw_thermal``) in at least
+      ``throttle_fraction`` of at least ``min_samples`` samples spanning half the window;
+    - PCIe replays rising by ``pcie_replays`` or more;
+    - NVLink errors rising in ``nvlink_increments`` or more samples;
+    - single-bit ECC errors rising by ``sbe_increase`` or more, in ``sbe_increments`` samples.
+
+    Each condition of a GPU is reported once until it clears.
+
+    >>> from trainguard import events as ev
+    >>> d = GpuDegradedDetector(window_s=20.0, min_samples=5)
+    >>> found = []
+    >>> for t in range(30):
+    ...     g = {"index": 0, "uuid": "GPU-0", "throttle": ["hw_thermal"] if t >= 5 else []}
+    ...     found += d.update(ev.Gpu(job="j", ts=float(t), node="n1", gpus=[g]))
+    >>> [(f.kind, f.evidence["condition"], f.onset_ts, f.detected_ts) for f in found]
+    [('gpu_degraded', 'throttle', 5.0, 21.0)]
+    """
+
+    PREFIX = "gpu_degraded"
+
+    def __init__(self, window_s: float = 60.0, throttle_fraction: float = 0.8,
+                 min_samples: int = 10, pcie_replays: int = 50, nvlink_increments: int = 3,
+                 sbe_increase: int = 10, sbe_increments: int = 2):
+        super().__init__()
+        self.window_s = window_s
+        self.throttle_fraction = throttle_fraction
+        self.min_samples = min_samples
+        self.pcie_replays = pcie_replays
+        self.nvlink_increments = nvlink_increments
+        self.sbe_increase = sbe_increase
+        self.sbe_increments = sbe_increments
+        self._windows: dict = {}  # (node, index) -> _Window
+        self._active: set = set()
+
+    def update(self, item) -> list[Finding]:
+        if self._learn(item) or getattr(item, "TYPE", "") != "gpu":
+            return []
+        if item.node is None or item.status == "unavailable":
+            return []
+        out = []
+        ts = item.ts
+        for gpu in item.gpus:
+            index = gpu.get("index")
+            if index is None or gpu.get("lost"):
+                continue
+            key = (item.node, index)
+            window = self._windows.get(key)
+            if window is None:
+                window = self._windows[key] = _Window()
+            reasons = gpu.get("throttle")
+            hw = bool(reasons) and any(r.startswith("hw_") or r == "sw_thermal" for r in reasons)
+            window.add(ts, hw, (gpu.get("pcie_replay"), gpu.get("nvlink_errors"),
+                                gpu.get("ecc_sbe")), ts - self.window_s)
+            out += self._judge(item.node, index, window, ts, reasons)
+        return out
+
+    def _judge(self, node, index, window, ts, reasons) -> list[Finding]:
+        out = []
+        rows = window.rows
+        n = len(rows)
+        span = ts - rows[0][0]
+        throttled = window.throttled
+        on = (n >= self.min_samples and span >= self.window_s / 2
+              and throttled >= self.throttle_fraction * n)
+        if on or (node, index, "throttle") in self._active:
+            onset = next((r[0] for r in rows if r[1]), ts)
+            out += self._condition(node, index, "throttle", on, ts, onset,
+                                   f"GPU {index} of {node} throttled by hardware in {throttled} "
+                                   f"of {n} samples ({', '.join(reasons or ()) or 'now clear'})",
+                                   {"throttled_samples": throttled, "samples": n})
+        for col, name in enumerate(_COUNTERS):
+            incs = window.ups[col]
+            needed = (1, self.nvlink_increments, self.sbe_increments)[col]
+            if incs < needed:
+                self._active.discard((node, index, name))
+                continue
+            rise = window.last[col] - next(r[2][col] for r in rows if r[2][col] is not None)
+            if col == 0:
+                on = rise >= self.pcie_replays
+            elif col == 1:
+                on = incs >= self.nvlink_increments
+            else:
+                on = rise >= self.sbe_increase and incs >= self.sbe_increments
+            onset = next(r[0] for r in rows if r[3][col])
+            out += self._condition(node, index, name, on and rise > 0, ts, onset,
+                                   f"{name} on GPU {index} of {node} rose by {rise} in "
+                                   f"{span:.0f}s ({incs} increases)",
+                                   {"rise": rise, "increases": incs, "span_s": span})
+        return out
+
+    def _condition(self, node, index, what, on, ts, onset, summary, evidence):
+        key = (node, index, what)
+        if not on:
+            self._active.discard(key)
+            return []
+        if key in self._active:
+            return []
+        self._active.add(key)
+        return [self._finding("gpu_degraded", "warning", node, index, ts, summary,
+                              {"condition": what, **evidence},
+                              key=f"{what}:{index}:{onset:.3f}", onset=onset)]

@@ -1,0 +1,320 @@
+"""Detectors of a job that stopped: hang (no progress), silent (no events), crash (exit).
+
+They read the rank summaries (``step``, ``hb``, ``life``) and, for machines, ``ev.Gpu``
+samples. ``advance(now)`` lets hang and silent notice what did not arrive; offline ``now`` is
+the recording's event time, online the wall clock.
+
+>>> d = CrashDetector()
+>>> life = {"k": "life", "job": "j", "rank": 5, "node": "n2", "ts": 50.0, "event": "exit",
+...         "exit_code": None, "signal": "SIGSEGV", "step": 812}
+>>> [(f.kind, f.ranks, f.step, f.summary) for f in d.update(life)]
+[('crash', [5], 812, 'rank 5 on n2 exited by signal SIGSEGV after step 812')]
+"""
+from __future__ import annotations
+
+from river import stats
+
+from .base import Detector, Finding, fmt_ranks, rank_nodes, whole_nodes
+
+__all__ = ["HangDetector", "SilentDetector", "CrashDetector"]
+
+
+class CrashDetector(Detector):
+    """A lifecycle ``exit`` with a non-zero code or a signal. Each exit is one finding."""
+
+    PREFIX = "crash"
+
+    def __init__(self):
+        pass
+
+    def update(self, item) -> list[Finding]:
+        if type(item) is not dict or item.get("k") != "life" or item.get("event") != "exit":
+            return []
+        code, sig = item.get("exit_code"), item.get("signal")
+        if not sig and code in (0, None):
+            return []
+        rank, node, ts = item.get("rank"), item.get("node"), item["ts"]
+        how = f"by signal {sig}" if sig else f"with code {code}"
+        who = f"rank {rank}" if rank is not None else "a process"
+        where = f" on {node}" if node else ""
+        after = f" after step {item['step']}" if item.get("step") is not None else ""
+        ranks = [rank] if rank is not None else []
+        return [Finding(kind="crash", severity="critical", ranks=ranks, nodes=[],
+                        step=item.get("step"), onset_ts=ts, detected_ts=ts,
+                        detector=self.PREFIX, summary=f"{who}{where} exited {how}{after}",
+                        key=f"t{ts:.3f}",
+                        evidence={"exit_code": code, "signal": sig,
+                                  "rank_nodes": {str(rank): node} if node and ranks else {}})]
+
+
+class HangDetector(Detector):
+    """No new step from the job for longer than an adaptive, phase-aware timeout.
+
+    The timeout is ``max(floor_s, factor x quantile of the job's step intervals)``, learned
+    over the last ``window`` intervals (intervals that contained a checkpoint, eval or init
+    phase are not learned). While any rank's heartbeat says it is in ``checkpoint``, ``eval`` or
+    ``init``, the deadline is at least that phase's start plus its allowance; before the first
+    step the ``init`` allowance runs from the job's first event. Suspects are the ranks whose
+    last heartbeat phase or step differs from the majority's, or whose heartbeats went stale
+    (``stale_s``). Ranks that exited are left out; once a rank exited cleanly (code 0) the
+    job is finishing and no hang is reported. One finding per stall.
+
+    >>> d = HangDetector(floor_s=10.0)
+    >>> for s in range(30):
+    ...     for r in range(4):
+    ...         _ = d.update({"k": "step", "rank": r, "node": "n1", "ts": 100.0 + s, "step": s})
+    >>> hb = [{"k": "hb", "rank": r, "node": "n1", "ts": 140.0, "step": 29,
+    ...        "phase": "data" if r == 2 else "collective", "phase_since": 130.0}
+    ...       for r in range(4)]
+    >>> _ = [d.update(h) for h in hb]
+    >>> d.advance(135.0)
+    []
+    >>> [(f.kind, f.ranks, f.step, f.onset_ts) for f in d.advance(140.0)]
+    [('hang', [2], 29, 129.0)]
+    """
+
+    PREFIX = "hang"
+    ALLOWED = ("checkpoint", "eval", "init")
+
+    def __init__(self, floor_s: float = 20.0, factor: float = 5.0, quantile: float = 0.99,
+                 window: int = 500, checkpoint_s: float = 900.0, eval_s: float = 900.0,
+                 init_s: float = 1200.0, stale_s: float = 10.0):
+        self.floor_s = floor_s
+        self.factor = factor
+        self.quantile = quantile
+        self.window = window
+        self.checkpoint_s = checkpoint_s
+        self.eval_s = eval_s
+        self.init_s = init_s
+        self.stale_s = stale_s
+        self._allow = {"checkpoint": checkpoint_s, "eval": eval_s, "init": init_s}
+        self._intervals = stats.RollingQuantile(q=quantile, window_size=window)
+        self._n_intervals = 0
+        self._max_step = None
+        self._progress_ts = None
+        self._first_ts = None
+        self._allowed_since_progress = False
+        self._hb: dict = {}            # rank -> (ts, phase, phase_since, step)
+        self._where: dict = {}
+        self._exited: set = set()
+        self._finished = False
+        self._hung = False
+
+    def update(self, item) -> list[Finding]:
+        if type(item) is not dict:
+            return []
+        k = item.get("k")
+        ts = item.get("ts")
+        if ts is None:
+            return []
+        if self._first_ts is None:
+            self._first_ts = ts
+        rank = item.get("rank")
+        if k == "step":
+            step = item["step"]
+            if self._max_step is None or step > self._max_step:
+                if self._progress_ts is not None and not self._allowed_since_progress:
+                    interval = ts - self._progress_ts
+                    if interval > 0:
+                        self._intervals.update(interval)
+                        self._n_intervals += 1
+                self._max_step = step
+                self._progress_ts = ts
+                self._allowed_since_progress = False
+                self._hung = False
+            if rank is not None:
+                self._exited.discard(rank)
+        elif k == "hb":
+            if rank is None:
+                return []
+            phase = item.get("phase")
+            self._hb[rank] = (ts, phase, item.get("phase_since") or ts, item.get("step"))
+            if phase in self._allow:
+                self._allowed_since_progress = True
+            self._exited.discard(rank)
+        elif k == "life":
+            if item.get("event") == "exit":
+                if rank is not None:
+                    self._exited.add(rank)
+                if item.get("exit_code") == 0 and not item.get("signal"):
+                    self._finished = True
+            elif item.get("event") == "start":
+                self._finished = False
+                self._hung = False
+                self._max_step = None
+                self._progress_ts = None
+                self._first_ts = ts
+                if rank is not None:
+                    self._exited.discard(rank)
+        else:
+            return []
+        if rank is not None and item.get("node"):
+            self._where[rank] = item["node"]
+        return []
+
+    def timeout(self) -> float:
+        """The current timeout in seconds, before phase allowances."""
+        learned = self._intervals.get() if self._n_intervals else None
+        return max(self.floor_s, self.factor * learned) if learned else self.floor_s
+
+    def deadline(self) -> float | None:
+        if self._first_ts is None:
+            return None
+        if self._progress_ts is None:
+            deadline = self._first_ts + self.init_s
+        else:
+            deadline = self._progress_ts + self.timeout()
+        for rank, (_, phase, since, _) in self._hb.items():
+            allowance = self._allow.get(phase)
+            if allowance is not None and rank not in self._exited:
+                deadline = max(deadline, since + allowance)
+        return deadline
+
+    def advance(self, now: float) -> list[Finding]:
+        if self._hung or self._finished or self._first_ts is None:
+            return []
+        deadline = self.deadline()
+        if deadline is None or now < deadline:
+            return []
+        self._hung = True
+        suspects, majority = self._suspects(now)
+        onset = self._progress_ts if self._progress_ts is not None else self._first_ts
+        nodes = whole_nodes(suspects, self._where) if suspects else []
+        stalled = now - onset
+        what = (f"no new step after step {self._max_step}" if self._max_step is not None
+                else "no first step")
+        blame = (f"; {fmt_ranks(suspects)} differ from the majority ({majority})"
+                 if suspects else f"; every rank looks alike ({majority})")
+        return [Finding(
+            kind="hang", severity="critical", ranks=suspects, nodes=nodes, step=self._max_step,
+            onset_ts=onset, detected_ts=now, detector=self.PREFIX,
+            summary=f"the job made no progress for {stalled:.0f}s: {what}{blame}",
+            key=f"s{self._max_step}" if self._max_step is not None else f"t{onset:.3f}",
+            evidence={"stalled_s": stalled, "timeout_s": self.timeout(),
+                      "majority": majority, "rank_nodes": rank_nodes(suspects, self._where)})]
+
+    def _suspects(self, now: float):
+        live = {r: h for r, h in self._hb.items() if r not in self._exited}
+        fresh = {r: h for r, h in live.items() if now - h[0] < self.stale_s}
+        stale = sorted(r for r in live if r not in fresh)
+        if not fresh:
+            return stale, "no heartbeats"
+        phases: dict = {}
+        steps: dict = {}
+        for _, phase, _, step in fresh.values():
+            phases[phase] = phases.get(phase, 0) + 1
+            steps[step] = steps.get(step, 0) + 1
+        phase = max(phases.items(), key=lambda kv: (kv[1], str(kv[0])))[0]
+        step = max(steps.items(), key=lambda kv: (kv[1], kv[0] if kv[0] is not None else -1))[0]
+        odd = [r for r, h in fresh.items() if h[1] != phase or h[3] != step]
+        suspects = sorted(set(odd) | set(stale))
+        if len(suspects) * 2 >= len(live):
+            suspects = []
+        return suspects, f"phase {phase}, step {step}"
+
+
+class SilentDetector(Detector):
+    """A rank, or a whole machine, that stops sending anything while the rest go on.
+
+    A rank is silent after ``timeout_s`` without any summary from it while some other rank
+    was heard within ``timeout_s``. When every known rank of a machine is silent and that
+    machine's GPU samples stopped too (or it never sent any), the machine is named. Ranks that
+    exited are not silent. A rank is reported again only after it was heard from again.
+
+    >>> d = SilentDetector(timeout_s=10.0)
+    >>> for t in range(30):
+    ...     for r in range(4):
+    ...         if r < 2 or t < 5:      # n2 (ranks 2, 3) stops at t=4
+    ...             _ = d.update({"k": "hb", "rank": r, "node": f"n{1 + r // 2}", "ts": float(t)})
+    ...     found = d.advance(float(t))
+    ...     if found:
+    ...         print(t, found[0].nodes, found[0].ranks)
+    14 ['n2'] [2, 3]
+    """
+
+    PREFIX = "silent"
+
+    def __init__(self, timeout_s: float = 15.0):
+        self.timeout_s = timeout_s
+        self._seen: dict = {}      # rank -> last ts
+        self._where: dict = {}     # rank -> node
+        self._gpu_seen: dict = {}  # node -> last gpu sample ts
+        self._exited: set = set()
+        self._reported: set = set()
+        self._next = None
+
+    def update(self, item) -> list[Finding]:
+        if type(item) is dict:
+            rank = item.get("rank")
+            ts = item.get("ts")
+            if rank is None or ts is None or item.get("k") not in ("step", "hb", "life"):
+                return []
+            if item.get("k") == "life":
+                if item.get("event") == "exit":
+                    self._exited.add(rank)
+                else:
+                    self._exited.discard(rank)
+            prev = self._seen.get(rank)
+            if prev is None or ts > prev:
+                self._seen[rank] = ts
+            node = item.get("node")
+            if node and self._where.get(rank) != node:
+                self._where[rank] = node
+            if rank in self._reported:
+                self._reported.discard(rank)
+        elif getattr(item, "TYPE", "") == "gpu" and item.node:
+            prev = self._gpu_seen.get(item.node)
+            if prev is None or item.ts > prev:
+                self._gpu_seen[item.node] = item.ts
+        return []
+
+    def advance(self, now: float) -> list[Finding]:
+        if self._next is not None and now < self._next:
+            return []
+        self._next = now + min(1.0, self.timeout_s / 10)
+        limit = now - self.timeout_s
+        quiet, pending, alive = [], set(), False
+        for rank, ts in self._seen.items():
+            if rank in self._exited:
+                continue
+            if ts > limit:
+                alive = True
+                if ts <= now - self.timeout_s / 2:
+                    pending.add(rank)
+            elif rank not in self._reported:
+                quiet.append(rank)
+        if not quiet or not alive:
+            return []
+        by_node: dict = {}
+        for rank in quiet:
+            by_node.setdefault(self._where.get(rank), []).append(rank)
+        findings = []
+        for node, ranks in sorted(by_node.items(), key=lambda kv: str(kv[0])):
+            oldest = min(self._seen[r] for r in ranks)
+            if node is not None and now - oldest < self.timeout_s * 1.5 and any(
+                    self._where.get(r) == node for r in pending):
+                continue   # more ranks of this machine are going quiet: wait for them
+            findings.append(self._finding(node, ranks, now))
+        return findings
+
+    def _finding(self, node, ranks, now) -> Finding:
+        node_ranks = [r for r, n in self._where.items() if n == node and r not in self._exited]
+        all_quiet = node is not None and all(
+            r in ranks or r in self._reported for r in node_ranks)
+        gpu = self._gpu_seen.get(node)
+        machine = all_quiet and (gpu is None or now - gpu >= self.timeout_s / 2)
+        self._reported.update(ranks)
+        onset = min(self._seen[r] for r in ranks)
+        if machine:
+            ranks = sorted(node_ranks)
+            summary = (f"machine {node} went silent: its {len(ranks)} rank(s) and its GPU samples "
+                       f"stopped {now - onset:.0f}s ago while the rest of the job goes on")
+        else:
+            summary = (f"{fmt_ranks(ranks)}{' on ' + node if node else ''} stopped sending "
+                       f"{now - onset:.0f}s ago while the rest of the job goes on")
+        return Finding(kind="silent", severity="critical", ranks=sorted(ranks),
+                       nodes=[node] if machine else [], step=None, onset_ts=onset,
+                       detected_ts=now, detector=self.PREFIX, summary=summary,
+                       evidence={"last_seen": {str(r): self._seen[r] for r in sorted(ranks)},
+                                 "gpu_last_seen": gpu, "machine": machine,
+                                 "rank_nodes": rank_nodes(ranks, self._where)})

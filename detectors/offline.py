@@ -1,0 +1,84 @@
+"""``trainguard analyze FILE``: the stream worker's detectors over a recording, in event time.
+
+The clock is the recording's own: after each event the engine is advanced to the latest
+event time seen so far, and once more at the end, so a hang at the end of a recording is
+found from the heartbeats that kept coming while the steps stopped.
+
+>>> import json, os, tempfile
+>>> path = os.path.join(tempfile.mkdtemp(), "crash.jsonl")
+>>> lines = [{"v": 1, "type": "step", "job": "j", "ts": 100.0 + s, "node": "n1", "rank": r,
+...           "step": s, "step_time": 1.0} for s in range(5) for r in range(2)]
+>>> lines.append({"v": 1, "type": "lifecycle", "job": "j", "ts": 105.5, "node": "n1",
+...               "rank": 1, "event": "exit", "exit_code": 139})
+>>> with open(path, "w") as f:
+...     _ = f.write("\\n".join(json.dumps(x) for x in lines) + "\\nnot json\\n")
+>>> result = analyze_file(path)
+>>> result["events"], result["invalid"], [(i["kind"], i["ranks"]) for i in result["incidents"]]
+(11, 1, [('crash', [1])])
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from trainguard.recording import ReadStats, read_events
+
+from .config import DetectorConfig
+from .stages import Engine
+
+__all__ = ["analyze_file", "analyze_events"]
+
+_INCIDENT_KEYS = ("id", "kind", "job", "ranks", "nodes", "step", "onset_ts", "detected_ts",
+                  "severity", "summary", "anomalies")
+
+
+def analyze_events(events, config: DetectorConfig | None = None):
+    """Run an :class:`Engine` over events in event time; returns ``(engine, summary)``."""
+    engine = Engine(config)
+    update, advance = engine.update, engine.advance
+    now = None
+    types: dict = {}
+    jobs: set = set()
+    first = None
+    for event in events:
+        ts = event.ts
+        if now is None:
+            now = first = ts
+        elif ts > now:
+            now = ts
+        kind = event.TYPE
+        types[kind] = types.get(kind, 0) + 1
+        jobs.add(event.job)
+        update(event)
+        advance(now)
+    if now is not None:
+        engine.advance(now, force=True)
+    summary = {"types": types, "jobs": sorted(jobs), "first_ts": first, "last_ts": now}
+    return engine, summary
+
+
+def analyze_file(path, report=None, config: DetectorConfig | None = None) -> dict:
+    """SPEC §4 ``{"events": N, "invalid": M, "incidents": [...]}`` for one recording.
+
+    ``events`` counts the valid events, ``invalid`` the lines that were not. ``report``, an
+    HTML path, is written by ``trainguard.detectors.report.write_report`` where that module
+    exists.
+    """
+    stats = ReadStats()
+    engine, summary = analyze_events(read_events(path, stats), config)
+    incidents = [{k: inc[k] for k in _INCIDENT_KEYS} for inc in engine.incidents()]
+    result = {"events": stats.events, "invalid": stats.invalid, "incidents": incidents}
+    if report:
+        summary["invalid_reasons"] = dict(stats.reasons)
+        _write_report(report, result, summary)
+    return result
+
+
+def _write_report(path, result, summary) -> None:
+    if importlib.util.find_spec("trainguard.detectors.report") is None:
+        print(f"trainguard: no HTML report written to {path}: this version has no report "
+              f"writer", file=sys.stderr)
+        return
+    from . import report as report_module
+
+    report_module.write_report(path, result, summary)

@@ -1,0 +1,318 @@
+"""The two-stage engine: per-rank compaction, per-job detection and correlation.
+
+``RankStage`` (one per job and rank) turns a rank's ``step``, ``heartbeat`` and ``lifecycle``
+events into compact summary dicts; ``JobStage`` (one per job) takes those summaries plus the
+machines' ``gpu`` and ``xid`` events, runs every detector and the correlation and returns
+``ev.Anomaly`` objects. ``Engine`` routes raw events through both, for offline analysis.
+
+>>> from trainguard import events as ev
+>>> engine = Engine()
+>>> out = []
+>>> for step in range(3):
+...     for rank in range(2):
+...         loss = float("nan") if (step, rank) == (2, 1) else 2.0
+...         out += engine.update(ev.Step(job="j1", ts=100.0 + step, node="n1", rank=rank,
+...                                      step=step, step_time=1.0, loss=loss))
+>>> [(a.kind, a.ranks, a.step) for a in out]
+[('nan', [1], 2)]
+>>> [(i["kind"], i["ranks"]) for i in engine.incidents()]
+[('nan', [1])]
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from trainguard import events as ev
+
+from .base import json_number, to_anomaly
+from .config import DetectorConfig
+from .correlate import Correlator
+from .gpu import GpuDegradedDetector, GpuFaultDetector
+from .liveness import CrashDetector, HangDetector, SilentDetector
+from .timing import StragglerDetector, ThroughputDetector
+from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
+
+__all__ = ["RankStage", "JobStage", "Engine", "StepAggregator", "DETECTORS"]
+
+#: Every detector class a JobStage runs, in the order it runs them.
+DETECTORS = (NanDetector, LossSpikeDetector, GradSpikeDetector, StragglerDetector,
+             ThroughputDetector, HangDetector, SilentDetector, CrashDetector, GpuFaultDetector,
+             GpuDegradedDetector)
+
+
+_SPECIAL_PHASES = frozenset(("checkpoint", "eval", "init"))
+
+
+class RankStage:
+    """Compacts one rank's events into summary dicts (plain JSON, non-finite numbers as the
+    SPEC strings). A heartbeat is forwarded when the rank enters or leaves a ``checkpoint``,
+    ``eval`` or ``init`` phase (they extend the hang timeout), else once every
+    ``config.heartbeat_summary_s``: enough for liveness and for naming a hang's odd ranks,
+    while step progress travels in the step summaries. A lifecycle summary carries the rank's
+    last step.
+
+    >>> from trainguard import events as ev
+    >>> rs = RankStage()
+    >>> hb = ev.Heartbeat(job="j", ts=10.0, node="n1", rank=0, pid=1, step=4,
+    ...                   phase="forward", phase_since=9.5)
+    >>> [len(rs.update(hb.replace(ts=t, step=int(t)))) for t in (10.0, 11.0, 12.0, 15.0)]
+    [1, 0, 0, 1]
+    >>> len(rs.update(hb.replace(ts=15.5, phase="checkpoint", phase_since=15.2)))
+    1
+    >>> rs.update(ev.Step(job="j", ts=16.0, node="n1", rank=0, step=5, step_time=1.0,
+    ...                   loss=float("inf")))[0]["loss"]
+    'Infinity'
+    """
+
+    def __init__(self, config: DetectorConfig | None = None):
+        self.config = config if config is not None else DetectorConfig()
+        self._every = self.config.heartbeat_summary_s
+        self._last_step = None
+        self._hb_key = 0
+        self._hb_ts = None
+
+    def update(self, event) -> list[dict]:
+        kind = event.TYPE
+        if kind == "step":
+            self._last_step = event.step
+            return [{"k": "step", "job": event.job, "rank": event.rank, "node": event.node,
+                     "ts": event.ts, "step": event.step, "step_time": event.step_time,
+                     "compute_time": event.compute_time, "loss": json_number(event.loss),
+                     "grad_norm": json_number(event.grad_norm),
+                     "loss_scale": json_number(event.loss_scale)}]
+        if kind == "heartbeat":
+            phase = event.phase
+            key = (phase, event.phase_since) if phase in _SPECIAL_PHASES else None
+            if key == self._hb_key and event.ts - self._hb_ts < self._every:
+                return []
+            self._hb_key = key
+            self._hb_ts = event.ts
+            return [{"k": "hb", "job": event.job, "rank": event.rank, "node": event.node,
+                     "ts": event.ts, "step": event.step, "phase": event.phase,
+                     "phase_since": event.phase_since, "pid": event.pid,
+                     "dropped": event.dropped}]
+        if kind == "lifecycle":
+            if event.event == "start":
+                self._last_step = None
+                self._hb_key = 0
+            return [{"k": "life", "job": event.job, "rank": event.rank, "node": event.node,
+                     "ts": event.ts, "event": event.event, "exit_code": event.exit_code,
+                     "signal": event.signal, "pid": event.pid, "world_size": event.world_size,
+                     "local_rank": event.local_rank, "step": self._last_step}]
+        return []
+
+
+class StepAggregator:
+    """Collects step summaries into ``jobstep`` items, one per step, in step order.
+
+    A step closes when every expected rank reported it (the world size from lifecycle
+    ``start``, else the ranks seen so far), when some rank is ``close_lag`` steps further, or
+    ``close_s`` seconds after its first record. A step older than the last closed one is a
+    restart when a lifecycle ``start`` came since; otherwise a late record, dropped.
+    """
+
+    def __init__(self, close_lag: int = 2, close_s: float = 5.0):
+        self.close_lag = close_lag
+        self.close_s = close_s
+        self._open: dict = {}        # step -> [first_ts, last_ts, {rank: summary}]
+        self._closed = -1
+        self._ranks: set = set()
+        self._world = 0
+        self._first_step = {}        # rank -> first step it reported, to know the roster
+        self._stable = False         # some rank reported a second step: roster complete
+        self._restarted = False
+        self.late = 0
+
+    def life(self, item) -> None:
+        if item.get("event") == "start":
+            if item.get("world_size") and item["world_size"] != self._world:
+                self._world = item["world_size"]
+                self._ranks = set()
+            self._restarted = True
+
+    def add(self, item) -> list[dict]:
+        step = item["step"]
+        if step <= self._closed:
+            if not self._restarted:
+                self.late += 1
+                return []
+            self._open.clear()
+            self._closed = step - 1
+        self._restarted = False
+        rank = item["rank"]
+        if rank not in self._ranks:
+            self._ranks.add(rank)
+        if not self._stable:
+            first = self._first_step.setdefault(rank, step)
+            self._stable = step != first
+        entry = self._open.get(step)
+        ts = item["ts"]
+        if entry is None:
+            entry = self._open[step] = [ts, ts, {}]
+        elif ts > entry[1]:
+            entry[1] = ts
+        entry[2][rank] = item
+        expected = self._world if self._world > len(self._ranks) else len(self._ranks)
+        if len(entry[2]) >= expected and (self._stable or self._world):
+            return self._close_through(step)
+        if step - self.close_lag > min(self._open):
+            return self._close_through(step - self.close_lag)
+        return []
+
+    def expire(self, now: float) -> list[dict]:
+        if not self._open:
+            return []
+        old = [s for s, e in self._open.items() if now - e[0] >= self.close_s]
+        return self._close_through(max(old)) if old else []
+
+    def _close_through(self, last: int) -> list[dict]:
+        out = []
+        for step in sorted(s for s in self._open if s <= last):
+            first_ts, last_ts, ranks = self._open.pop(step)
+            job = next(iter(ranks.values()))["job"]
+            out.append({"k": "jobstep", "job": job, "step": step, "ts": last_ts,
+                        "first_ts": first_ts, "world": max(self._world, len(self._ranks)),
+                        "ranks": ranks})
+            self._closed = max(self._closed, step)
+        return out
+
+
+class JobStage:
+    """All cross-rank detection of one job, and its incident correlation.
+
+    ``update(item)`` takes a RankStage summary dict, an ``ev.Gpu`` / ``ev.Xid`` event (or its
+    SPEC dict); ``advance(now)`` runs the time-driven checks. Both return new ``ev.Anomaly``
+    objects; an anomaly id is emitted once. The whole object pickles (for snapshots).
+    """
+
+    def __init__(self, config: DetectorConfig | None = None):
+        self.config = config if config is not None else DetectorConfig()
+        c = self.config
+        self.detectors = {cls.PREFIX: cls(**c.params_for(cls)) for cls in DETECTORS}
+        d = self.detectors
+        self._on_jobstep = [d[n] for n in ("nan", "loss_spike", "grad_spike", "straggler",
+                                           "throughput", "gpu_fault", "gpu_degraded")]
+        self._on_step = [d["hang"], d["silent"]]
+        self._on_hb = [d["hang"], d["silent"]]
+        self._on_life = [d["crash"], d["hang"], d["silent"], d["gpu_fault"], d["gpu_degraded"]]
+        self._on_gpu = [d["silent"], d["gpu_fault"], d["gpu_degraded"]]
+        self._on_xid = [d["gpu_fault"]]
+        self._timed = [d["hang"], d["silent"]]
+        self.steps = StepAggregator(close_lag=c.step_close_lag, close_s=c.step_close_s)
+        self.correlator = Correlator(window_s=c.correlate_window_s,
+                                     root_slack_s=c.correlate_root_slack_s)
+        self.job = None
+        self._emitted: set = set()
+        self._emitted_order: deque = deque()
+
+    def update(self, item) -> list[ev.Anomaly]:
+        if type(item) is dict:
+            k = item.get("k")
+            if k is None and "type" in item:
+                return self.update(ev.from_dict(item))
+            if self.job is None:
+                self.job = item.get("job")
+            if k == "step":
+                findings = []
+                for d in self._on_step:
+                    findings += d.update(item)
+                for jobstep in self.steps.add(item):
+                    for d in self._on_jobstep:
+                        findings += d.update(jobstep)
+                return self._emit(findings) if findings else []
+            targets = self._on_hb if k == "hb" else self._on_life if k == "life" else ()
+            if k == "life":
+                self.steps.life(item)
+        else:
+            if self.job is None:
+                self.job = item.job
+            kind = item.TYPE
+            targets = self._on_gpu if kind == "gpu" else self._on_xid if kind == "xid" else ()
+        findings = []
+        for d in targets:
+            findings += d.update(item)
+        return self._emit(findings) if findings else []
+
+    def advance(self, now: float) -> list[ev.Anomaly]:
+        findings = []
+        for jobstep in self.steps.expire(now):
+            for d in self._on_jobstep:
+                findings += d.update(jobstep)
+        for d in self._timed:
+            findings += d.advance(now)
+        return self._emit(findings) if findings else []
+
+    def incidents(self) -> list[dict]:
+        return self.correlator.incidents()
+
+    def _emit(self, findings) -> list[ev.Anomaly]:
+        out = []
+        for finding in findings:
+            anomaly = to_anomaly(self.job or "unknown", finding)
+            if anomaly.id in self._emitted:
+                continue
+            self._emitted.add(anomaly.id)
+            self._emitted_order.append(anomaly.id)
+            if len(self._emitted_order) > self.config.emitted_ids_kept:
+                self._emitted.discard(self._emitted_order.popleft())
+            self.correlator.add(anomaly)
+            out.append(anomaly)
+        return out
+
+
+class Engine:
+    """Routes raw events through one RankStage per (job, rank) and one JobStage per job.
+
+    ``advance(now)`` does work at most every ``config.advance_interval_s`` of ``now``
+    (pass ``force=True`` for a final sweep). Events other than step, heartbeat, lifecycle,
+    gpu and xid are ignored, as are rank events without a rank.
+    """
+
+    def __init__(self, config: DetectorConfig | None = None):
+        self.config = config if config is not None else DetectorConfig()
+        self._ranks: dict = {}
+        self._jobs: dict = {}
+        self._next = None
+
+    def job_stage(self, job: str) -> JobStage:
+        stage = self._jobs.get(job)
+        if stage is None:
+            stage = self._jobs[job] = JobStage(self.config)
+            stage.job = job
+        return stage
+
+    def update(self, event) -> list[ev.Anomaly]:
+        kind = event.TYPE
+        if kind in ("step", "heartbeat", "lifecycle"):
+            if event.rank is None:
+                return []
+            key = (event.job, event.rank)
+            rank_stage = self._ranks.get(key)
+            if rank_stage is None:
+                rank_stage = self._ranks[key] = RankStage(self.config)
+            summaries = rank_stage.update(event)
+            if not summaries:
+                return []
+            stage = self._jobs.get(event.job) or self.job_stage(event.job)
+            out = []
+            for summary in summaries:
+                out += stage.update(summary)
+            return out
+        if kind in ("gpu", "xid"):
+            return self.job_stage(event.job).update(event)
+        return []
+
+    def advance(self, now: float, force: bool = False) -> list[ev.Anomaly]:
+        if not force and self._next is not None and now < self._next:
+            return []
+        self._next = now + self.config.advance_interval_s
+        out = []
+        for stage in self._jobs.values():
+            out += stage.advance(now)
+        return out
+
+    def incidents(self) -> list[dict]:
+        every = []
+        for stage in self._jobs.values():
+            every += stage.incidents()
+        return sorted(every, key=lambda i: (i["onset_ts"], i["id"]))

@@ -1,0 +1,271 @@
+"""Detectors on step timing: slow ranks (straggler) and a slower job (throughput_drop).
+
+Both work on ``jobstep`` items. They are built to exclude each other: a straggler is a rank
+slower than its peers in the same step, so a job-wide slowdown never makes one; a throughput
+drop is the whole job slower than its own past while no rank stands out.
+
+>>> d = StragglerDetector(k=3, n=4, settle=0)
+>>> out = []
+>>> for s in range(6):
+...     ct = [0.50, 0.51, 0.49, 0.50, 0.50, 0.52, 0.80, 0.50]   # rank 6 is 1.6x slower
+...     out += d.update(make_jobstep(s, 10.0 + s, compute_time=ct))
+>>> [(f.kind, f.ranks, f.step) for f in out]
+[('straggler', [6], 0)]
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from river import stats
+
+from .base import (Detector, Finding, fmt_ranks, is_finite, make_jobstep, median, num,
+                   rank_nodes, whole_nodes)
+
+__all__ = ["StragglerDetector", "ThroughputDetector", "PageHinkleyUp", "peer_ratios",
+           "make_jobstep"]
+
+
+class PageHinkleyUp:
+    """The Page-Hinkley test for an increase in the mean, as ``river.drift.PageHinkley(mode="up")``.
+
+    Kept here because importing ``river.drift`` loads SciPy (for KSWIN): 2-3 s at every start
+    of ``trainguard analyze``. Same update rule as river's.
+
+    >>> ph = PageHinkleyUp(min_instances=5, delta=0.05, threshold=2.0)
+    >>> [i for i, x in enumerate([0.0] * 20 + [1.0] * 10) if ph.update(x)]
+    [22]
+    """
+
+    def __init__(self, min_instances: int = 30, delta: float = 0.005, threshold: float = 50.0,
+                 alpha: float = 1.0):
+        self.min_instances = min_instances
+        self.delta = delta
+        self.threshold = threshold
+        self.alpha = alpha
+        self.reset()
+
+    def reset(self) -> None:
+        self._n = 0
+        self._mean = 0.0
+        self._sum = 0.0
+        self._min = math.inf
+
+    def update(self, x: float) -> bool:
+        """Learn ``x``; True when an increase is detected (the test then starts afresh)."""
+        self._n += 1
+        self._mean += (x - self._mean) / self._n
+        self._sum = self.alpha * self._sum + x - self._mean - self.delta
+        if self._sum < self._min:
+            self._min = self._sum
+        if self._n >= self.min_instances and self._sum - self._min > self.threshold:
+            self.reset()
+            return True
+        return False
+
+
+def peer_ratios(times: dict) -> dict:
+    """``{rank: compute_time / median of the other ranks' compute_time}``.
+
+    Excluding the rank itself keeps the reference on the fast side even when a whole machine
+    (up to half of the ranks) is slow.
+
+    >>> {r: round(x, 2) for r, x in peer_ratios({0: 1.0, 1: 1.0, 2: 2.0, 3: 2.0}).items()}
+    {0: 0.5, 1: 0.5, 2: 2.0, 3: 2.0}
+    """
+    order = sorted(times.items(), key=lambda kv: kv[1])
+    values = [v for _, v in order]
+    n = len(values)
+    m = n - 1
+    out = {}
+    for i, (rank, value) in enumerate(order):
+        def at(j):
+            return values[j] if j < i else values[j + 1]
+        ref = at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+        out[rank] = value / ref if ref > 0 else 1.0
+    return out
+
+
+def _compute_times(item) -> dict:
+    out = {}
+    for rank, rec in item["ranks"].items():
+        ct = num(rec.get("compute_time"))
+        if ct is not None and ct >= 0 and is_finite(ct):
+            out[rank] = ct
+    return out
+
+
+class StragglerDetector(Detector):
+    """Ranks persistently slower than their peers.
+
+    In each step, a rank is *slow* when its ``compute_time`` is at least ``ratio`` x the median
+    of the other ranks' and at least ``min_excess_s`` more. A rank slow in ``k`` of the last
+    ``n`` steps it reported is a straggler. When the first rank qualifies, the detector waits
+    ``settle`` steps for others (a whole slow machine), then names exactly the qualifying ranks;
+    machines all of whose ranks are named are named too. Ranks a few percent apart, a one-off
+    slow step and job-wide slow steps (all ratios stay near 1) are never reported. A named rank
+    is reported again only after it recovered (slow in at most ``n - k`` of the last ``n``).
+    """
+
+    PREFIX = "straggler"
+
+    def __init__(self, ratio: float = 1.2, min_excess_s: float = 0.002, k: int = 8,
+                 n: int = 10, settle: int = 2, min_ranks: int = 3):
+        self.ratio = ratio
+        self.min_excess_s = min_excess_s
+        self.k = k
+        self.n = n
+        self.settle = settle
+        self.min_ranks = min_ranks
+        self._history: dict = {}       # rank -> deque of (slow, step, ts, ratio)
+        self._where: dict = {}         # rank -> node
+        self._named: set = set()
+        self._pending = None           # steps left before naming
+
+    def update(self, item) -> list[Finding]:
+        if type(item) is not dict or item.get("k") != "jobstep":
+            return []
+        for rank, rec in item["ranks"].items():
+            node = rec.get("node")
+            if node and self._where.get(rank) != node:
+                self._where[rank] = node
+        times = _compute_times(item)
+        if len(times) < self.min_ranks:
+            return []
+        ratios = peer_ratios(times)
+        step, ts = item["step"], item["ts"]
+        qualifying = []
+        for rank, r in ratios.items():
+            hist = self._history.get(rank)
+            if hist is None:
+                hist = self._history[rank] = deque(maxlen=self.n)
+            slow = r >= self.ratio and times[rank] - times[rank] / r >= self.min_excess_s
+            hist.append((slow, step, ts, r))
+            count = sum(1 for h in hist if h[0])
+            if rank in self._named:
+                if count <= self.n - self.k:
+                    self._named.discard(rank)
+            elif count >= self.k:
+                qualifying.append(rank)
+        if not qualifying:
+            self._pending = None
+            return []
+        if self._pending is None:
+            self._pending = self.settle
+        if self._pending > 0:
+            self._pending -= 1
+            return []
+        self._pending = None
+        self._named.update(qualifying)
+        first = min((h for r in qualifying for h in self._history[r] if h[0]),
+                    key=lambda h: (h[1], h[2]))
+        mean_ratio = {str(r): round(sum(h[3] for h in self._history[r]) / len(self._history[r]), 3)
+                      for r in sorted(qualifying)}
+        nodes = whole_nodes(qualifying, self._where)
+        where = f" (all of machine{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
+        worst = max(float(v) for v in mean_ratio.values())
+        return [Finding(
+            kind="straggler", severity="warning", ranks=sorted(qualifying), nodes=nodes,
+            step=first[1], onset_ts=first[2], detected_ts=ts, detector=self.PREFIX,
+            summary=(f"{fmt_ranks(qualifying)}{where} slower than their peers in {self.k}+ of "
+                     f"{self.n} steps, up to {worst:.2f}x the peers' median compute time"),
+            evidence={"mean_ratio": mean_ratio, "ratio_threshold": self.ratio,
+                      "k": self.k, "n": self.n, "detected_step": step,
+                      "rank_nodes": rank_nodes(qualifying, self._where)})]
+
+
+class ThroughputDetector(Detector):
+    """The whole job slower than its own recent past, while no rank stands out.
+
+    The job's step time of a step is the median of its ranks' ``step_time``. After ``warmup``
+    steps, a Page-Hinkley test (:class:`PageHinkleyUp`) watches its logarithm, each step clipped at ``clip`` x
+    the baseline so a periodic slow step (GC, preconditioner, eval) cannot trip it. A drift is
+    confirmed when the median of the last ``window`` steps is at least ``ratio`` x the protected
+    baseline (median of ``baseline_window`` steps before) and no rank stood out (peer ratio
+    >= ``standout_ratio``) in half of those steps; that is a straggler's business. After a
+    report, the new level is learned as the baseline.
+
+    >>> d = ThroughputDetector(warmup=5)
+    >>> found = []
+    >>> for s in range(200):
+    ...     t = 1.0 if s < 100 else 1.6                          # network got slower at 100
+    ...     found += d.update(make_jobstep(s, float(s), step_time=[t] * 4,
+    ...                                    compute_time=[0.7] * 4))
+    >>> [(f.kind, f.step, round(f.evidence["ratio"], 2)) for f in found]
+    [('throughput_drop', 100, 1.6)]
+    """
+
+    PREFIX = "throughput"
+
+    def __init__(self, warmup: int = 50, baseline_window: int = 200, window: int = 20,
+                 ratio: float = 1.25, clip: float = 4.0, delta: float = 0.05,
+                 threshold: float = 4.0, standout_ratio: float = 1.2):
+        self.warmup = warmup
+        self.baseline_window = baseline_window
+        self.window = window
+        self.ratio = ratio
+        self.clip = clip
+        self.delta = delta
+        self.threshold = threshold
+        self.standout_ratio = standout_ratio
+        self._reset(0)
+
+    def _reset(self, seen: int):
+        self._seen = seen
+        self._baseline = stats.RollingQuantile(q=0.5, window_size=self.baseline_window)
+        self._recent = deque(maxlen=self.window)       # (log step time, step, ts, standouts)
+        self._ph = PageHinkleyUp(min_instances=self.window, delta=self.delta,
+                                 threshold=self.threshold)
+        self._learned = 0
+
+    def update(self, item) -> list[Finding]:
+        if type(item) is not dict or item.get("k") != "jobstep":
+            return []
+        times = []
+        for rec in item["ranks"].values():
+            t = num(rec.get("step_time"))
+            if t is not None and t > 0 and is_finite(t):
+                times.append(t)
+        if not times:
+            return []
+        self._seen += 1
+        if self._seen <= self.warmup:
+            return []
+        y = math.log(median(times))
+        cts = _compute_times(item)
+        standouts = ()
+        if len(cts) >= 3:
+            standouts = tuple(r for r, x in peer_ratios(cts).items() if x >= self.standout_ratio)
+        self._recent.append((y, item["step"], item["first_ts"], standouts))
+        if self._learned < self.window:
+            self._learned += 1
+            self._baseline.update(y)
+            return []
+        base = self._baseline.get()
+        clipped = min(y, base + math.log(self.clip))
+        drifted = self._ph.update(clipped - base)
+        recent = sorted(h[0] for h in self._recent)
+        recent_median = recent[len(recent) // 2]
+        if not drifted:
+            if recent_median - base < math.log(self.ratio):
+                self._baseline.update(y)
+            return []
+        ratio = math.exp(recent_median - base)
+        if ratio < self.ratio:
+            return []
+        counts: dict = {}
+        for h in self._recent:
+            for r in h[3]:
+                counts[r] = counts.get(r, 0) + 1
+        if any(c * 2 >= len(self._recent) for c in counts.values()):
+            return []
+        cut = base + math.log(self.ratio) / 2
+        first = next((h for h in self._recent if h[0] >= cut), self._recent[0])
+        self._reset(self._seen)
+        return [Finding(
+            kind="throughput_drop", severity="warning", ranks=[], nodes=[], step=first[1],
+            onset_ts=first[2], detected_ts=item["ts"], detector=self.PREFIX,
+            summary=(f"the job's step time rose to {math.exp(recent_median):.3g}s from "
+                     f"{math.exp(base):.3g}s ({ratio:.2f}x) with no rank standing out"),
+            evidence={"step_time": math.exp(recent_median), "baseline": math.exp(base),
+                      "ratio": ratio, "detected_step": item["step"]})]

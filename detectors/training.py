@@ -1,0 +1,222 @@
+"""Detectors on what the model reports each step: non-finite values and loss / gradient spikes.
+
+Both work on ``jobstep`` items, one closed step of all ranks, so they judge the job as a whole.
+
+>>> nan = NanDetector()
+>>> findings = nan.update(make_jobstep(7, 70.0, loss=[2.1, float("nan"), 2.2, 2.0],
+...                                    grad_norm=[float("nan")] * 4))
+>>> [(f.kind, f.ranks, f.step) for f in findings]
+[('nan', [1], 7)]
+"""
+from __future__ import annotations
+
+import math
+
+from river import stats
+
+from .base import Detector, Finding, fmt_ranks, is_finite, make_jobstep, median, num
+
+__all__ = ["NanDetector", "LossSpikeDetector", "GradSpikeDetector", "SpikeDetector",
+           "make_jobstep"]
+
+
+class NanDetector(Detector):
+    """A non-finite loss or gradient norm.
+
+    The suspects are the ranks whose *loss* went non-finite in the first step where any did.
+    A gradient norm is global (all-reduced), so a non-finite one on every rank blames none:
+    the finding is then job-wide (``ranks == []``). With a dynamic loss scaler (``loss_scale``
+    reported) a non-finite gradient norm with finite losses is the scaler's routine overflow
+    skip, reported only after ``scaler_patience`` such steps in a row. One finding per episode;
+    a step with every value finite ends it.
+
+    >>> d = NanDetector()
+    >>> gn = [float("inf")] * 4
+    >>> [f.ranks for f in d.update(make_jobstep(3, 30.0, loss=[2.0] * 4, grad_norm=gn))]
+    [[]]
+    >>> scaled = NanDetector(scaler_patience=2)
+    >>> [len(scaled.update(make_jobstep(s, s, loss=[2.0] * 4, grad_norm=gn,
+    ...                                 loss_scale=[1024.0] * 4))) for s in range(3)]
+    [0, 1, 0]
+    """
+
+    PREFIX = "nan"
+
+    def __init__(self, scaler_patience: int = 8):
+        self.scaler_patience = scaler_patience
+        self._active = False
+        self._grad_streak = 0
+        self._grad_onset = None
+
+    def update(self, item) -> list[Finding]:
+        if type(item) is not dict or item.get("k") != "jobstep":
+            return []
+        bad_loss, bad_grad, scaled, seen_grad = [], [], False, 0
+        first_ts = math.inf
+        for rank, rec in item["ranks"].items():
+            loss, grad = num(rec.get("loss")), num(rec.get("grad_norm"))
+            if loss is not None and not is_finite(loss):
+                bad_loss.append(rank)
+                first_ts = min(first_ts, rec["ts"])
+            if grad is not None:
+                seen_grad += 1
+                if not is_finite(grad):
+                    bad_grad.append(rank)
+                    first_ts = min(first_ts, rec["ts"])
+            if rec.get("loss_scale") is not None:
+                scaled = True
+        if not bad_loss and not bad_grad:
+            self._active = False
+            self._grad_streak = 0
+            return []
+        step, ts = item["step"], item["ts"]
+        if self._active:
+            return []
+        reporting = len(item["ranks"])
+        if bad_loss:
+            everyone = len(bad_loss) == reporting and reporting > 1
+            ranks = [] if everyone else sorted(bad_loss)
+            who = f"every rank ({reporting})" if everyone else fmt_ranks(bad_loss)
+            summary = f"loss became non-finite on {who} at step {step}"
+            onset = first_ts
+        else:
+            if scaled:
+                self._grad_streak += 1
+                if self._grad_streak == 1:
+                    self._grad_onset = (item["step"], first_ts)
+                if self._grad_streak < self.scaler_patience:
+                    return []
+                step, onset = self._grad_onset
+            else:
+                onset = first_ts
+            everyone = len(bad_grad) == seen_grad
+            ranks = [] if everyone else sorted(bad_grad)
+            summary = (f"gradient norm non-finite on {'every rank' if everyone else fmt_ranks(ranks)}"
+                       f" at step {step} while the loss is finite"
+                       + (f" ({self._grad_streak} steps despite loss scaling)" if scaled else ""))
+        self._active = True
+        return [Finding(kind="nan", severity="critical", ranks=ranks, nodes=[], step=step,
+                        onset_ts=onset, detected_ts=ts, detector=self.PREFIX, summary=summary,
+                        evidence={"nonfinite_loss_ranks": sorted(bad_loss),
+                                  "nonfinite_grad_norm_ranks": sorted(bad_grad),
+                                  "ranks_reporting": reporting, "loss_scaled": scaled})]
+
+
+class SpikeDetector(Detector):
+    """A value far above its own robust baseline; the job's value of a step is the median
+    across ranks.
+
+    Works on the log of the value. The baseline is a rolling median (``window`` steps); the
+    yardstick is a high quantile (``tail_quantile``) of recent upward log deviations
+    (``tail_window`` steps; downward ones count as 0, so a falling curve does not widen it),
+    so a noisy curve needs a bigger jump than a smooth one. A spike is
+    a deviation above ``tail_factor`` x that quantile and a value above ``min_ratio`` x the
+    baseline. Values enter the baseline clipped at that threshold (winsorized), so a spike does
+    not teach the baseline, while a lasting level shift is learned in about ``window / 2``
+    steps. Nothing is reported in the first ``warmup`` steps; ``cooldown`` quiet steps end a
+    spike episode, and each episode is reported once. Values <= 0 are skipped.
+    """
+
+    PREFIX = ""
+    FIELD = ""
+    KIND = ""
+
+    def __init__(self, window: int = 50, tail_window: int = 1000, tail_quantile: float = 0.995,
+                 tail_factor: float = 4.0, min_ratio: float = 1.1, warmup: int = 250,
+                 cooldown: int = 20):
+        self.window = window
+        self.tail_window = tail_window
+        self.tail_quantile = tail_quantile
+        self.tail_factor = tail_factor
+        self.min_ratio = min_ratio
+        self.warmup = warmup
+        self.cooldown = cooldown
+        self._median = stats.RollingQuantile(q=0.5, window_size=window)
+        self._tail = stats.RollingQuantile(q=tail_quantile, window_size=tail_window)
+        self._log_min_ratio = math.log(min_ratio)
+        self._n = 0
+        self._quiet = cooldown
+        self._episode = None
+
+    def update(self, item) -> list[Finding]:
+        if type(item) is not dict or item.get("k") != "jobstep":
+            return []
+        values = []
+        for rec in item["ranks"].values():
+            x = num(rec.get(self.FIELD))
+            if x is not None and x > 0 and x - x == 0:
+                values.append(x)
+        if not values:
+            return []
+        value = median(values) if len(values) > 1 else values[0]
+        return self.learn(value, item["step"], item["first_ts"], item["ts"])
+
+    def learn(self, value: float, step: int, onset_ts: float, ts: float) -> list[Finding]:
+        """One job-level value; usable directly on a plain curve (as the tests do on Pythia)."""
+        y = math.log(value)
+        self._n += 1
+        if self._n <= 2:
+            self._median.update(y)
+            return []
+        base = self._median.get()
+        dev = y - base
+        tail = self._tail.get() or 0.0
+        threshold = max(self.tail_factor * tail, self._log_min_ratio)
+        clipped = dev if dev < threshold else threshold
+        self._median.update(base + clipped)
+        self._tail.update(clipped if clipped > 0 else 0.0)
+        if self._n <= self.warmup or dev <= threshold:
+            self._quiet += 1
+            if self._quiet >= self.cooldown:
+                self._episode = None
+            return []
+        self._quiet = 0
+        if self._episode is not None:
+            return []
+        self._episode = step
+        baseline = math.exp(base)
+        ratio = value / baseline
+        return [Finding(
+            kind=self.KIND, severity="warning", ranks=[], nodes=[], step=step, onset_ts=onset_ts,
+            detected_ts=ts, detector=self.PREFIX,
+            summary=(f"{self.FIELD} jumped to {value:.4g} at step {step}, {ratio:.2f}x its "
+                     f"baseline {baseline:.4g}"),
+            evidence={"value": value, "baseline": baseline, "ratio": ratio,
+                      "threshold_ratio": math.exp(threshold), "steps_seen": self._n})]
+
+
+class LossSpikeDetector(SpikeDetector):
+    """Loss spikes (see :class:`SpikeDetector`).
+
+    >>> d = LossSpikeDetector(warmup=20)
+    >>> curve = [3.0 + 0.01 * ((s * 7) % 5) for s in range(60)] + [4.5] + [3.0] * 5
+    >>> [(f.step, round(f.evidence["ratio"], 2)) for s, x in enumerate(curve)
+    ...  for f in d.learn(x, s, float(s), float(s))]
+    [(60, 1.49)]
+    """
+
+    PREFIX = "loss_spike"
+    FIELD = "loss"
+    KIND = "loss_spike"
+
+
+class GradSpikeDetector(SpikeDetector):
+    """Gradient-norm spikes (see :class:`SpikeDetector`); needs a bigger jump (``min_ratio``).
+
+    >>> d = GradSpikeDetector(warmup=20)
+    >>> norms = [1.0 + 0.1 * ((s * 3) % 4) for s in range(60)] + [2.0, 9.0, 1.1]
+    >>> [(f.step, round(f.evidence["value"], 1)) for s, x in enumerate(norms)
+    ...  for f in d.learn(x, s, float(s), float(s))]
+    [(61, 9.0)]
+    """
+
+    PREFIX = "grad_spike"
+    FIELD = "grad_norm"
+    KIND = "grad_spike"
+
+    def __init__(self, window: int = 50, tail_window: int = 1000, tail_quantile: float = 0.995,
+                 tail_factor: float = 4.0, min_ratio: float = 2.5, warmup: int = 250,
+                 cooldown: int = 20):
+        super().__init__(window=window, tail_window=tail_window, tail_quantile=tail_quantile,
+                         tail_factor=tail_factor, min_ratio=min_ratio, warmup=warmup,
+                         cooldown=cooldown)

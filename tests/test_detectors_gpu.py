@@ -1,0 +1,102 @@
+"""GPU fault and degradation conditions one by one, on hand-made samples."""
+import pytest
+
+from trainguard import events as ev
+from trainguard.detectors import GpuDegradedDetector, GpuFaultDetector
+
+
+def gpu(index, **fields):
+    return {"index": index, "uuid": f"GPU-{index}", **fields}
+
+
+def sample(ts, gpus, node="n1"):
+    return ev.Gpu(job="j", ts=float(ts), node=node, gpus=gpus)
+
+
+def feed(detector, items):
+    found = []
+    for item in items:
+        found += detector.update(item)
+    return found
+
+
+def placed(detector):
+    """Teach the detector that ranks 8..11 run on n1's GPUs 0..3."""
+    for local in range(4):
+        detector.update({"k": "life", "job": "j", "rank": 8 + local, "node": "n1", "ts": 0.0,
+                         "event": "start", "local_rank": local, "world_size": 16})
+    return detector
+
+
+def test_lost_gpu_is_a_fault_once():
+    d = placed(GpuFaultDetector())
+    found = feed(d, [sample(t, [gpu(0), gpu(1, lost=True)]) for t in range(5)])
+    assert [(f.kind, f.ranks, f.nodes) for f in found] == [("gpu_fault", [9], ["n1"])]
+    assert "lost" in found[0].summary
+
+
+def test_remap_failure_and_dbe_rise():
+    d = placed(GpuFaultDetector())
+    items = [sample(t, [gpu(2, ecc_dbe=0, remapped_failure=False)]) for t in range(3)]
+    items += [sample(3, [gpu(2, ecc_dbe=0, remapped_failure=True)])]
+    items += [sample(t, [gpu(2, ecc_dbe=2, remapped_failure=True)]) for t in range(4, 7)]
+    found = feed(d, items)
+    assert [(f.detected_ts, f.ranks) for f in found] == [(3.0, [10]), (4.0, [10])]
+    assert "remapping" in found[0].summary and "ecc_dbe rose 0 -> 2" in found[1].summary
+
+
+def test_gpu_missing_from_samples():
+    d = placed(GpuFaultDetector(missing_samples=2))
+    items = [sample(t, [gpu(i) for i in range(4)]) for t in range(3)]
+    items += [sample(t, [gpu(0), gpu(1), gpu(3)]) for t in range(3, 8)]
+    found = feed(d, items)
+    assert [(f.detected_ts, f.ranks, f.evidence["gpu"]) for f in found] == [(4.0, [10], 2)]
+
+
+def test_unavailable_nvml_is_not_a_missing_gpu():
+    d = GpuFaultDetector()
+    items = [sample(t, [gpu(0), gpu(1)]) for t in range(3)]
+    items += [ev.Gpu(job="j", ts=3.0 + t, node="n1", gpus=[], status="unavailable",
+                     reason="NVML gone") for t in range(5)]
+    assert feed(d, items) == []
+
+
+@pytest.mark.parametrize("xid", [48, 63, 64, 74, 79, 92, 94, 95, 119, 120])
+def test_every_hardware_xid_is_a_fault_and_repeats_are_one(xid):
+    d = GpuFaultDetector(repeat_s=300.0)
+    x = ev.Xid(job="j", ts=10.0, node="n1", gpu=0, xid=xid, source="nvml", message="m")
+    found = feed(d, [x, x.replace(ts=20.0), x.replace(ts=400.0)])
+    assert [f.detected_ts for f in found] == [10.0, 400.0]
+
+
+def test_pcie_replays_rising():
+    d = placed(GpuDegradedDetector(window_s=60.0, pcie_replays=50))
+    items = [sample(t, [gpu(1, pcie_replay=100 + 3 * max(0, t - 20))]) for t in range(60)]
+    found = feed(d, items)
+    assert [(f.evidence["condition"], f.ranks) for f in found] == [("pcie_replay", [9])]
+    assert found[0].onset_ts == 21.0
+
+
+def test_nvlink_errors_increasing_but_a_single_blip_is_not():
+    d = GpuDegradedDetector(nvlink_increments=3)
+    blip = [sample(t, [gpu(0, nvlink_errors=5 if t >= 10 else 0)]) for t in range(100)]
+    assert feed(d, blip) == []
+    d = GpuDegradedDetector(nvlink_increments=3)
+    climbing = [sample(t, [gpu(0, nvlink_errors=t // 10)]) for t in range(100)]
+    found = feed(d, climbing)
+    assert [f.evidence["condition"] for f in found] == ["nvlink_errors"]
+
+
+def test_climbing_single_bit_errors():
+    d = GpuDegradedDetector(sbe_increase=10, sbe_increments=2)
+    items = [sample(t, [gpu(3, ecc_sbe=0 if t < 30 else (t - 30) * 2)]) for t in range(60)]
+    found = feed(d, items)
+    assert [f.evidence["condition"] for f in found] == ["ecc_sbe"]
+
+
+def test_brief_or_software_power_throttling_is_not_degradation():
+    d = GpuDegradedDetector()
+    items = [sample(t, [gpu(0, throttle=["sw_power_cap"]),
+                        gpu(1, throttle=["hw_slowdown"] if t % 5 == 0 else [])])
+             for t in range(300)]
+    assert feed(d, items) == []
