@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+
+import orjson
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -264,6 +266,19 @@ EVENT_TYPES: dict[str, type[Event]] = {
 }
 _ENVELOPE_KEYS = frozenset(("v", "type", *ENVELOPE, *ENVELOPE_NULLABLE))
 _DECLARED = {name: frozenset((*cls.REQUIRED, *cls.OPTIONAL)) for name, cls in EVENT_TYPES.items()}
+_ENVELOPE_CHECKS = tuple((n, c.check) for n, c in ENVELOPE.items())
+_NULLABLE_CHECKS = tuple((n, c.inner.check) for n, c in ENVELOPE_NULLABLE.items())
+_REQUIRED_CHECKS = {name: tuple((n, c.check) for n, c in cls.REQUIRED.items())
+                    for name, cls in EVENT_TYPES.items()}
+_OPTIONAL_CHECKS = {name: tuple((n, c.check) for n, c in cls.OPTIONAL.items())
+                    for name, cls in EVENT_TYPES.items()}
+_KNOWN_KEYS = {name: _ENVELOPE_KEYS | declared for name, declared in _DECLARED.items()}
+_FACTORIES = {name: tuple((f.name, f.default_factory) for f in dataclasses.fields(cls)
+                          if f.default_factory is not dataclasses.MISSING)
+              for name, cls in EVENT_TYPES.items()}
+_DEFAULTS = {name: {f.name: f.default for f in dataclasses.fields(cls)
+                    if f.default is not dataclasses.MISSING}
+             for name, cls in EVENT_TYPES.items()}
 
 
 def from_dict(obj: Any) -> Event:
@@ -278,37 +293,46 @@ def from_dict(obj: Any) -> Event:
     if cls is None:
         raise InvalidEvent(f"type: unknown event type {kind!r}")
     values = {}
-    for name, checker in ENVELOPE.items():
+    for name, checker in _ENVELOPE_CHECKS:
         if name not in obj:
             raise InvalidEvent(f"missing required field {name!r}")
-        values[name] = checker.check(obj[name], name)
-    for name, checker in ENVELOPE_NULLABLE.items():
-        values[name] = checker.check(obj.get(name), name)
-    for name, checker in cls.REQUIRED.items():
+        values[name] = checker(obj[name], name)
+    for name, checker in _NULLABLE_CHECKS:
+        value = obj.get(name)
+        values[name] = None if value is None else checker(value, name)
+    for name, checker in _REQUIRED_CHECKS[kind]:
         if name not in obj:
             raise InvalidEvent(f"{kind}: missing required field {name!r}")
-        values[name] = checker.check(obj[name], name)
-    for name, checker in cls.OPTIONAL.items():
+        values[name] = checker(obj[name], name)
+    for name, checker in _OPTIONAL_CHECKS[kind]:
         if name in obj:
-            values[name] = checker.check(obj[name], name)
+            values[name] = checker(obj[name], name)
     if cls is Lifecycle and values["event"] == "start":
         for name in Lifecycle.START_REQUIRED:
             if values.get(name) is None:
                 raise InvalidEvent(f"lifecycle start: missing required field {name!r}")
-    declared = _DECLARED[kind]
-    extra = {k: v for k, v in obj.items() if k not in _ENVELOPE_KEYS and k not in declared}
-    if extra:
-        values["extra"] = extra
-    return cls(**values)
+    if not obj.keys() <= _KNOWN_KEYS[kind]:
+        known = _KNOWN_KEYS[kind]
+        values["extra"] = {k: v for k, v in obj.items() if k not in known}
+    return _build(cls, values)
+
+
+def _build(cls, values: dict) -> Event:
+    """``cls(**values)`` without re-running the dataclass ``__init__`` (values are checked)."""
+    event = cls.__new__(cls)
+    event.__dict__.update(_DEFAULTS[cls.TYPE])
+    event.__dict__.update(values)
+    for name, factory in _FACTORIES[cls.TYPE]:
+        if name not in values:
+            setattr(event, name, factory())
+    return event
 
 
 def decode(raw: bytes | bytearray | memoryview | str) -> Event:
     """Parse and validate one envelope; raises only :class:`InvalidEvent`."""
     try:
-        if not isinstance(raw, str):
-            raw = bytes(raw).decode("utf-8")
-        obj = json.loads(raw)
-    except (ValueError, TypeError, RecursionError) as exc:
+        obj = orjson.loads(raw)
+    except (orjson.JSONDecodeError, TypeError) as exc:
         raise InvalidEvent(f"not valid UTF-8 JSON: {str(exc)[:120]}") from None
     try:
         return from_dict(obj)
