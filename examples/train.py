@@ -1,0 +1,218 @@
+"""A small GPT trained data-parallel on CPU, instrumented for trainguard: the example to copy.
+
+    python -m torch.distributed.run --nproc-per-node 4 --standalone examples/train.py \
+        --job demo --steps 300 --checkpoint-every 20
+
+A decoder-only transformer (byte-level, two blocks, 64 wide) learns two-digit additions
+("37+45=82") generated from a seed, or the text of ``--data FILE``. Ranks train on different
+batches with DistributedDataParallel over gloo.
+
+trainguard, in about ten lines: ``trainguard.init`` starts this rank's collector (rank and world
+size from torchrun's environment, Kafka from ``TRAINGUARD_BOOTSTRAP``); ``tg.step`` times every
+step and ``s.report`` attaches loss, gradient norm and tokens; ``tg.phase`` tells the heartbeats
+what the loop is doing, so a hang shows where it hangs; ``tg.watch_ddp`` measures how long each
+rank waits in DDP's gradient all-reduce, which tells a straggler apart. The collector never
+blocks or fails the loop when Kafka is unreachable.
+
+Checkpoints: every ``--checkpoint-every`` steps rank 0 writes model, optimizer and step to
+``--checkpoint-dir`` (default ``$TRAINGUARD_CHECKPOINT_DIR``, else ``./checkpoints``), atomically
+(a temporary file, then a rename), keeping the newest three. It skips a checkpoint whose loss or
+gradient norm is not finite, so a NaN is never saved. Every start resumes from the newest
+checkpoint there, if any: so do restarts by plain ``torchrun --max-restarts`` and relaunches by
+``trainguard run`` (which also sets ``TRAINGUARD_RESUME=1``; that only shows in the log). A new
+checkpoint directory starts a new run. Batches are a function of (seed, step, rank), so a
+resumed run sees the same data it would have seen.
+
+Chaos: faults from ``TRAINGUARD_CHAOS`` are injected by ``trainguard.chaos`` (see
+docs/CHAOS.md); each fires once per run, tracked in ``<checkpoint dir>/chaos-state`` unless
+``TRAINGUARD_CHAOS_STATE`` says otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainguard
+import trainguard.chaos
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--job", default="example-gpt", help="trainguard job id")
+    p.add_argument("--steps", type=int, default=300, help="train until this step")
+    p.add_argument("--checkpoint-every", type=int, default=20, metavar="N")
+    p.add_argument("--checkpoint-dir", default=os.environ.get("TRAINGUARD_CHECKPOINT_DIR")
+                   or "checkpoints")
+    p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
+                   help="extra seconds of 'compute' per step, to pace the job")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="gloo's collective timeout: how long a rank waits for a missing peer")
+    p.add_argument("--data", default=None, metavar="FILE", help="train on this text file")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--log-every", type=int, default=10)
+    return p.parse_args(argv)
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: token + position embeddings, causal pre-norm blocks."""
+
+    def __init__(self, vocab=256, dim=64, heads=4, layers=2, context=64):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
+        block = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t)
+        h = self.blocks(self.tok(x) + self.pos(torch.arange(t)), mask=mask, is_causal=True)
+        return self.head(self.norm(h))
+
+
+def load_corpus(path, seed):
+    if path:
+        text = Path(path).read_bytes()
+    else:
+        rng = random.Random(seed)
+        pairs = [(rng.randrange(100), rng.randrange(100)) for _ in range(20000)]
+        text = "".join(f"{a}+{b}={a + b}\n" for a, b in pairs).encode()
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def get_batch(corpus, step, rank, args):
+    """The batch of (step, rank): the same after a restart, different on every rank."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 4099 + rank)
+    starts = torch.randint(len(corpus) - args.context - 1, (args.batch,), generator=g)
+    x = torch.stack([corpus[i:i + args.context] for i in starts])
+    y = torch.stack([corpus[i + 1:i + args.context + 1] for i in starts])
+    return x, y
+
+
+def latest_checkpoint(directory: Path):
+    found = sorted(directory.glob("ckpt_*.pt"))
+    return found[-1] if found else None
+
+
+def save_checkpoint(directory: Path, step, model, opt, keep=3):
+    """Atomically write the state to resume at ``step``; keep the newest ``keep`` files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"ckpt_{step:08d}.pt"
+    tmp = directory / f".{path.name}.tmp"
+    torch.save({"step": step, "model": model.state_dict(), "optim": opt.state_dict()}, tmp)
+    os.replace(tmp, path)
+    for old in sorted(directory.glob("ckpt_*.pt"))[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def init_distributed(timeout: float):
+    """The gloo process group, its keys apart from those of earlier torchrun restarts.
+
+    torchrun's agent keeps one store across restarts; a rank that reads a peer's address left
+    there by the previous attempt fails with "connectFullMesh ... Connection refused".
+    """
+    env, timeout = os.environ, datetime.timedelta(seconds=timeout)
+    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
+                          world, is_master=rank == 0 and not agent_hosts, timeout=timeout)
+    store = dist.PrefixStore(f"attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    init_distributed(args.timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tg = trainguard.init(job=args.job)
+    ckpt_dir = Path(args.checkpoint_dir)
+    chaos = trainguard.chaos.from_env(rank=rank, node=tg.settings.node,
+                                      default_state_dir=ckpt_dir / "chaos-state")
+    log = (lambda msg: print(f"[train] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
+
+    torch.manual_seed(args.seed)
+    corpus = load_corpus(args.data, args.seed)
+    model = GPT(context=args.context)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+
+    # Rank 0 picks the checkpoint, so that all ranks resume from the same one.
+    latest = latest_checkpoint(ckpt_dir) if rank == 0 else None
+    start = torch.tensor([int(latest.stem.split("_")[1]) if latest else -1])
+    dist.broadcast(start, src=0)
+    start = int(start.item())
+    if start >= 0:
+        state = torch.load(ckpt_dir / f"ckpt_{start:08d}.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        log(f"resuming from {ckpt_dir}/ckpt_{start:08d}.pt at step {start} "
+            f"(TRAINGUARD_RESUME={os.environ.get('TRAINGUARD_RESUME', '')})")
+    else:
+        start = 0
+        log(f"starting at step 0 (no checkpoint in {ckpt_dir}), {world} ranks")
+    ddp = DDP(model)
+    tg.watch_ddp(ddp)  # times the gradient all-reduce wait: compute_time tells stragglers apart
+
+    t_log, n_log = time.perf_counter(), 0
+    for step in range(start, args.steps):
+        with tg.step(step) as s:
+            with tg.phase("data"):
+                chaos.in_data(step)
+                x, y = get_batch(corpus, step, rank, args)
+            with tg.phase("forward"):
+                chaos.before_forward(step)
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)  # stands in for the compute of a bigger model
+                logits = ddp(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                loss = chaos.loss(step, loss)
+            with tg.phase("backward"):
+                opt.zero_grad(set_to_none=True)
+                loss.backward()  # DDP all-reduces the gradients in here
+            with tg.phase("optimizer"):
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+            with tg.phase("collective"):
+                mean_loss = loss.detach().clone()
+                dist.all_reduce(mean_loss)  # the job-wide loss, for the log
+            s.report(loss=loss.item(), grad_norm=grad_norm.item(), tokens=x.numel(), lr=args.lr)
+        chaos.after_step(step)
+        done = step + 1
+        finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
+        if rank == 0 and (done % args.checkpoint_every == 0 or done == args.steps):
+            with tg.phase("checkpoint"):
+                if finite:
+                    log(f"checkpoint {save_checkpoint(ckpt_dir, done, model, opt)}")
+                else:
+                    log(f"step {step}: loss or gradient norm not finite, checkpoint skipped")
+        n_log += 1
+        if done % args.log_every == 0:
+            elapsed, t_log = time.perf_counter() - t_log, time.perf_counter()
+            log(f"step {step} loss {mean_loss.item() / world:.4f} grad_norm {grad_norm.item():.3f} "
+                f"{elapsed / n_log * 1000:.0f} ms/step")
+            n_log = 0
+    log(f"done: steps {start}..{args.steps - 1}")
+    dist.barrier()
+    dist.destroy_process_group()
+    tg.close()
+
+
+if __name__ == "__main__":
+    main()
