@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--step-log", default=None, metavar="FILE",
+                   help="rank 0 appends {step, start, end} per step (for ETTR)")
     p.add_argument("--log-every", type=int, default=10)
     return p.parse_args(argv)
 
@@ -171,7 +173,9 @@ def main(argv=None):
     tg.watch_ddp(ddp)  # times the gradient all-reduce wait: compute_time tells stragglers apart
 
     t_log, n_log = time.perf_counter(), 0
+    step_log = open(args.step_log, "a", buffering=1) if args.step_log and rank == 0 else None
     for step in range(start, args.steps):
+        began = time.time()
         with tg.step(step) as s:
             with tg.phase("data"):
                 chaos.in_data(step)
@@ -188,11 +192,14 @@ def main(argv=None):
                 loss.backward()  # DDP all-reduces the gradients in here
             with tg.phase("optimizer"):
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
+                if torch.isfinite(grad_norm):
+                    opt.step()  # a non-finite gradient skips the update, as loss scalers do
             with tg.phase("collective"):
                 mean_loss = loss.detach().clone()
                 dist.all_reduce(mean_loss)  # the job-wide loss, for the log
             s.report(loss=loss.item(), grad_norm=grad_norm.item(), tokens=x.numel(), lr=args.lr)
+        if step_log:
+            step_log.write(f'{{"step": {step}, "start": {began}, "end": {time.time()}}}\n')
         chaos.after_step(step)
         done = step + 1
         finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())

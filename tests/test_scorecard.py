@@ -1,0 +1,33 @@
+"""The demo's scorecard: ETTR and per-fault outcomes from recorded facts."""
+from trainguard.scorecard import ettr, kept_steps, outcomes, projected_ettr
+
+
+def test_redone_steps_are_lost():
+    steps = [(0, 0, 1), (1, 1, 2), (2, 2, 3), (1, 10, 11), (2, 11, 12), (3, 12, 13)]
+    assert [s for s, _, _ in kept_steps(steps)] == [0, 1, 2, 3]
+    assert ettr(steps, 0, 13) == (1 + 1 + 1 + 1) / 13
+
+
+def test_outcome_of_a_hang_detected_and_restarted():
+    injections = [{"id": "f1", "kind": "hang", "ranks": [2], "step": 5, "injected_ts": 100.0}]
+    anomalies = [{"id": "a1", "kind": "hang", "ts": 120.0, "detected_ts": 120.0, "ranks": [2]}]
+    actions = [{"incident": "a1", "action": "capture_stacks", "status": "done", "ts": 121.0},
+               {"incident": "a1", "action": "restart", "status": "done", "ts": 125.0}]
+    steps = [(4, 98.0, 99.0), (5, 130.0, 131.0)]
+    [fault] = outcomes(injections, anomalies, actions, steps)
+    assert fault.detected_ts == 120.0
+    assert fault.actions == ["capture_stacks", "restart"]
+    assert fault.recovered_ts == 131.0
+    assert fault.lost_s == 31.0
+
+
+def test_undetected_fault_has_null_detection():
+    injections = [{"id": "f1", "kind": "crash", "ranks": [3], "injected_ts": 100.0}]
+    [fault] = outcomes(injections, [], [], [(7, 200.0, 201.0)])
+    assert fault.detected_ts is None and fault.to_dict()["detected_ts"] is None
+    assert fault.recovered_ts == 201.0
+
+
+def test_projection_shows_its_inputs():
+    p = projected_ettr(20.0)
+    assert p["gpus"] == 9600 and "419" in p["source"] and p["ettr"] > 0.99
