@@ -6,7 +6,8 @@ __version__ = "0.1.0"
 
 
 def init(job: str, **kwargs):
-    """Start the collector of this rank; never raises and never blocks on the network."""
+    """Start the collector of this rank. It never blocks on the network and never raises because
+    Kafka is unreachable; a malformed job id or rank is a programming error (``ValueError``)."""
     from .collectors.api import init as _init
 
     return _init(job=job, **kwargs)

@@ -1,0 +1,97 @@
+"""Who a rank is and how its collector reports: :class:`CollectorSettings`, validated.
+
+Nothing here reads the environment; :func:`trainguard.collectors.api.init` does, once.
+
+>>> CollectorSettings(job="llama-70b-run3", rank=5, world_size=16,
+...                   topology={"tp": 4, "pp": 2}).topology
+{'tp': 4, 'pp': 2, 'dp': 2}
+>>> try:
+...     CollectorSettings(job="bad job")
+... except CollectorError as exc:
+...     print(exc)
+job id 'bad job' must be 1-128 characters of [A-Za-z0-9._-], e.g. 'llama-70b-run3'
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+from trainguard.errors import UserError
+
+__all__ = ["CollectorError", "CollectorSettings", "env_int"]
+
+log = logging.getLogger(__name__)
+
+_JOB_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+class CollectorError(UserError, ValueError):
+    """A wrong argument to the collector API (a programming error in the training script)."""
+
+
+@dataclass(kw_only=True)
+class CollectorSettings:
+    """Who this rank is and how often to report; validated, never read from the environment."""
+
+    job: str
+    rank: int = 0
+    local_rank: int | None = None
+    world_size: int = 1
+    node: str | None = None
+    topology: dict | None = None
+    heartbeat_interval: float = 1.0
+    report_every: int = 1
+    argv: list | None = None
+
+    def __post_init__(self):
+        if type(self.job) is not str or not _JOB_RE.fullmatch(self.job):
+            raise CollectorError(f"job id {self.job!r} must be 1-128 characters of "
+                                 "[A-Za-z0-9._-], e.g. 'llama-70b-run3'")
+        for name in ("rank", "world_size", "report_every"):
+            if type(getattr(self, name)) is not int:
+                raise CollectorError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise CollectorError(f"rank {self.rank} must be in [0, world_size={self.world_size})")
+        if self.local_rank is not None and (type(self.local_rank) is not int
+                                            or self.local_rank < 0):
+            raise CollectorError(f"local_rank must be an int >= 0, got {self.local_rank!r}")
+        if self.report_every < 1:
+            raise CollectorError(f"report_every must be >= 1, got {self.report_every}")
+        if not self.heartbeat_interval > 0:
+            raise CollectorError("heartbeat_interval must be > 0 seconds")
+        if self.node is not None and not 0 < len(self.node) <= 255:
+            raise CollectorError(f"node {self.node!r} must be 1-255 characters")
+        if self.topology is not None:
+            self.topology = _topology(self.topology, self.world_size)
+
+
+def _topology(topology: dict, world_size: int) -> dict:
+    """Check ``{"tp", "pp", "dp"}``; a missing ``dp`` is ``world_size // (tp * pp)``."""
+    if not isinstance(topology, dict):
+        raise CollectorError(f"topology must be a dict like {{'tp': 8, 'pp': 4, 'dp': 16}}, "
+                             f"got {topology!r}")
+    out = dict(topology)
+    tp, pp = out.setdefault("tp", 1), out.setdefault("pp", 1)
+    if type(tp) is int and type(pp) is int and tp >= 1 and pp >= 1:
+        out.setdefault("dp", max(1, world_size // (tp * pp)))
+    for name in ("tp", "pp", "dp"):
+        if type(out[name]) is not int or out[name] < 1:
+            raise CollectorError(f"topology {name} must be an int >= 1, got {out[name]!r}")
+    if "layout" in out and type(out["layout"]) is not str:
+        raise CollectorError("topology layout must be a string")
+    if out["tp"] * out["pp"] * out["dp"] != world_size:
+        log.warning("topology tp*pp*dp = %d differs from world_size %d",
+                    out["tp"] * out["pp"] * out["dp"], world_size)
+    return out
+
+
+def env_int(environ, name: str) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        log.warning("trainguard: ignoring %s=%r (not an integer)", name, raw)
+        return None

@@ -1,0 +1,111 @@
+"""Helpers for the collector tests: run the example job under torchrun, read back events."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from trainguard import events as ev
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv").exists() else sys.executable
+JOB_SCRIPT = str(REPO / "examples" / "instrumented_job.py")
+
+
+def closed_port() -> int:
+    """A local port nobody listens on (bound, then released)."""
+    from trainguard.broker import free_port
+
+    return free_port()
+
+
+def job_env(bootstrap: str, prefix: str, home: Path, **extra) -> dict:
+    env = {**os.environ, "TRAINGUARD_BOOTSTRAP": bootstrap, "TRAINGUARD_TOPIC_PREFIX": prefix,
+           "TRAINGUARD_HOME": str(home), "OMP_NUM_THREADS": "1", **extra}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def start(argv: list, env: dict, timeout: float) -> subprocess.Popen:
+    return subprocess.Popen(["timeout", "-s", "KILL", str(int(timeout)), *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM the process group, then SIGKILL what is left."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(grace)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(5)
+
+
+def torchrun(nproc: int, job_args: list, env: dict, timeout: float = 120) -> tuple[int, str]:
+    """Run the example job under ``torch.distributed.run``; returns (exit code, output)."""
+    from trainguard.broker import free_port
+
+    argv = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port()), "--monitor-interval", "0.1",
+            JOB_SCRIPT, *job_args]
+    proc = start(argv, env, timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout + 5)
+        return proc.returncode, out
+    finally:
+        stop(proc)
+
+
+def rank_results(out_dir: Path, nproc: int) -> dict[int, dict]:
+    return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)}
+
+
+def consume(bootstrap: str, topic: str, done=None, timeout: float = 30.0,
+            idle: float = 3.0) -> list:
+    """Decoded events of ``topic`` from the start, until ``done(events)``, ``idle`` s without a
+    message after the first one, or ``timeout``. Invalid messages come back as InvalidEvent."""
+    from confluent_kafka import Consumer
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4().hex}",
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    consumer.subscribe([topic])
+    events: list = []
+    deadline = time.monotonic() + timeout
+    last = None
+    try:
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.3)
+            if msg is None:
+                if last is not None and time.monotonic() - last > idle and done is None:
+                    break
+                continue
+            if msg.error():
+                continue
+            last = time.monotonic()
+            try:
+                event = ev.decode(msg.value())
+                event.extra["_key"] = msg.key()
+                events.append(event)
+            except ev.InvalidEvent as exc:
+                events.append(exc)
+            if done is not None and done(events):
+                break
+    finally:
+        consumer.close()
+    return events
+
+
+def by_type(events: list, kind: str) -> list:
+    return [e for e in events if not isinstance(e, Exception) and e.type == kind]
