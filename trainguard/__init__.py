@@ -11,3 +11,11 @@ def init(job: str, **kwargs):
     from .collectors.api import init as _init
 
     return _init(job=job, **kwargs)
+
+
+def __getattr__(name):
+    if name == "chaos":  # `import trainguard` then `trainguard.chaos.from_env(...)` for game days
+        import importlib
+
+        return importlib.import_module(".chaos", __name__)
+    raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
