@@ -1,0 +1,278 @@
+"""Capturing the stacks of every rank of a job, and turning them into suspects and machines.
+
+:class:`StackCapture` sends a SPEC ``command`` (``capture_stacks``, ranks ``"all"``) and
+:class:`StackGatherer` collects the ``stack`` replies of that ``capture_id`` until every
+expected rank answered, or a deadline. With ``rounds > 1`` the capture is repeated
+``interval_s`` apart: a rank whose main-thread stack changed between rounds is *moving*,
+one whose stack stayed the same is *stuck*. :func:`localize` hands the latest stack of each
+rank to the stack analysis (``trainguard.actions.stacks``) and maps its suspects to machines
+and parallel groups. The event source is injected, so a list of events stands in for Kafka:
+
+>>> def stack(rank, cid, fn):
+...     frames = [{"function": fn, "file": "train.py", "line": 1},
+...               {"function": "main", "file": "train.py", "line": 9}]
+...     return ev.Stack(job="j1", ts=1.0, node=f"n{rank // 2}", rank=rank, capture_id=cid,
+...                     pid=100 + rank, method="py-spy",
+...                     threads=[{"name": "MainThread", "id": 1, "frames": frames}])
+>>> clock = FakeClock()
+>>> replies = [stack(r, "c1", "load_batch" if r == 2 else "all_reduce") for r in range(4)]
+>>> got = StackGatherer(source=ListSource(replies, clock), clock=clock).gather(
+...     "j1", "c1", expected={0, 1, 2, 3}, deadline_s=5.0)
+>>> sorted(got)
+[0, 1, 2, 3]
+>>> loc = localize(CaptureResult(job="j1", capture_ids=["c1"], rounds=[got]),
+...               JobInfo(world_size=4))
+>>> loc["suspects"], loc["nodes"]
+([2], ['n1'])
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+from trainguard import events as ev
+from trainguard.actions.policy import CaptureSettings
+from trainguard.actions.stacks import analyze_threads, frame_key, map_suspects, render_tree_text
+
+__all__ = ["EventSource", "ListSource", "FakeClock", "StackGatherer", "StackCapture",
+           "CaptureResult", "JobInfo", "JobDirectory", "localize", "main_signature"]
+
+
+class EventSource(Protocol):
+    """Where events come from: the next decoded event within ``timeout`` seconds, or None."""
+
+    def poll(self, timeout: float) -> ev.Event | None: ...
+
+
+class FakeClock:
+    """A clock for tests: ``clock()`` reads it, ``sleep(s)`` and ``advance(s)`` move it."""
+
+    def __init__(self, start: float = 1000.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    sleep = advance
+
+
+class ListSource:
+    """Events from a list, in order; once empty, ``poll`` lets ``clock`` run for ``timeout``."""
+
+    def __init__(self, events: Iterable[ev.Event] = (), clock: FakeClock | None = None):
+        self.events = list(events)
+        self.clock = clock
+
+    def add(self, *events: ev.Event) -> None:
+        self.events.extend(events)
+
+    def poll(self, timeout: float) -> ev.Event | None:
+        if self.events:
+            return self.events.pop(0)
+        if self.clock is not None:
+            self.clock.advance(timeout)
+        return None
+
+
+class StackGatherer:
+    """Collects the ``stack`` replies of one capture from ``source``."""
+
+    def __init__(self, source: EventSource, clock: Callable[[], float] = time.monotonic,
+                 poll_s: float = 0.2):
+        self.source = source
+        self.clock = clock
+        self.poll_s = poll_s
+
+    def gather(self, job: str, capture_id: str, expected: set | None = None,
+               deadline_s: float = 10.0, quiet_s: float = 2.0) -> dict[int, ev.Stack]:
+        """``{rank: stack event}``: until every ``expected`` rank answered, or ``deadline_s``;
+        with ``expected`` None, until no new rank answered for ``quiet_s`` after the first."""
+        start = self.clock()
+        replies: dict[int, ev.Stack] = {}
+        last_reply = None
+        while True:
+            now = self.clock()
+            if expected is not None and expected <= replies.keys():
+                break
+            if now - start >= deadline_s:
+                break
+            if expected is None and last_reply is not None and now - last_reply >= quiet_s:
+                break
+            event = self.source.poll(min(self.poll_s, max(0.0, deadline_s - (now - start))))
+            if (isinstance(event, ev.Stack) and event.job == job
+                    and event.capture_id == capture_id and event.rank is not None):
+                replies[event.rank] = event
+                last_reply = self.clock()
+        return replies
+
+
+@dataclass(kw_only=True)
+class JobInfo:
+    """What is known of a job's layout from its lifecycle and stack events."""
+
+    world_size: int | None = None
+    topology: dict | None = None
+    rank_to_node: dict = field(default_factory=dict)
+
+    def expected_ranks(self) -> set | None:
+        return set(range(self.world_size)) if self.world_size else None
+
+
+class JobDirectory:
+    """Learns each job's world size, topology and rank-to-machine map from ``lifecycle``
+    starts, heartbeats and ``stack`` events. Thread-safe: fed by one thread, read by another.
+
+    >>> d = JobDirectory()
+    >>> d.observe(ev.Lifecycle(job="j1", ts=1.0, node="n3", rank=5, event="start", pid=9,
+    ...                        world_size=8, topology={"tp": 2, "pp": 1, "dp": 4}))
+    >>> info = d.info("j1")
+    >>> info.world_size, info.rank_to_node
+    (8, {5: 'n3'})
+    """
+
+    def __init__(self):
+        self._jobs: dict[str, JobInfo] = {}
+        self._launches: dict[str, list] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, event: ev.Event) -> None:
+        if isinstance(event, ev.Lifecycle) and event.event == "start" and event.rank is None:
+            with self._lock:  # a launch of the whole job by `trainguard run`
+                self._launches.setdefault(event.job, []).append(event.ts)
+                del self._launches[event.job][:-100]
+        if event.node is None:
+            return
+        with self._lock:
+            info = self._jobs.setdefault(event.job, JobInfo())
+            if isinstance(event, ev.Lifecycle) and event.event == "start" \
+                    and event.rank is not None:  # not the supervisor's guess for the job
+                info.world_size = event.world_size or info.world_size
+                info.topology = event.topology or info.topology
+            if event.rank is not None and isinstance(event, (ev.Lifecycle, ev.Heartbeat,
+                                                             ev.Stack, ev.Step)):
+                info.rank_to_node[event.rank] = event.node
+
+    def launches(self, job: str) -> list[float]:
+        """When ``trainguard run`` (re)launched the job, oldest first."""
+        with self._lock:
+            return sorted(self._launches.get(job, []))
+
+    def info(self, job: str) -> JobInfo:
+        with self._lock:
+            known = self._jobs.get(job) or JobInfo()
+            return JobInfo(world_size=known.world_size, topology=known.topology,
+                           rank_to_node=dict(known.rank_to_node))
+
+
+def main_signature(stack: ev.Stack) -> tuple | None:
+    """The main thread's frames (``function (file)``, outermost first), or None."""
+    if stack.error or not stack.threads:
+        return None
+    main = next((t for t in stack.threads if t.get("name") == "MainThread"), stack.threads[0])
+    return tuple(frame_key(f) for f in reversed(main.get("frames") or [])) or None
+
+
+@dataclass(kw_only=True)
+class CaptureResult:
+    """The replies of every round, oldest first."""
+
+    job: str
+    capture_ids: list
+    rounds: list
+    expected: set | None = None
+
+    def latest(self) -> dict[int, ev.Stack]:
+        """Each rank's most recent reply (a rank missing from the last round keeps its older
+        one)."""
+        out: dict[int, ev.Stack] = {}
+        for replies in self.rounds:
+            out.update(replies)
+        return out
+
+    def per_rank_threads(self) -> dict[int, list | str]:
+        return {rank: (s.error or "capture failed") if s.error else s.threads
+                for rank, s in self.latest().items()}
+
+    def moving(self) -> tuple[list, list]:
+        """``(moving, stuck)``: ranks whose main-thread stack changed between rounds, and
+        ranks seen in two or more rounds whose stack did not."""
+        seen: dict[int, list] = {}
+        for replies in self.rounds:
+            for rank, stack in replies.items():
+                signature = main_signature(stack)
+                if signature is not None:
+                    seen.setdefault(rank, []).append(signature)
+        moving = sorted(r for r, sigs in seen.items() if len(set(sigs)) > 1)
+        stuck = sorted(r for r, sigs in seen.items() if len(sigs) > 1 and len(set(sigs)) == 1)
+        return moving, stuck
+
+
+class StackCapture:
+    """Sends ``capture_stacks`` and gathers the replies, ``settings.rounds`` times."""
+
+    def __init__(self, *, send: Callable[[ev.Command], None], gatherer: StackGatherer,
+                 settings: CaptureSettings = CaptureSettings(),
+                 sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.time,
+                 new_id: Callable[[str, int], str] | None = None):
+        self.send = send
+        self.gatherer = gatherer
+        self.settings = settings
+        self.sleep = sleep
+        self.clock = clock
+        self.new_id = new_id or _capture_id
+
+    def capture(self, job: str, expected: set | None = None, label: str = "cap"
+                ) -> CaptureResult:
+        s = self.settings
+        result = CaptureResult(job=job, capture_ids=[], rounds=[], expected=expected)
+        for number in range(s.rounds):
+            if number:
+                if not result.rounds[-1]:
+                    break  # nobody answered: another round would only add latency
+                self.sleep(s.interval_s)
+            capture_id = self.new_id(label, number)
+            self.send(ev.Command(job=job, ts=self.clock(), command="capture_stacks",
+                                 capture_id=capture_id, ranks="all"))
+            result.capture_ids.append(capture_id)
+            result.rounds.append(self.gatherer.gather(job, capture_id, expected,
+                                                      s.deadline_s, s.quiet_s))
+        return result
+
+
+def _capture_id(label: str, number: int) -> str:
+    return f"{label[:96]}-r{number}-{uuid.uuid4().hex[:8]}"
+
+
+def _group_nodes(groups: dict, rank_to_node: dict) -> dict:
+    return {dim: sorted({rank_to_node[r] for members in lists for r in members
+                         if r in rank_to_node})
+            for dim, lists in groups.items()}
+
+
+def localize(result: CaptureResult, info: JobInfo, analyze=analyze_threads,
+             map_ranks=map_suspects) -> dict:
+    """The stack analysis (SPEC §4 fields) of the latest stacks, plus ``nodes`` (machines of
+    the suspects), ``groups`` and ``group_nodes`` (their TP/PP/DP groups and those groups'
+    machines), ``moving``/``stuck`` ranks, ``world_size``, ``capture_ids`` and ``text`` (the
+    merged tree for alerts)."""
+    latest = result.latest()
+    expected = result.expected if result.expected is not None else info.expected_ranks()
+    analysis = analyze(result.per_rank_threads(), expected_ranks=expected)
+    rank_to_node = {**info.rank_to_node, **{r: s.node for r, s in latest.items() if s.node}}
+    world = info.world_size or (max(expected) + 1 if expected else None) or analysis["ranks"]
+    mapping = map_ranks(analysis["suspects"], rank_to_node, info.topology, world)
+    moving, stuck = result.moving()
+    loc = dict(analysis)
+    loc.update(nodes=mapping["nodes"], groups=mapping["groups"],
+               group_nodes=_group_nodes(mapping["groups"], rank_to_node),
+               unmapped=mapping.get("unmapped", []), moving=moving, stuck=stuck,
+               world_size=world, answered=sorted(latest), capture_ids=list(result.capture_ids),
+               text=render_tree_text(analysis) if analysis.get("tree") else "")
+    return loc

@@ -1,0 +1,452 @@
+"""The action service's stages, after Alertmanager's notification pipeline.
+
+Every stage is a small object called with the :class:`Work` of one anomaly; it adds to it
+and returns True to go on, or sets ``work.dropped`` and returns False to stop. The chain is
+assembled in one place, :func:`build_pipeline`::
+
+    correlate -> dedup -> investigate -> decide -> limit -> act -> record -> notify
+
+``investigate`` (capture and aggregate the stacks) sits before ``decide`` because the
+policy of a hang needs its suspects. The decisions themselves (``decide`` and
+``apply_limits`` of :mod:`trainguard.actions.policy`) are pure; I/O comes in through
+injected objects: ``capturer`` (a :class:`~trainguard.actions.capture.StackCapture`),
+``recorder`` (``write(action_event)`` and ``flush()``), ``notify`` (``AlertMessage ->
+[SendResult]``) and ``drivers``.
+
+>>> from trainguard.actions.state import ServiceState
+>>> recorder = ListRecorder()
+>>> pipe = build_pipeline(policy=Policy(), state=ServiceState(), recorder=recorder)
+>>> a = ev.Anomaly(job="j1", ts=101.0, id="a1", kind="crash", severity="critical",
+...                ranks=[1], nodes=["n1"], onset_ts=100.0, detected_ts=101.0,
+...                detector="crash", summary="rank 1 exited with code 1")
+>>> [(r.action, r.status) for r in pipe.process(a, now=102.0).records]
+[('restart', 'planned'), ('alert', 'done')]
+>>> pipe.process(a, now=103.0).dropped
+'duplicate: anomaly a1 was already handled'
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from trainguard import events as ev
+from trainguard.actions.policy import (JOB_ACTIONS, Decision, Incident, Policy, apply_limits,
+                                       covering_restart, decide, restart_over)
+
+__all__ = ["Work", "Pipeline", "build_pipeline", "apply_limits", "covering_restart",
+           "incident_of", "incident_from", "driver_actions", "ListRecorder",
+           "Correlate", "Dedup", "Investigate", "Decide", "Limit", "Act", "Record", "Notify",
+           "action_event"]
+
+
+@dataclass(kw_only=True)
+class Work:
+    """Everything known about one anomaly as it goes down the chain."""
+
+    anomaly: ev.Anomaly
+    now: float
+    incident: Incident | None = None
+    localization: dict | None = None
+    decisions: list = field(default_factory=list)
+    records: list = field(default_factory=list)
+    dropped: str | None = None
+
+
+def incident_of(anomaly: ev.Anomaly) -> Incident:
+    """One incident per anomaly, with the anomaly's id (the fallback correlation)."""
+    return Incident(id=anomaly.id, job=anomaly.job, kind=anomaly.kind,
+                    severity=anomaly.severity, ranks=list(anomaly.ranks),
+                    nodes=list(anomaly.nodes), onset_ts=anomaly.onset_ts,
+                    detected_ts=anomaly.detected_ts, summary=anomaly.summary,
+                    step=anomaly.step, anomalies=[anomaly.id], evidence=dict(anomaly.evidence))
+
+
+def action_event(decision: Decision, incident: Incident, ts: float) -> ev.Action:
+    """The SPEC ``action`` record of a decision. Extra fields (documented in docs/POLICY.md):
+    ``action_id`` (stable per incident and action, so a consumer can drop repeats),
+    ``source``, ``kind``, ``severity``, ``ranks``, ``nodes``, ``anomalies``, ``detected_ts``."""
+    return ev.Action(job=incident.job, ts=ts, incident=incident.id, action=decision.action,
+                     targets=dict(decision.targets), status=decision.status,
+                     reason=decision.reason, extra={
+                         "action_id": f"{incident.id}:{decision.action}", "source": "actions",
+                         "kind": incident.kind, "severity": decision.severity,
+                         "ranks": list(incident.ranks), "nodes": list(incident.nodes),
+                         "anomalies": list(incident.anomalies),
+                         "detected_ts": incident.detected_ts})
+
+
+class ListRecorder:
+    """A recorder that keeps the action events in a list (tests, offline runs)."""
+
+    def __init__(self):
+        self.events: list[ev.Action] = []
+
+    def write(self, event: ev.Action) -> None:
+        self.events.append(event)
+
+    def flush(self) -> None:
+        pass
+
+
+def incident_from(found: dict, anomaly: ev.Anomaly) -> Incident:
+    """An :class:`Incident` from the correlator's incident dict (SPEC §4 shape) and the
+    anomaly that just joined it; machines of the ranks come from ``evidence.rank_nodes``
+    when the anomalies name none."""
+    evidence = dict(anomaly.evidence)
+    nodes = list(found.get("nodes") or [])
+    where = evidence.get("rank_nodes") or {}
+    if not nodes and isinstance(where, dict):
+        nodes = sorted({where[str(r)] for r in found["ranks"] if where.get(str(r))})
+    return Incident(id=found["id"], job=found["job"], kind=found["kind"],
+                    severity=found["severity"], ranks=list(found["ranks"]), nodes=nodes,
+                    onset_ts=found["onset_ts"], detected_ts=max(found["detected_ts"],
+                                                                anomaly.detected_ts),
+                    summary=found["summary"], step=found.get("step"),
+                    anomalies=list(found.get("anomalies") or [anomaly.id]), evidence=evidence)
+
+
+def _fresh(obj):
+    """A new object of the same configuration (river style: constructor arguments are
+    stored under their own names)."""
+    if hasattr(obj, "clone"):
+        return obj.clone()
+    params = inspect.signature(type(obj)).parameters
+    return type(obj)(**{k: getattr(obj, k) for k in params if hasattr(obj, k)})
+
+
+# ---------------------------------------------------------------------------- stages
+class Correlate:
+    """Anomaly -> incident. With a ``correlator`` (``add(anomaly) -> incident dict``, as
+    :class:`trainguard.detectors.correlate.Correlator`) anomalies of one problem share an
+    incident; without, each anomaly is its own. Two refinements keep one restart per
+    problem and no fewer: an anomaly that began after the restart that dealt with its
+    incident was over (:func:`~trainguard.actions.policy.restart_over`) is a new problem,
+    correlated afresh (a new *generation*: a fresh correlator of the same settings), and an
+    incident whose root cause changed since it was handled (a crash later explained by a GPU
+    fault) is handled again as ``<id>~<new kind>``."""
+
+    name = "correlate"
+
+    def __init__(self, correlator=None, state=None, directory=None, settle_s: float = 120.0):
+        self.correlator = correlator
+        self.state = state
+        self.directory = directory
+        self.settle_s = settle_s
+        self.generations = [correlator] if correlator is not None else []
+
+    def _generation(self, n: int):
+        while len(self.generations) <= n:
+            self.generations.append(_fresh(self.generations[0]))
+        return self.generations[n]
+
+    def __call__(self, work: Work) -> bool:
+        a = work.anomaly
+        if self.correlator is None or (self.state and self.state.seen_anomaly(a.id)):
+            work.incident = incident_of(a)
+            return True
+        launches = self.directory.launches(a.job) if self.directory else ()
+        for n in range(64):
+            incident = incident_from(self._generation(n).add(a), a)
+            settled = self.state.settled_ts(incident.id) if self.state else None
+            if settled is None or a.onset_ts <= restart_over(settled, launches, self.settle_s):
+                break
+        known_kind = self.state.incident_kind(incident.id) if self.state else None
+        if known_kind and known_kind != incident.kind and (settled is None
+                                                           or a.onset_ts <= settled):
+            incident.id = f"{incident.id}~{incident.kind}"  # an earlier cause, found later
+        work.incident = incident
+        return True
+
+
+class Dedup:
+    """Drops anomalies already handled (delivered twice, or re-read after a restart of the
+    service), anomalies older than ``policy.max_anomaly_age_s``, and further anomalies of an
+    incident for which a restart or rollback was already decided (whatever became of it:
+    a rate-limited one is not retried)."""
+
+    name = "dedup"
+
+    def __init__(self, state, policy: Policy):
+        self.state = state
+        self.policy = policy
+
+    def __call__(self, work: Work) -> bool:
+        anomaly, incident = work.anomaly, work.incident
+        if self.state.seen_anomaly(anomaly.id):
+            work.dropped = f"duplicate: anomaly {anomaly.id} was already handled"
+            return False
+        age = work.now - anomaly.detected_ts
+        if age > self.policy.max_anomaly_age_s:
+            work.dropped = (f"stale: anomaly {anomaly.id} was detected {age:.0f}s ago "
+                            f"(max_anomaly_age_s {self.policy.max_anomaly_age_s:g})")
+            return False
+        done = self.state.history(incident).done
+        restarted = [a for a in ("restart", "rollback") if a in done]
+        if restarted:
+            self.state.note_incident(incident, work.now)
+            work.dropped = (f"duplicate: incident {incident.id} already has a {restarted[0]} "
+                            f"({done[restarted[0]]})")
+            return False
+        return True
+
+
+class Investigate:
+    """Captures and aggregates the stacks of all ranks when the ladder asks for it."""
+
+    name = "investigate"
+
+    def __init__(self, policy: Policy, capturer=None, directory=None, localize=None):
+        self.policy = policy
+        self.capturer = capturer
+        self.directory = directory
+        self.localize = localize
+
+    def __call__(self, work: Work) -> bool:
+        incident = work.incident
+        if not self.policy.wants_capture(incident.kind) or self.capturer is None:
+            return True
+        from trainguard.actions.capture import JobInfo, localize
+
+        info = self.directory.info(incident.job) if self.directory else JobInfo()
+        world = incident.evidence.get("world_size")
+        if info.world_size is None and isinstance(world, int) and world > 0:
+            info.world_size = world
+        try:
+            result = self.capturer.capture(incident.job, info.expected_ranks(),
+                                           label=incident.id)
+            loc = (self.localize or localize)(result, info)
+        except Exception as exc:  # no evidence must not mean no recovery
+            work.decisions.append(Decision(
+                action="capture_stacks", status="failed", targets={"job": incident.job,
+                                                                   "ranks": "all"},
+                reason=f"capture_error: {type(exc).__name__}: {exc}"))
+            return True
+        targets = {"job": incident.job, "ranks": "all", "capture_ids": result.capture_ids}
+        if not loc["answered"]:
+            work.decisions.append(Decision(
+                action="capture_stacks", status="failed", targets=targets,
+                reason=f"capture_timeout: no rank answered {len(result.capture_ids)} "
+                       f"capture(s) (is `trainguard agent` running on the job's machines?)"))
+            return True
+        work.localization = loc
+        moving = f"; moving: {loc['moving']}" if loc["moving"] else ""
+        work.decisions.append(Decision(
+            action="capture_stacks", status="done", targets={**targets, "suspects":
+                                                              loc["suspects"]},
+            reason=f"stacks of {len(loc['answered'])}/{loc['world_size']} ranks: "
+                   f"{loc['summary']}{moving}"))
+        return True
+
+
+class Decide:
+    """The policy's ladder for the incident."""
+
+    name = "decide"
+
+    def __init__(self, policy: Policy, state):
+        self.policy = policy
+        self.state = state
+
+    def __call__(self, work: Work) -> bool:
+        history = self.state.history(work.incident)
+        work.decisions += decide(self.policy, work.incident, history, work.localization)
+        return True
+
+
+class Limit:
+    """Rate limits, safety caps, approval and dry-run (:func:`apply_limits`)."""
+
+    name = "limit"
+
+    def __init__(self, policy: Policy, state, directory=None):
+        self.policy = policy
+        self.state = state
+        self.directory = directory
+
+    def __call__(self, work: Work) -> bool:
+        launches = self.directory.launches(work.incident.job) if self.directory else ()
+        work.decisions = apply_limits(work.decisions, work.incident, self.policy, self.state,
+                                      work.now, launches)
+        return True
+
+
+class Act:
+    """Carries out planned job actions through ``drivers`` (``{action: driver}``, a driver
+    being ``(decision, incident) -> (status, reason)``). Without a driver, the planned
+    record itself is the order: ``trainguard run`` reads it and writes ``done``."""
+
+    name = "act"
+
+    def __init__(self, drivers: dict | None = None):
+        self.drivers = drivers or {}
+
+    def __call__(self, work: Work) -> bool:
+        out = []
+        for d in work.decisions:
+            driver = self.drivers.get(d.action)
+            if d.status == "planned" and d.action in JOB_ACTIONS and driver is not None:
+                try:
+                    status, reason = driver(d, work.incident)
+                except Exception as exc:  # a driver's failure is recorded, not fatal
+                    status, reason = "failed", f"driver_error: {type(exc).__name__}: {exc}"
+                d = d.with_status(status, reason)
+            out.append(d)
+        work.decisions = out
+        return True
+
+
+def driver_actions(driver, job_refs: dict | None = None) -> dict:
+    """``Act``'s drivers from a recovery driver (``restart(job_ref, exclude_nodes)``,
+    ``evict(nodes)``, returning the calls made, see docs/DRIVERS.md); ``job_refs`` maps a
+    trainguard job id to the cluster's job reference (default: the id itself). A rollback
+    is a restart: the script finds ``rollback_step`` in the action record."""
+    refs = dict(job_refs or {})
+
+    def outcome(decision: Decision, calls: list) -> tuple[str, str]:
+        failed = [c for c in calls if c.status == "failed"]
+        status = "failed" if failed else ("dry_run" if calls and all(
+            c.status == "dry_run" for c in calls) else "done")
+        said = "; ".join(f"{c.describe()}: {c.status}" + (f" ({c.error})" if c.error else "")
+                         for c in calls) or "no call needed"
+        return status, f"{decision.reason} [{said}]"
+
+    def restart(decision: Decision, incident: Incident):
+        ref = refs.get(incident.job, incident.job)
+        return outcome(decision, driver.restart(ref, decision.targets.get("exclude_nodes", [])))
+
+    def evict(decision: Decision, incident: Incident):
+        return outcome(decision, driver.evict(decision.targets.get("nodes", [])))
+
+    return {"restart": restart, "rollback": restart, "evict": evict}
+
+
+class Record:
+    """Writes every decision but the planned alerts (``notify`` records those once sent) as
+    an ``action`` event, then saves the state: a restart of the service sees them. Records
+    are stamped with ``clock()`` (default: the time the anomaly was taken up)."""
+
+    name = "record"
+
+    def __init__(self, recorder, state, clock: Callable[[], float] | None = None):
+        self.recorder = recorder
+        self.state = state
+        self.clock = clock
+
+    def __call__(self, work: Work) -> bool:
+        ts = self.clock() if self.clock else work.now
+        self.state.note_incident(work.incident, work.now)
+        for d in work.decisions:
+            if d.action == "alert" and d.status == "planned":
+                continue
+            event = action_event(d, work.incident, ts)
+            self.recorder.write(event)
+            work.records.append(event)
+            self.state.note(d, work.incident, ts)
+        self.recorder.flush()
+        self.state.save(work.now)
+        return True
+
+
+class Notify:
+    """Sends the planned alerts (one message per incident: what happened, where, what was
+    done, what the stacks showed) and records how each sink took it."""
+
+    name = "notify"
+
+    def __init__(self, recorder, state, notify=None, log: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] | None = None):
+        self.recorder = recorder
+        self.state = state
+        self.notify = notify
+        self.log = log or _stderr
+        self.clock = clock
+
+    def __call__(self, work: Work) -> bool:
+        alerts = [d for d in work.decisions if d.action == "alert" and d.status == "planned"]
+        alerts.sort(key=lambda d: not d.targets.get("page"))  # a page leads the message
+        if not alerts:
+            return True
+        incident = work.incident
+        severity = max((d.severity for d in alerts), key=("info", "warning", "critical").index)
+        reasons = "; ".join(d.reason for d in alerts)
+        message = self._message(work, severity, reasons)
+        self.log(message.text() if message is not None else reasons)
+        results = self.notify(message) if (self.notify and message is not None) else []
+        outcomes = [r for r in results if r.action_status]
+        if not outcomes:
+            outcomes = [None]
+        base = replace(alerts[0], severity=severity, reason=reasons,
+                       targets={**alerts[0].targets, **{k: v for d in alerts[1:]
+                                                        for k, v in d.targets.items()}})
+        for result in outcomes:
+            if result is None:
+                d = base.with_status("done", f"{reasons} (logged; no alert sink sent it)")
+            else:
+                detail = f"{result.sink}: {result.status}" + (
+                    f" ({result.error})" if result.error else "")
+                d = replace(base.with_status(result.action_status, f"{reasons} [{detail}]"),
+                            targets={**base.targets, "sink": result.sink})
+            ts = self.clock() if self.clock else work.now
+            event = action_event(d, incident, ts)
+            self.recorder.write(event)
+            work.records.append(event)
+            self.state.note(d, incident, ts)
+        self.recorder.flush()
+        self.state.save(work.now)
+        return True
+
+    def _message(self, work: Work, severity: str, reasons: str):
+        try:
+            from trainguard.actions.alerts import AlertMessage
+        except ImportError:
+            return None
+        inc = work.incident
+        loc = work.localization or {}
+        return AlertMessage(
+            incident=inc.id, job=inc.job, kind=inc.kind, severity=severity,
+            summary=inc.summary if not reasons.startswith(("page", "approval")) else
+            f"{inc.summary}. {reasons}", ranks=list(inc.ranks or loc.get("suspects", [])),
+            nodes=list(inc.nodes or loc.get("nodes", [])), step=inc.step,
+            onset_ts=inc.onset_ts, detected_ts=inc.detected_ts, ts=work.now,
+            actions=[ev.to_dict(r) for r in work.records], stacks=loc.get("text") or None,
+            anomaly=ev.to_dict(work.anomaly))
+
+
+class Pipeline:
+    """The stages in order; :meth:`process` runs one anomaly through them."""
+
+    def __init__(self, stages: list):
+        self.stages = stages
+
+    def process(self, anomaly: ev.Anomaly, now: float) -> Work:
+        work = Work(anomaly=anomaly, now=now)
+        for stage in self.stages:
+            if not stage(work):
+                break
+        return work
+
+    def __repr__(self) -> str:
+        return "Pipeline(" + " -> ".join(s.name for s in self.stages) + ")"
+
+
+def build_pipeline(*, policy: Policy, state, recorder, capturer=None, directory=None,
+                   notify=None, drivers: dict | None = None, correlator=None,
+                   log: Callable[[str], None] | None = None,
+                   clock: Callable[[], float] | None = None) -> Pipeline:
+    """The one place where the chain is assembled."""
+    return Pipeline([
+        Correlate(correlator, state, directory, policy.limits.restart_settle_s),
+        Dedup(state, policy),
+        Investigate(policy, capturer, directory),
+        Decide(policy, state),
+        Limit(policy, state, directory),
+        Act(drivers),
+        Record(recorder, state, clock),
+        Notify(recorder, state, notify, log=log or (lambda m: None), clock=clock),
+    ])
+
+
+def _stderr(message: str) -> None:
+    print(f"trainguard actions: {message}", file=sys.stderr)

@@ -1,0 +1,405 @@
+"""``trainguard actions``: the action service, and the Kafka ends of the action pipeline.
+
+It consumes ``<prefix>.anomalies`` (consumer group ``trainguard-actions.<prefix>``, offsets
+committed after each anomaly is handled) and runs each anomaly through the pipeline of
+:mod:`trainguard.actions.pipeline`. Around it:
+
+- at start-up it reads back the last ``state_horizon_s`` of ``<prefix>.actions`` into the
+  ledger (:class:`~trainguard.actions.state.ServiceState`), so that even with a lost state
+  file it never repeats a restart it already ordered;
+- a background thread watches ``<prefix>.telemetry`` for ``lifecycle`` events (a byte-level
+  filter skips everything else) to learn each job's world size, topology and machines;
+- stack captures send ``command`` events to ``<prefix>.commands`` and read
+  ``<prefix>.stacks`` from where it ended when the service started.
+
+The policy file (``--policy``) is JSON: the policy keys of docs/POLICY.md, plus an optional
+``"alerts"`` section with the alert sinks (docs/ALERTS.md).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from trainguard import events as ev
+from trainguard.actions.capture import JobDirectory, StackCapture, StackGatherer
+from trainguard.actions.pipeline import build_pipeline
+from trainguard.actions.policy import Policy, PolicyError, load_policy
+from trainguard.actions.state import ServiceState
+from trainguard.errors import UserError
+
+__all__ = ["main", "ActionService", "KafkaSource", "KafkaRecorder", "read_back",
+           "load_service_config", "default_state_path", "PRODUCER_SETTINGS"]
+
+PRODUCER_SETTINGS = {"linger.ms": 5, "acks": "all", "enable.idempotence": True,
+                     "partitioner": "murmur2_random", "message.timeout.ms": 30000}
+LIFECYCLE_LOOKBACK_S = 600.0
+
+
+def _log(message: str) -> None:
+    stamp = time.strftime("%H:%M:%S")
+    print(f"{stamp} trainguard actions: {message}", file=sys.stderr, flush=True)
+
+
+def quiet_logger() -> logging.Logger:
+    """Where librdkafka's own log lines go: nowhere by default (an unreachable broker would
+    print a line every few milliseconds); trainguard says what matters itself."""
+    logger = logging.getLogger("trainguard.actions.kafka")
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+        logger.propagate = False
+    return logger
+
+
+def _check_kafka(config, topics: list[str], timeout: float = 10.0) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(config.kafka())
+    try:
+        existing = admin.list_topics(timeout=timeout).topics
+    except Exception:
+        raise UserError(f"cannot reach Kafka at {config.bootstrap}; start one with "
+                        "`trainguard broker start` or set --bootstrap") from None
+    missing = [t for t in topics if t not in existing]
+    if missing:
+        raise UserError(f"topics {missing} do not exist on {config.bootstrap}; create them "
+                        f"with `trainguard topics create --prefix {config.topics.prefix}`")
+
+
+def _partitions(consumer, topic: str, timeout: float = 10.0) -> list[int]:
+    meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
+    return sorted(meta.partitions) if meta and meta.partitions else []
+
+
+def _retrying(call, seconds: float = 15.0):
+    """``call()``, retried while the broker answers with a passing error (a new topic's
+    partitions without a leader yet, ...)."""
+    from confluent_kafka import KafkaException
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return call()
+        except KafkaException:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _start_offsets(consumer, topic: str, since: float | None) -> list:
+    """Per partition: the first offset at or after ``since`` (its end where there is none),
+    or, with ``since`` None, the current end."""
+    from confluent_kafka import TopicPartition
+
+    parts = _retrying(lambda: _partitions(consumer, topic))
+    if since is None:
+        return [TopicPartition(topic, p, _retrying(lambda p=p: consumer.get_watermark_offsets(
+            TopicPartition(topic, p), timeout=10)[1])) for p in parts]
+    wanted = [TopicPartition(topic, p, int(since * 1000)) for p in parts]
+    return _retrying(lambda: consumer.offsets_for_times(wanted, timeout=10)) if wanted else []
+
+
+class KafkaSource:
+    """Decoded events of one topic, from all its partitions, read without a consumer group,
+    starting at ``since`` (Unix time) or, with ``since`` None, at the current end."""
+
+    def __init__(self, config, topic: str, since: float | None = None,
+                 want: tuple[bytes, ...] | None = None):
+        from confluent_kafka import Consumer
+
+        self.topic = topic
+        self.want = want
+        self.invalid = 0
+        self.consumer = Consumer(config.kafka(**{
+            "group.id": f"trainguard-unused-{os.getpid()}", "enable.auto.commit": False,
+            "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
+            "fetch.wait.max.ms": 50}), logger=quiet_logger())
+        self.consumer.assign(_start_offsets(self.consumer, topic, since))
+
+    def poll(self, timeout: float) -> ev.Event | None:
+        msg = self.consumer.poll(timeout)
+        if msg is None or msg.error():
+            return None
+        value = msg.value()
+        if self.want and not any(w in value for w in self.want):
+            return None
+        try:
+            return ev.decode(value)
+        except ev.InvalidEvent:
+            self.invalid += 1
+            return None
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def read_back(config, topic: str, since: float, apply, timeout: float = 30.0) -> int:
+    """Feed every valid event of ``topic`` from ``since`` up to its current end to ``apply``;
+    returns how many."""
+    from confluent_kafka import Consumer
+
+    consumer = Consumer(config.kafka(**{"group.id": f"trainguard-readback-{os.getpid()}",
+                                        "enable.auto.commit": False}), logger=quiet_logger())
+    try:
+        ends = {tp.partition: tp.offset for tp in _start_offsets(consumer, topic, None)}
+        starts = _start_offsets(consumer, topic, since)
+        todo = {tp.partition for tp in starts
+                if tp.offset >= 0 and tp.offset < ends[tp.partition]}
+        consumer.assign([tp for tp in starts if tp.partition in todo])
+        count, deadline = 0, time.monotonic() + timeout
+        while todo and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None or msg.error():
+                continue
+            try:
+                apply(ev.decode(msg.value()))
+                count += 1
+            except ev.InvalidEvent:
+                pass
+            if msg.offset() + 1 >= ends[msg.partition()]:
+                todo.discard(msg.partition())
+        return count
+    finally:
+        consumer.close()
+
+
+class KafkaRecorder:
+    """Writes events to a topic, keyed by job (so one job's records stay in order)."""
+
+    def __init__(self, producer, topic: str, flush_timeout: float = 10.0):
+        self.producer = producer
+        self.topic = topic
+        self.flush_timeout = flush_timeout
+
+    def write(self, event: ev.Event) -> None:
+        self.producer.produce(self.topic, key=event.job.encode(), value=ev.encode(event))
+        self.producer.poll(0)
+
+    def flush(self) -> None:
+        left = self.producer.flush(self.flush_timeout)
+        if left:
+            _log(f"{left} record(s) to {self.topic} still unsent after "
+                 f"{self.flush_timeout:g}s")
+
+
+class _LifecycleWatcher(threading.Thread):
+    def __init__(self, source: KafkaSource, directory: JobDirectory, stop: threading.Event):
+        super().__init__(name="trainguard-lifecycle", daemon=True)
+        self.source, self.directory, self.stop = source, directory, stop
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                event = self.source.poll(0.5)
+            except Exception as exc:  # keep the service up; the directory is best-effort
+                _log(f"lifecycle watcher: {type(exc).__name__}: {exc}")
+                time.sleep(1.0)
+                continue
+            if event is not None:
+                self.directory.observe(event)
+        self.source.close()
+
+
+class ActionService:
+    """The consume loop around a pipeline; I/O objects are given, so tests can drive
+    :meth:`handle` directly."""
+
+    def __init__(self, *, pipeline, state: ServiceState, clock=time.time, log=_log):
+        self.pipeline = pipeline
+        self.state = state
+        self.clock = clock
+        self.log = log
+
+    def handle(self, anomaly: ev.Anomaly):
+        work = self.pipeline.process(anomaly, now=self.clock())
+        if work.dropped:
+            self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}): "
+                     f"{work.dropped}")
+        else:
+            done = ", ".join(f"{r.action} {r.status}" for r in work.records) or "nothing"
+            self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}) -> "
+                     f"incident {work.incident.id}: {done}")
+        return work
+
+    def run_kafka(self, config, stop: threading.Event, deadletter=None) -> None:
+        from confluent_kafka import Consumer
+
+        consumer = Consumer(config.kafka(**{
+            "group.id": f"trainguard-actions.{config.topics.prefix}",
+            "enable.auto.commit": False, "auto.offset.reset": "earliest"}),
+            logger=quiet_logger())
+        consumer.subscribe([config.topics.anomalies])
+        try:
+            while not stop.is_set():
+                msg = consumer.poll(0.5)
+                if msg is None:
+                    continue
+                if msg.error():
+                    self.log(f"consumer: {msg.error().str()}")
+                    continue
+                try:
+                    event = ev.decode(msg.value())
+                except ev.InvalidEvent as exc:
+                    if deadletter:
+                        deadletter(msg, str(exc))
+                    event = None
+                if isinstance(event, ev.Anomaly):
+                    try:
+                        self.handle(event)
+                    except Exception:
+                        self.log(f"anomaly {event.id}: internal error, skipped:\n"
+                                 f"{traceback.format_exc()}")
+                consumer.commit(message=msg, asynchronous=False)
+        finally:
+            consumer.close()
+
+
+def load_service_config(path: str | None, dry_run: bool = False
+                        ) -> tuple[Policy, dict, dict]:
+    """The policy, and the ``alerts`` and ``driver`` sections, of the policy file."""
+    if not path:
+        return load_policy(None, dry_run=dry_run), {}, {}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise PolicyError(f"cannot read policy file {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise PolicyError(f"policy file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise PolicyError(f"policy file {path} must hold one JSON object")
+    alerts = data.pop("alerts", None) or {}
+    driver = data.pop("driver", None) or {}
+    if not isinstance(driver, dict):
+        raise PolicyError("driver must be an object such as {\"type\": \"slurm\"}")
+    policy = Policy.from_dict(data)
+    if dry_run:
+        from dataclasses import replace
+
+        policy = replace(policy, dry_run=True)
+    return policy, alerts, driver
+
+
+def default_state_path(config, environ=None) -> Path:
+    from trainguard.broker import trainguard_home
+
+    return trainguard_home(environ) / f"actions-state.{config.topics.prefix}.json"
+
+
+def _deadletter_writer(producer, topic: str):
+    """The stream worker's dead-letter record (``streams/deadletter.py``), written here too:
+    ``{"reason", "topic", "partition", "offset", "key_b64", "raw_b64", "ts"}``."""
+    def b64(data):
+        return None if data is None else base64.b64encode(bytes(data)).decode("ascii")
+
+    def write(msg, reason: str) -> None:
+        record = {"reason": reason[:500], "topic": msg.topic(), "partition": msg.partition(),
+                  "offset": msg.offset(), "key_b64": b64(msg.key()), "raw_b64": b64(msg.value()),
+                  "ts": time.time()}
+        producer.produce(topic, key=msg.key(), value=json.dumps(record).encode())
+        producer.poll(0)
+    return write
+
+
+def build_driver_actions(section: dict) -> dict:
+    """``Act``'s drivers from the policy file's ``driver`` section (none: the planned
+    records are the orders, for ``trainguard run``)."""
+    if not section:
+        return {}
+    from trainguard.actions.drivers import build_driver
+    from trainguard.actions.pipeline import driver_actions
+
+    settings = dict(section)
+    job_refs = settings.pop("job_refs", None) or {}
+    return driver_actions(build_driver(settings), job_refs)
+
+
+def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop=None,
+                  log=_log, drivers=None):
+    """Wire the Kafka ends to a pipeline; returns ``(service, deadletter, close)``."""
+    from confluent_kafka import Producer
+
+    producer = Producer(config.kafka(**PRODUCER_SETTINGS), logger=quiet_logger())
+    topics = config.topics
+    directory = JobDirectory()
+    stop = stop or threading.Event()
+    watcher = _LifecycleWatcher(KafkaSource(config, topics.telemetry,
+                                            since=time.time() - LIFECYCLE_LOOKBACK_S,
+                                            want=(b'"lifecycle"',)), directory, stop)
+    watcher.start()
+    stacks = KafkaSource(config, topics.stacks)
+    commands = KafkaRecorder(producer, topics.commands)
+
+    def send(command: ev.Command) -> None:
+        commands.write(command)
+        commands.flush()
+
+    capturer = StackCapture(send=send, gatherer=StackGatherer(stacks), settings=policy.capture)
+    notify = None
+    if sinks:
+        from trainguard.actions.alerts import send_all
+
+        def notify(message):
+            return send_all(sinks, message)
+
+    from trainguard.detectors.correlate import Correlator
+
+    pipeline = build_pipeline(policy=policy, state=state,
+                              recorder=KafkaRecorder(producer, topics.actions),
+                              capturer=capturer, directory=directory, notify=notify,
+                              drivers=drivers, correlator=Correlator(), log=log,
+                              clock=time.time)
+    service = ActionService(pipeline=pipeline, state=state, log=log)
+
+    def close() -> None:
+        stop.set()
+        watcher.join(timeout=5)
+        stacks.close()
+        producer.flush(10)
+
+    return service, _deadletter_writer(producer, topics.deadletter), close
+
+
+def main(args, config) -> int:
+    """``trainguard actions``: runs until SIGINT or SIGTERM."""
+    policy, alerts, driver = load_service_config(getattr(args, "policy", None),
+                                                 dry_run=bool(getattr(args, "dry_run", False)))
+    drivers = build_driver_actions(driver)
+    sinks = []
+    if alerts:
+        from trainguard.actions.alerts import build_sinks
+
+        sinks = build_sinks(alerts, os.environ)
+    topics = config.topics
+    _check_kafka(config, [topics.anomalies, topics.actions, topics.commands, topics.stacks,
+                          topics.telemetry])
+    state_path = Path(args.state) if getattr(args, "state", None) else default_state_path(config)
+    state = ServiceState.load(state_path, log=_log)
+    restored = read_back(config, topics.actions, time.time() - state.horizon_s, state.absorb)
+    state.save(time.time())
+    _log(f"policy {'(dry-run) ' if policy.dry_run else ''}{args.policy or 'defaults'}; "
+         f"state {state_path} ({len(state.incidents)} incidents, {restored} action records "
+         f"read back); {len(sinks)} alert sink(s); driver "
+         f"{driver.get('type', 'trainguard run')}; consuming {topics.anomalies}")
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    service, deadletter, close = build_service(config, policy, state, sinks=sinks, stop=stop,
+                                               drivers=drivers)
+    try:
+        service.run_kafka(config, stop, deadletter=deadletter)
+    finally:
+        close()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    _log("stopped")
+    return 0

@@ -1,0 +1,434 @@
+"""The action pipeline's stages, safety caps, dry-run and the persisted ledger, without Kafka."""
+import json
+
+import pytest
+
+from trainguard import events as ev
+from trainguard.actions.alerts import SendResult
+from trainguard.actions.capture import (FakeClock, JobDirectory, ListSource, StackCapture,
+                                        StackGatherer)
+from trainguard.actions.pipeline import (Dedup, ListRecorder, Work, action_event, apply_limits,
+                                         build_pipeline, incident_of)
+from trainguard.actions.policy import CaptureSettings, Decision, Limits, Policy
+from trainguard.actions.state import ServiceState
+from trainguard.detectors.correlate import Correlator
+
+T0 = 1_764_680_000.0
+
+
+def anomaly(kind="crash", id="a1", ranks=(1,), nodes=("n1",), onset=T0, detected=T0 + 1,
+            evidence=None, job="j1"):
+    return ev.Anomaly(job=job, ts=detected, id=id, kind=kind, severity="critical",
+                      ranks=list(ranks), nodes=list(nodes), step=40, onset_ts=onset,
+                      detected_ts=detected, detector=kind, summary=f"{kind} on {nodes}",
+                      evidence=dict(evidence or {}))
+
+
+def pipe(policy=Policy(), state=None, **kw):
+    state = state if state is not None else ServiceState()
+    recorder = ListRecorder()
+    return build_pipeline(policy=policy, state=state, recorder=recorder, **kw), recorder, state
+
+
+def summary(records):
+    return [(r.action, r.status) for r in records]
+
+
+def test_pipeline_is_assembled_in_order():
+    p, _, _ = pipe()
+    assert repr(p) == ("Pipeline(correlate -> dedup -> investigate -> decide -> limit -> act "
+                       "-> record -> notify)")
+
+
+def test_crash_becomes_planned_restart_records():
+    p, rec, _ = pipe()
+    work = p.process(anomaly(), now=T0 + 2)
+    assert summary(rec.events) == [("restart", "planned"), ("alert", "done")]
+    restart = rec.events[0]
+    assert restart.incident == "a1" and restart.job == "j1"
+    assert restart.targets == {"job": "j1", "onset_ts": T0, "exclude_nodes": []}
+    assert restart.extra["action_id"] == "a1:restart" and restart.extra["source"] == "actions"
+    assert work.records == rec.events
+    assert ev.decode(ev.encode(restart)) == restart  # valid SPEC action
+
+
+def test_same_anomaly_twice_gives_one_restart():
+    p, rec, _ = pipe()
+    p.process(anomaly(), now=T0 + 2)
+    again = p.process(anomaly(), now=T0 + 3)
+    assert again.dropped == "duplicate: anomaly a1 was already handled"
+    assert [r.action for r in rec.events].count("restart") == 1
+
+
+def test_correlated_anomaly_of_a_restarted_incident_is_dropped():
+    p, rec, _ = pipe(correlator=Correlator())
+    p.process(anomaly(id="a1"), now=T0 + 2)
+    work = p.process(anomaly(kind="hang", id="a2", ranks=[2], onset=T0 + 0.5), now=T0 + 3)
+    assert work.dropped.startswith("duplicate: incident inc-a1 already has a restart")
+    assert [r.action for r in rec.events].count("restart") == 1
+
+
+def test_a_problem_that_began_after_the_restart_is_a_new_incident():
+    p, rec, _ = pipe(correlator=Correlator(),
+                     policy=Policy(limits=Limits(restart_settle_s=5)))
+    p.process(anomaly(id="a1"), now=T0 + 2)
+    work = p.process(anomaly(kind="hang", id="a2", ranks=[], onset=T0 + 60,
+                             detected=T0 + 90), now=T0 + 91)
+    assert work.incident.id == "inc-a2" and work.incident.kind == "hang"
+    assert [(r.incident, r.status) for r in rec.events if r.action == "restart"] == [
+        ("inc-a1", "planned"), ("inc-a2", "planned")]
+
+
+def test_exits_caused_by_our_own_restart_join_its_incident():
+    directory = JobDirectory()
+    p, rec, _ = pipe(correlator=Correlator(), directory=directory)
+    p.process(anomaly(kind="hang", id="h1", ranks=[], nodes=[]), now=T0 + 2)
+    # the supervisor kills the ranks (they exit by SIGTERM) and relaunches 3 s later
+    directory.observe(ev.Lifecycle(job="j1", ts=T0 + 5, node="n1", event="start", pid=1,
+                                   world_size=2))
+    for rank in (0, 1):
+        work = p.process(anomaly(kind="crash", id=f"c{rank}", ranks=[rank], nodes=[],
+                                 onset=T0 + 3, detected=T0 + 3.5), now=T0 + 4)
+        assert work.dropped.startswith("duplicate: incident inc-h1")
+    # a crash after the relaunch is a new problem again
+    work = p.process(anomaly(kind="crash", id="c9", ranks=[1], nodes=[], onset=T0 + 30,
+                             detected=T0 + 30), now=T0 + 31)
+    assert work.incident.id == "inc-c9"
+    assert [r.status for r in rec.events if r.incident == "inc-c9"] == ["planned", "done"]
+
+
+def test_a_problem_beginning_during_another_restart_is_expected():
+    p, rec, _ = pipe()
+    p.process(anomaly(kind="hang", id="h1", ranks=[], nodes=[]), now=T0 + 2)
+    p.process(anomaly(id="c1", onset=T0 + 3, detected=T0 + 3.5), now=T0 + 4)
+    late = [r for r in rec.events if r.incident == "c1"]
+    assert [(r.action, r.status) for r in late] == [("restart", "rate_limited")]
+    assert late[0].reason.startswith("expected: began while job j1 was being restarted for "
+                                     "incident h1")
+
+
+def test_root_cause_found_later_is_acted_on():
+    p, rec, _ = pipe(correlator=Correlator())
+    p.process(anomaly(kind="crash", id="c1", ranks=[3], nodes=["n2"]), now=T0 + 2)
+    work = p.process(anomaly(kind="gpu_fault", id="x1", ranks=[3], nodes=["n2"],
+                             onset=T0 - 0.5, detected=T0 + 4), now=T0 + 5)
+    assert work.incident.id == "inc-c1~gpu_fault"
+    got = [(r.action, r.status) for r in rec.events if r.incident == work.incident.id]
+    assert got == [("evict", "planned"), ("restart", "planned"), ("alert", "done")]
+
+
+def test_same_machine_failing_again_after_a_restart_is_evicted():
+    p, rec, _ = pipe(policy=Policy(limits=Limits(restart_settle_s=5)))
+    p.process(anomaly(id="c1", nodes=["n4"]), now=T0 + 2)
+    p.process(anomaly(id="c2", nodes=["n4"], onset=T0 + 100, detected=T0 + 100),
+              now=T0 + 101)
+    assert [(r.action, r.status) for r in rec.events if r.incident == "c2"][:2] == [
+        ("evict", "planned"), ("restart", "planned")]
+
+
+def test_state_survives_a_restart_of_the_service(tmp_path):
+    path = tmp_path / "state.json"
+    p1, rec1, _ = pipe(state=ServiceState.load(path))
+    p1.process(anomaly(kind="hang", nodes=[]), now=T0 + 2)
+    assert ("restart", "planned") in summary(rec1.events)
+    # a new service process: state from the file, the anomaly delivered again
+    p2, rec2, _ = pipe(state=ServiceState.load(path))
+    work = p2.process(anomaly(kind="hang", nodes=[]), now=T0 + 30)
+    assert work.dropped.startswith("duplicate")
+    assert rec2.events == []
+    saved = json.loads(path.read_text())
+    assert saved["format"] == 1 and "a1" in saved["seen"]
+    assert not list(tmp_path.glob(".state.json.*"))  # no temporary file left behind
+
+
+def test_state_rebuilt_from_action_records_prevents_a_second_restart():
+    p1, rec1, _ = pipe()
+    p1.process(anomaly(), now=T0 + 2)
+    fresh = ServiceState()
+    for record in rec1.events:  # what read_back() gives the service from the actions topic
+        fresh.absorb(ev.decode(ev.encode(record)))
+    p2, rec2, _ = pipe(state=fresh)
+    assert p2.process(anomaly(), now=T0 + 5).dropped.startswith("duplicate")
+    # a new anomaly id for the same incident id is still recognised as restarted
+    inc = incident_of(anomaly(id="a1"))
+    assert fresh.history(inc).done["restart"] == "planned"
+
+
+def test_corrupt_state_file_is_moved_aside(tmp_path):
+    path = tmp_path / "state.json"
+    path.write_text("{not json")
+    messages = []
+    state = ServiceState.load(path, log=messages.append)
+    assert state.incidents == {} and not path.exists()
+    assert list(tmp_path.glob("state.json.corrupt-*")) and "unreadable" in messages[0]
+
+
+def test_stale_anomalies_are_dropped():
+    p, rec, _ = pipe(policy=Policy(max_anomaly_age_s=60))
+    work = p.process(anomaly(detected=T0), now=T0 + 3600)
+    assert work.dropped.startswith("stale: anomaly a1 was detected 3600s ago")
+    assert rec.events == []
+
+
+def test_restart_cap_rate_limits_and_pages_once():
+    policy = Policy(limits=Limits(max_restarts=2, restart_window_s=600, restart_settle_s=10))
+    p, rec, _ = pipe(policy=policy)
+    for i in range(4):
+        p.process(anomaly(id=f"a{i}", onset=T0 + 100 * i, detected=T0 + 100 * i + 1),
+                  now=T0 + 100 * i + 2)
+    restarts = [r for r in rec.events if r.action == "restart"]
+    assert [r.status for r in restarts] == ["planned", "planned", "rate_limited",
+                                            "rate_limited"]
+    assert restarts[2].reason.startswith("restart_cap: 2 restarts of job j1 in the last 600s "
+                                         "(limit 2)")
+    pages = [r for r in rec.events if r.action == "alert" and r.reason.startswith("page")]
+    assert len(pages) == 1 and pages[0].extra["severity"] == "critical"
+    assert "restart_cap" in pages[0].reason
+
+
+def test_restart_cap_window_slides():
+    policy = Policy(limits=Limits(max_restarts=1, restart_window_s=60))
+    p, rec, _ = pipe(policy=policy)
+    p.process(anomaly(id="a0"), now=T0 + 2)
+    p.process(anomaly(id="a1", onset=T0 + 1000, detected=T0 + 1001), now=T0 + 1002)
+    assert [r.status for r in rec.events if r.action == "restart"] == ["planned", "planned"]
+
+
+def test_restart_already_covering_an_incident_is_not_repeated_nor_counted():
+    p, rec, state = pipe(policy=Policy(limits=Limits(max_restarts=1)))
+    p.process(anomaly(id="a-rank1", ranks=[1]), now=T0 + 2)
+    p.process(anomaly(id="a-rank2", ranks=[2], onset=T0 + 0.5), now=T0 + 3)
+    restarts = [r for r in rec.events if r.action == "restart"]
+    assert [r.status for r in restarts] == ["planned", "rate_limited"]
+    assert restarts[1].reason.startswith("covered: job j1 was already restarted for incident "
+                                         "a-rank1")
+    assert not any(r.reason.startswith("page") for r in rec.events)
+    assert len(state.restarts) == 1
+
+
+def test_eviction_caps():
+    policy = Policy(limits=Limits(max_evictions_per_incident=1, max_evictions_per_day=2))
+    p, rec, _ = pipe(policy=policy)
+    p.process(anomaly(kind="gpu_fault", id="g1", nodes=["n1", "n2"]), now=T0 + 2)
+    evict = [r for r in rec.events if r.action == "evict"][0]
+    assert evict.status == "rate_limited" and evict.reason.startswith("evict_cap:")
+    restart = [r for r in rec.events if r.action == "restart"][0]
+    assert restart.status == "planned" and restart.targets["exclude_nodes"] == []
+    assert any(r.reason.startswith("page: evict_cap") for r in rec.events)
+    p.process(anomaly(kind="gpu_fault", id="g2", nodes=["n3"], onset=T0 + 500,
+                      detected=T0 + 501), now=T0 + 502)
+    p.process(anomaly(kind="gpu_fault", id="g3", nodes=["n4"], onset=T0 + 900,
+                      detected=T0 + 901), now=T0 + 902)
+    p.process(anomaly(kind="gpu_fault", id="g4", nodes=["n5"], onset=T0 + 1300,
+                      detected=T0 + 1301), now=T0 + 1302)
+    statuses = [r.status for r in rec.events if r.action == "evict"]
+    assert statuses == ["rate_limited", "planned", "planned", "rate_limited"]
+
+
+def test_dry_run_records_everything_and_does_nothing():
+    p, rec, state = pipe(policy=Policy(dry_run=True))
+    p.process(anomaly(kind="gpu_fault", nodes=["n9"]), now=T0 + 2)
+    got = summary(rec.events)
+    assert got == [("evict", "dry_run"), ("restart", "dry_run"), ("alert", "done")]
+    assert rec.events[0].reason.startswith("dry_run: would evict;")
+    assert state.excluded == {}  # nothing was really evicted
+    # dry-run decisions still count as handled: no second one for the same incident
+    assert p.process(anomaly(kind="gpu_fault", nodes=["n9"]), now=T0 + 3).dropped
+
+
+def test_require_approval_alerts_instead_of_acting():
+    p, rec, _ = pipe(policy=Policy(require_approval=("evict",)))
+    p.process(anomaly(kind="gpu_fault", nodes=["n9"]), now=T0 + 2)
+    evict = [r for r in rec.events if r.action == "evict"][0]
+    assert evict.status == "dry_run" and evict.reason.startswith("approval_required: evict")
+    assert [r.status for r in rec.events if r.action == "restart"] == ["planned"]
+    alert = [r for r in rec.events if r.action == "alert"][0]
+    assert alert.status == "done"
+
+
+def test_apply_limits_is_pure():
+    state = ServiceState()
+    inc = incident_of(anomaly())
+    before = [Decision(action="restart", reason="crash", targets={"job": "j1"})]
+    after = apply_limits(before, inc, Policy(dry_run=True), state, T0)
+    assert before[0].status == "planned" and after[0].status == "dry_run"
+    assert state.restarts == []
+
+
+def test_drivers_carry_out_actions_and_failures_are_recorded():
+    calls = []
+
+    def good(decision, incident):
+        calls.append((decision.action, incident.id))
+        return "done", "requeued by scontrol"
+
+    def bad(decision, incident):
+        raise RuntimeError("no cluster")
+
+    p, rec, _ = pipe(drivers={"restart": good, "evict": bad})
+    p.process(anomaly(kind="gpu_fault", nodes=["n1"]), now=T0 + 2)
+    assert calls == [("restart", "a1")]
+    got = {r.action: (r.status, r.reason) for r in rec.events}
+    assert got["restart"] == ("done", "requeued by scontrol")
+    assert got["evict"] == ("failed", "driver_error: RuntimeError: no cluster")
+
+
+def test_notify_records_each_sink_outcome():
+    sent = []
+
+    def notify(message):
+        sent.append(message)
+        return [SendResult(sink="slack", status="sent", attempts=1),
+                SendResult(sink="alertmanager", status="failed", attempts=3, error="HTTP 500")]
+
+    p, rec, _ = pipe(notify=notify)
+    p.process(anomaly(), now=T0 + 2)
+    alerts = [r for r in rec.events if r.action == "alert"]
+    assert [(a.targets["sink"], a.status) for a in alerts] == [("slack", "done"),
+                                                                ("alertmanager", "failed")]
+    assert "HTTP 500" in alerts[1].reason
+    message = sent[0]
+    assert message.incident == "a1" and message.kind == "crash"
+    assert "restart" in message.done() and "planned" in message.done()
+
+
+def stack_event(rank, cid, fn, node="n0"):
+    frames = [{"function": fn, "file": "/w/train.py", "line": 3},
+              {"function": "train_step", "file": "/w/train.py", "line": 20},
+              {"function": "<module>", "file": "/w/train.py", "line": 40}]
+    return ev.Stack(job="j1", ts=T0, node=node, rank=rank, capture_id=cid, pid=100 + rank,
+                    method="py-spy", threads=[{"name": "MainThread", "id": 1, "active": True,
+                                               "frames": frames}])
+
+
+class ScriptedAgent:
+    """Answers each capture command by queueing stack events on the source."""
+
+    def __init__(self, source, answer):
+        self.source, self.answer, self.commands = source, answer, []
+
+    def __call__(self, command):
+        self.commands.append(command)
+        self.source.add(*self.answer(command.capture_id, len(self.commands)))
+
+
+def hang_capturer(answer, rounds=2):
+    clock = FakeClock(T0)
+    source = ListSource(clock=clock)
+    agent = ScriptedAgent(source, answer)
+    capturer = StackCapture(send=agent, gatherer=StackGatherer(source, clock=clock),
+                            settings=CaptureSettings(rounds=rounds, interval_s=1.0,
+                                                     deadline_s=5.0),
+                            sleep=clock.sleep, clock=clock)
+    return capturer, agent
+
+
+def test_hang_captures_stacks_and_evicts_the_suspects_machine():
+    def answer(cid, n):
+        return [stack_event(r, cid, "load_batch" if r == 2 else "all_reduce",
+                            node="n1" if r >= 2 else "n0") for r in range(4)]
+
+    capturer, agent = hang_capturer(answer)
+    p, rec, _ = pipe(capturer=capturer)
+    work = p.process(anomaly(kind="hang", ranks=[], nodes=[], evidence={"world_size": 4}),
+                     now=T0 + 2)
+    assert [c.command for c in agent.commands] == ["capture_stacks", "capture_stacks"]
+    assert all(c.ranks == "all" and c.node is None for c in agent.commands)
+    assert work.localization["suspects"] == [2] and work.localization["stuck"] == [0, 1, 2, 3]
+    assert summary(rec.events) == [("capture_stacks", "done"), ("evict", "planned"),
+                                   ("restart", "planned"), ("alert", "done")]
+    capture = rec.events[0]
+    assert capture.targets["suspects"] == [2]
+    assert capture.reason.startswith("stacks of 4/4 ranks:")
+    assert rec.events[1].targets["nodes"] == ["n1"]
+
+
+def test_hang_with_no_answer_restarts_without_eviction():
+    capturer, agent = hang_capturer(lambda cid, n: [])
+    p, rec, _ = pipe(capturer=capturer)
+    p.process(anomaly(kind="hang", ranks=[], nodes=[]), now=T0 + 2)
+    assert len(agent.commands) == 1  # no second round when nobody answered the first
+    assert summary(rec.events) == [("capture_stacks", "failed"), ("restart", "planned"),
+                                   ("alert", "done")]
+    assert rec.events[0].reason.startswith("capture_timeout:")
+
+
+def test_straggler_capture_is_evidence_only():
+    def answer(cid, n):
+        return [stack_event(r, cid, "forward" if n == 1 else "backward") for r in range(2)]
+
+    capturer, _ = hang_capturer(answer)
+    p, rec, _ = pipe(capturer=capturer)
+    work = p.process(anomaly(kind="straggler", evidence={"slowdown": 1.5, "world_size": 2}),
+                     now=T0 + 2)
+    assert summary(rec.events) == [("capture_stacks", "done"), ("alert", "done")]
+    assert work.localization["moving"] == [0, 1]
+    assert "moving: [0, 1]" in rec.events[0].reason
+
+
+def test_dedup_stage_alone():
+    state = ServiceState()
+    stage = Dedup(state, Policy())
+    a = anomaly()
+    work = Work(anomaly=a, now=T0 + 2, incident=incident_of(a))
+    assert stage(work) and work.dropped is None
+    state.note_incident(work.incident, T0 + 2)
+    again = Work(anomaly=a, now=T0 + 3, incident=incident_of(a))
+    assert not stage(again) and again.dropped.startswith("duplicate")
+
+
+def test_action_event_is_valid_spec():
+    inc = incident_of(anomaly())
+    record = action_event(Decision(action="none", reason="nothing to do", status="done"), inc,
+                          T0)
+    back = ev.decode(ev.encode(record))
+    assert back.type == "action" and back.extra["anomalies"] == ["a1"]
+
+
+@pytest.mark.parametrize("kind", ["nan", "loss_spike", "gpu_degraded", "throughput_drop",
+                                  "silent", "grad_spike"])
+def test_alert_only_kinds(kind):
+    p, rec, _ = pipe()
+    p.process(anomaly(kind=kind), now=T0 + 2)
+    assert summary(rec.events) == [("alert", "done")]
+
+
+def test_policy_file_driver_section_runs_a_cluster_driver(tmp_path):
+    from trainguard.actions.service import build_driver_actions, load_service_config
+
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"limits": {"max_restarts": 5},
+                                "driver": {"type": "slurm", "dry_run": True,
+                                           "job_refs": {"j1": "4242"}},
+                                "alerts": {"webhook": {"url": "http://127.0.0.1:9/x"}}}))
+    policy, alerts, driver = load_service_config(str(path))
+    assert policy.limits.max_restarts == 5 and "webhook" in alerts
+    p, rec, _ = pipe(policy=policy, drivers=build_driver_actions(driver))
+    p.process(anomaly(kind="gpu_fault", nodes=["gpu-03"]), now=T0 + 2)
+    got = {r.action: (r.status, r.reason) for r in rec.events}
+    assert got["evict"][0] == "dry_run" and "scontrol update NodeName=gpu-03" in got["evict"][1]
+    assert got["restart"][0] == "dry_run"
+    assert "scontrol requeuehold 4242" in got["restart"][1]
+
+
+def test_a_repeat_that_our_own_restart_explains_is_not_evicted():
+    """Rank 1 dies; torchrun then stops the others by SIGTERM: their exits are one episode
+    (here without correlation, which would fold them into one incident anyway)."""
+    p, rec, _ = pipe()
+    p.process(anomaly(id="c0", ranks=[0], nodes=["n1"]), now=T0 + 2)
+    p.process(anomaly(id="c2", ranks=[2], nodes=["n1"], onset=T0 + 3, detected=T0 + 3),
+              now=T0 + 4)
+    later = [(r.action, r.status) for r in rec.events if r.incident == "c2"]
+    assert later == [("evict", "rate_limited"), ("restart", "rate_limited")]
+
+
+def test_a_failing_capture_still_leads_to_a_restart():
+    class Broken:
+        def capture(self, job, expected, label):
+            raise RuntimeError("broker gone")
+
+    p, rec, _ = pipe(capturer=Broken())
+    p.process(anomaly(kind="hang", ranks=[], nodes=[]), now=T0 + 2)
+    assert summary(rec.events) == [("capture_stacks", "failed"), ("restart", "planned"),
+                                   ("alert", "done")]
+    assert rec.events[0].reason == "capture_error: RuntimeError: broker gone"

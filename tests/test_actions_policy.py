@@ -1,0 +1,162 @@
+"""The escalation ladder: pure decisions per anomaly kind, and the policy file."""
+import json
+
+import pytest
+
+from trainguard.actions.policy import (DEFAULT_LADDER, History, Incident, Policy, PolicyError,
+                                       decide, load_policy)
+
+
+def incident(kind, ranks=(1,), nodes=("n1",), onset=100.0, detected=110.0, step=50,
+             evidence=None, id="i1"):
+    return Incident(id=id, job="j1", kind=kind, severity="critical", ranks=list(ranks),
+                    nodes=list(nodes), onset_ts=onset, detected_ts=detected,
+                    summary=f"{kind} happened", step=step, anomalies=[f"a-{id}"],
+                    evidence=dict(evidence or {}))
+
+
+def actions(decisions):
+    return [d.action for d in decisions]
+
+
+def test_gpu_fault_evicts_the_machine_and_restarts():
+    out = decide(Policy(), incident("gpu_fault", nodes=["n7"]), History())
+    assert actions(out) == ["evict", "restart", "alert"]
+    assert out[0].targets["nodes"] == ["n7"]
+    assert out[1].targets == {"job": "j1", "onset_ts": 100.0, "exclude_nodes": ["n7"]}
+    assert all(d.status == "planned" for d in out)
+
+
+def test_gpu_fault_without_a_machine_restarts_only():
+    out = decide(Policy(), incident("gpu_fault", nodes=[]), History())
+    assert actions(out) == ["restart", "alert"]
+
+
+def test_first_crash_restarts_a_repeated_one_evicts():
+    first = decide(Policy(), incident("crash"), History())
+    assert actions(first) == ["restart", "alert"]
+    again = decide(Policy(), incident("crash", detected=2000.0),
+                   History(node_failures={"n1": [1500.0]}))
+    assert actions(again) == ["evict", "restart", "alert"]
+    assert again[0].reason.startswith("repeated_failure: n1 failed 2 times")
+
+
+def test_crash_outside_the_window_does_not_evict():
+    late = decide(Policy(crash_window_s=600), incident("crash", detected=5000.0),
+                  History(node_failures={"n1": [1000.0]}))
+    assert actions(late) == ["restart", "alert"]
+
+
+def test_hang_with_suspects_evicts_their_machines():
+    loc = {"suspects": [2], "nodes": ["n2"], "world_size": 8, "summary": "rank 2 differs",
+           "group_nodes": {"tp": ["n2", "n3"], "dp": [], "pp": []}}
+    out = decide(Policy(), incident("hang", ranks=[], nodes=[]), History(), loc)
+    assert actions(out) == ["evict", "restart", "alert"]
+    assert out[0].targets["nodes"] == ["n2"]
+    over = decide(Policy(over_evict="tp"), incident("hang", ranks=[], nodes=[]), History(), loc)
+    assert over[0].targets["nodes"] == ["n2", "n3"]
+    assert over[1].targets["exclude_nodes"] == ["n2", "n3"]
+
+
+def test_hang_without_outliers_restarts():
+    loc = {"suspects": [], "nodes": [], "world_size": 4, "summary": "all wait in all_reduce"}
+    out = decide(Policy(), incident("hang", ranks=[], nodes=[]), History(), loc)
+    assert actions(out) == ["restart", "alert"]
+    assert "no outlier" in out[0].reason
+
+
+def test_hang_blaming_too_many_ranks_does_not_evict():
+    loc = {"suspects": [0, 1, 2], "nodes": ["n0", "n1"], "world_size": 4, "summary": "?"}
+    out = decide(Policy(), incident("hang", ranks=[], nodes=[]), History(), loc)
+    assert actions(out) == ["restart", "alert"]
+
+
+def test_hang_with_failed_capture_restarts():
+    assert actions(decide(Policy(), incident("hang"), History(), None)) == ["restart", "alert"]
+
+
+def test_straggler_alerts_then_evicts_when_persistent():
+    policy = Policy(straggler_persist_s=300, straggler_min_slowdown=1.3)
+    short = incident("straggler", onset=100.0, detected=200.0, evidence={"slowdown": 1.8})
+    assert actions(decide(policy, short, History())) == ["alert"]
+    long = incident("straggler", onset=100.0, detected=500.0, evidence={"slowdown": 1.8})
+    out = decide(policy, long, History(done={"alert": "done"}))
+    assert actions(out) == ["evict", "restart", "alert"]
+    assert out[0].reason.startswith("persistent_straggler: 1.80x slower for 400s")
+    mild = incident("straggler", onset=100.0, detected=500.0, evidence={"slowdown": 1.1})
+    assert actions(decide(policy, mild, History(done={"alert": "done"}))) == []
+
+
+def test_straggler_persistence_counts_from_first_sighting():
+    policy = Policy(straggler_persist_s=300)
+    late = incident("straggler", onset=450.0, detected=500.0, evidence={"ratio": 2.0})
+    assert actions(decide(policy, late, History(first_seen_ts=100.0))) == ["evict", "restart",
+                                                                            "alert"]
+
+
+def test_nan_alerts_and_rollback_is_optional():
+    assert actions(decide(Policy(), incident("nan"), History())) == ["alert"]
+    policy = Policy(ladder={"nan": ["alert", "rollback"]})
+    out = decide(policy, incident("nan", step=50, evidence={"onset_step": 48}), History())
+    assert actions(out) == ["rollback", "alert"]
+    assert out[0].targets["rollback_step"] == 47
+
+
+def test_gpu_degraded_alerts():
+    out = decide(Policy(), incident("gpu_degraded"), History())
+    assert actions(out) == ["alert"]
+    assert out[0].severity == "critical"
+
+
+def test_done_actions_are_not_repeated():
+    done = History(done={"evict": "planned", "restart": "planned", "alert": "done"})
+    assert decide(Policy(), incident("gpu_fault"), done) == []
+
+
+def test_already_excluded_machines_are_not_evicted_again():
+    out = decide(Policy(), incident("gpu_fault", nodes=["n1"]), History(excluded_nodes=["n1"]))
+    assert actions(out) == ["restart", "alert"]
+    assert out[0].targets["exclude_nodes"] == ["n1"]
+
+
+def test_every_kind_has_a_default_ladder():
+    from trainguard import events as ev
+
+    assert set(DEFAULT_LADDER) == set(ev.ANOMALY_KINDS)
+
+
+def test_policy_file(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"_comment": "ours", "over_evict": "dp",
+                                "limits": {"max_restarts": 2},
+                                "ladder": {"gpu_degraded": ["alert", "evict"]}}))
+    policy = load_policy(path)
+    assert policy.over_evict == "dp" and policy.limits.max_restarts == 2
+    assert policy.ladder["gpu_degraded"] == ("alert", "evict")
+    assert policy.ladder["hang"] == DEFAULT_LADDER["hang"]
+    assert load_policy(path, dry_run=True).dry_run
+    assert Policy.from_dict(policy.to_dict()) == policy
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"ladder": {"hang": ["reboot"]}}, "unknown step"),
+    ({"ladder": {"oops": ["alert"]}}, "unknown anomaly kind"),
+    ({"limits": {"max_restarts": 0}}, "limits.max_restarts must be a positive integer"),
+    ({"limits": {"max_restart": 3}}, "unknown limits key"),
+    ({"require_approval": ["alert"]}, "require_approval"),
+    ({"over_evict": "rack"}, "over_evict"),
+    ({"capture": {"rounds": 1.5}}, "capture.rounds"),
+])
+def test_policy_mistakes_are_user_errors(tmp_path, data, words):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PolicyError, match=words):
+        load_policy(path)
+
+
+def test_unreadable_policy_file(tmp_path):
+    with pytest.raises(PolicyError, match="cannot read policy file"):
+        load_policy(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(PolicyError, match="not valid JSON"):
+        load_policy(tmp_path / "bad.json")

@@ -1,0 +1,247 @@
+"""``trainguard run``'s supervisor with a real child process; actions injected, no Kafka."""
+import os
+import queue
+import signal
+import sys
+import threading
+
+import pytest
+
+from actions_harness import alive, read_log, wait_for, write_child
+from trainguard import events as ev
+from trainguard.actions.supervisor import Supervisor, descendants
+
+
+class Actions:
+    def __init__(self):
+        self.q = queue.Queue()
+
+    def put(self, action):
+        self.q.put(action)
+
+    def poll(self, timeout):
+        try:
+            return self.q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+def planned(action="restart", incident="inc1", onset=None, action_id=None, **targets):
+    targets = {"job": "j1", **targets}
+    if onset is not None:
+        targets["onset_ts"] = onset
+    extra = {"action_id": action_id or f"{incident}:{action}", "source": "actions"}
+    return ev.Action(job="j1", ts=1.0, incident=incident, action=action, targets=targets,
+                     status="planned", reason="test", extra=extra)
+
+
+@pytest.fixture
+def child(tmp_path):
+    script = write_child(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    log = tmp_path / "child.jsonl"
+
+    def make(mode="", steps=30, max_restarts=3, grace_s=2.0, step_s=0.02):
+        published = []
+        env = {**os.environ, "CHILD_LOG": str(log), "CHILD_MODE": mode,
+               "CHILD_STEPS": str(steps), "CHILD_STEP_S": str(step_s)}
+        env.pop("TRAINGUARD_RESUME", None)
+        actions = Actions()
+        sup = Supervisor(job="j1", cmd=[sys.executable, str(script)], max_restarts=max_restarts,
+                         checkpoint_dir=str(ckpt), grace_s=grace_s, environ=env, node="hostA",
+                         publish=published.append, actions=actions, log=lambda m: None,
+                         poll_s=0.02)
+        return sup, actions, published
+
+    make.log = log
+    return make
+
+
+class Running:
+    """The supervisor's loop in a thread; stopped (and its child killed) at the end."""
+
+    def __init__(self, sup):
+        self.sup = sup
+        self.code = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        self.code = self.sup.run()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def join(self, timeout=30):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "supervisor did not finish"
+        return self.code
+
+    def __exit__(self, *exc):
+        if self.thread.is_alive():
+            self.sup.request_stop(signal.SIGTERM)
+            self.sup.request_stop(signal.SIGTERM)
+            self.thread.join(10)
+
+
+def events_of(log, kind):
+    return [e for e in read_log(log) if e["event"] == kind]
+
+
+def records(published, **match):
+    return [e for e in published if isinstance(e, ev.Action)
+            and all(getattr(e, k) == v for k, v in match.items())]
+
+
+def test_crash_is_restarted_and_resumes_from_checkpoint(child):
+    sup, _, published = child(mode="crash@5", steps=10)
+    with Running(sup) as run:
+        assert run.join() == 0
+    starts = events_of(child.log, "start")
+    assert [(s["step"], s["resume"]) for s in starts] == [(0, None), (5, "1")]
+    assert starts[0]["job"] == "j1" and starts[1]["restarts"] == "1"
+    assert [e["step"] for e in events_of(child.log, "step")] == list(range(10))
+    restart = records(published, action="restart")[0]
+    assert restart.status == "done" and restart.reason.startswith("exit: the command exited "
+                                                                  "with code 3")
+    assert restart.extra["source"] == "supervisor"
+    life = [(e.event, e.exit_code) for e in published if isinstance(e, ev.Lifecycle)]
+    assert life == [("start", None), ("exit", 3), ("start", None), ("exit", 0)]
+    assert all(e.rank is None and e.node == "hostA" for e in published)
+    assert all(ev.decode(ev.encode(e)) == e for e in published)
+
+
+def test_crash_loop_stops_after_the_restart_budget(child):
+    sup, _, published = child(mode="crash_always@1", max_restarts=2)
+    with Running(sup) as run:
+        assert run.join() == 3
+    assert len(events_of(child.log, "start")) == 3
+    statuses = [r.status for r in records(published, action="restart")]
+    assert statuses == ["done", "done", "rate_limited"]
+    assert records(published, action="restart")[-1].reason.startswith("budget_exhausted")
+
+
+def test_restart_action_restarts_a_hung_child_once(child):
+    sup, actions, published = child(mode="hang@4", steps=30, step_s=0.05)
+    with Running(sup) as run:
+        wait_for(lambda: events_of(child.log, "hang"), what="the hang")
+        actions.put(planned(onset=sup.clock()))
+        wait_for(lambda: len(events_of(child.log, "start")) == 2, what="the relaunch")
+        actions.put(planned(onset=sup.clock()))                          # delivered twice
+        actions.put(planned(onset=sup.clock(), action_id="other-id"))     # same incident
+        wait_for(lambda: actions.q.empty(), what="the duplicates to be read")
+        assert not events_of(child.log, "end")  # they were read while the child ran
+        assert run.join() == 0
+    starts = events_of(child.log, "start")
+    assert len(starts) == 2 and starts[1]["step"] == 4 and starts[1]["resume"] == "1"
+    done = records(published, action="restart", incident="inc1")
+    assert [r.status for r in done] == ["done"]
+    assert done[0].extra["action_id"] == "inc1:restart"
+
+
+def test_evict_then_restart_relaunches_without_the_machine(child):
+    sup, actions, published = child(mode="hang@3", steps=6)
+    with Running(sup) as run:
+        wait_for(lambda: events_of(child.log, "hang"), what="the hang")
+        actions.put(planned("evict", nodes=["n3"], exclude_nodes=["n3"]))
+        actions.put(planned("restart", onset=sup.clock() - 1, exclude_nodes=["n3"]))
+        assert run.join() == 0
+    starts = events_of(child.log, "start")
+    assert [s["exclude"] for s in starts] == [None, "n3"]
+    assert [r.status for r in records(published, action="evict")] == ["done"]
+    assert records(published, action="restart")[0].targets["exclude_nodes"] == ["n3"]
+
+
+def test_rollback_passes_the_step(child):
+    sup, actions, _ = child(mode="hang@3", steps=6)
+    with Running(sup) as run:
+        wait_for(lambda: events_of(child.log, "hang"), what="the hang")
+        actions.put(planned("rollback", rollback_step=1, onset=sup.clock()))
+        assert run.join() == 0
+    assert events_of(child.log, "start")[1]["rollback"] == "1"
+
+
+def test_restart_for_an_incident_older_than_the_launch_is_already_satisfied(child):
+    sup, actions, published = child(mode="crash@3", steps=40, step_s=0.05)
+    with Running(sup) as run:
+        wait_for(lambda: len(events_of(child.log, "start")) == 2, what="the crash restart")
+        crash_onset = events_of(child.log, "crash")[0]["t"]
+        actions.put(planned(incident="crash-inc", onset=crash_onset))
+        wait_for(lambda: records(published, incident="crash-inc"), what="the reply")
+        assert run.join() == 0
+    assert len(events_of(child.log, "start")) == 2  # no second restart
+    reply = records(published, incident="crash-inc")[0]
+    assert reply.status == "done" and reply.reason.startswith("already_satisfied")
+
+
+def test_restart_action_beyond_the_budget_is_rate_limited(child):
+    sup, actions, published = child(mode="hang@2", steps=5, max_restarts=0)
+    with Running(sup):
+        wait_for(lambda: events_of(child.log, "hang"), what="the hang")
+        actions.put(planned(onset=sup.clock()))
+        wait_for(lambda: records(published, action="restart"), what="the reply")
+        assert records(published, action="restart")[0].status == "rate_limited"
+        assert len(events_of(child.log, "start")) == 1
+
+
+def test_actions_of_other_jobs_or_statuses_are_ignored(child):
+    sup, _, _ = child()
+    other = planned()
+    other.job = "j2"
+    assert sup.obey(other) is None
+    assert sup.obey(planned().replace(status="done")) is None
+    assert sup.obey(planned("alert")) is None
+
+
+def test_sigterm_ignoring_child_and_its_detached_grandchild_are_killed(child):
+    sup, actions, _ = child(mode="ignore_term@2", steps=4, grace_s=0.5)
+    with Running(sup) as run:
+        wait_for(lambda: events_of(child.log, "hang"), what="the hang")
+        grandchild = events_of(child.log, "grandchild")[0]["pid"]
+        assert alive(grandchild)
+        actions.put(planned(onset=sup.clock()))
+        wait_for(lambda: len(events_of(child.log, "start")) == 2, what="the relaunch")
+        wait_for(lambda: not alive(grandchild), timeout=5, what="the grandchild's death")
+        second = events_of(child.log, "grandchild")[-1]["pid"]
+        assert run.join() == 0
+    os.kill(second, signal.SIGKILL)
+
+
+def test_stop_request_is_passed_on_and_exit_code_returned(child):
+    sup, _, published = child(mode="hang@1", steps=5)
+    with Running(sup) as run:
+        wait_for(lambda: events_of(child.log, "hang"), what="the hang")
+        pid = events_of(child.log, "start")[0]["pid"]
+        sup.request_stop(signal.SIGTERM)
+        assert run.join() == 128 + signal.SIGTERM
+    assert not alive(pid)
+    exits = [e for e in published if isinstance(e, ev.Lifecycle) and e.event == "exit"]
+    assert exits[-1].signal == "SIGTERM" and exits[-1].exit_code is None
+
+
+def test_descendants_lists_the_tree():
+    assert os.getpid() in descendants(os.getppid()) or os.getppid() == 1
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["run", "--job", "j1"], "no command to run"),
+    (["run", "--job", "j1", "--max-restarts", "-1", "--", "true"], "--max-restarts"),
+    (["run", "--job", "bad job", "--", "true"], "--job"),
+    (["run", "--job", "j1", "--bootstrap", "127.0.0.1:1", "--", "/nonexistent/cmd"],
+     "cannot run"),
+])
+def test_command_line_mistakes(argv, words, capsys):
+    from trainguard.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_command_line_runs_and_returns_the_exit_code(tmp_path, capsys):
+    from trainguard.cli import main
+
+    code = main(["run", "--job", "j1", "--bootstrap", "127.0.0.1:1", "--max-restarts", "0",
+                 "--", sys.executable, "-c", "import os, sys; sys.exit(int("
+                 "os.environ['TRAINGUARD_RESTART_COUNT']) + 5)"])
+    assert code == 5
