@@ -27,6 +27,7 @@ if [ ${#need_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/n
     >/dev/null 2>&1 || echo "warning: could not install ${need_apt[*]}; those tests will skip"
 fi
 
+export TRAINGUARD_E2E=${TRAINGUARD_E2E:-1}  # the end-to-end job scenarios of the action service
 export TRAINGUARD_HOME=${TRAINGUARD_HOME:-$HOME/.cache/trainguard}
 port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 data=$(mktemp -d /tmp/trainguard-test-broker.XXXXXX)
