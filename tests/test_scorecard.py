@@ -11,14 +11,28 @@ def test_redone_steps_are_lost():
 def test_outcome_of_a_hang_detected_and_restarted():
     injections = [{"id": "f1", "kind": "hang", "ranks": [2], "step": 5, "injected_ts": 100.0}]
     anomalies = [{"id": "a1", "kind": "hang", "ts": 120.0, "detected_ts": 120.0, "ranks": [2]}]
-    actions = [{"incident": "a1", "action": "capture_stacks", "status": "done", "ts": 121.0},
-               {"incident": "a1", "action": "restart", "status": "done", "ts": 125.0}]
+    actions = [{"incident": "inc-a1", "action": "capture_stacks", "status": "done", "ts": 121.0,
+                "anomalies": ["a1"]},
+               {"incident": "inc-a1", "action": "restart", "status": "planned", "ts": 121.5,
+                "anomalies": ["a1"], "source": "actions"},
+               {"incident": "inc-a1", "action": "restart", "status": "done", "ts": 125.0,
+                "source": "supervisor"}]
     steps = [(4, 98.0, 99.0), (5, 130.0, 131.0)]
     [fault] = outcomes(injections, anomalies, actions, steps)
     assert fault.detected_ts == 120.0
     assert fault.actions == ["capture_stacks", "restart"]
     assert fault.recovered_ts == 131.0
     assert fault.lost_s == 31.0
+
+
+def test_supervisor_restart_after_a_crash_counts_for_that_fault():
+    injections = [{"id": "f1", "kind": "crash", "ranks": [3], "injected_ts": 100.0},
+                  {"id": "f2", "kind": "hang", "ranks": [1], "injected_ts": 300.0}]
+    actions = [{"incident": "j:exit:1:90", "action": "restart", "status": "done", "ts": 104.0,
+                "source": "supervisor"}]
+    crash, hang = outcomes(injections, [], actions, [(7, 110.0, 111.0), (9, 320.0, 321.0)])
+    assert crash.actions == ["restart"] and crash.recovered_ts == 111.0
+    assert hang.actions == []
 
 
 def test_undetected_fault_has_null_detection():

@@ -76,35 +76,45 @@ def outcomes(injections: list[dict], anomalies: list[dict], actions: list[dict],
     matching kind after it, the actions of that anomaly's incident, and the first step that
     ended after the recovery action (for disruptive faults) or the detection (others)."""
     result = []
-    for record in _one_per_fault(injections):
+    faults = _one_per_fault(injections)
+    for index, record in enumerate(faults):
         outcome = FaultOutcome(kind=record["kind"], ranks=record.get("ranks") or [],
                                injected_ts=record["injected_ts"], step=record.get("step"),
                                node=record.get("node"))
+        until = (faults[index + 1]["injected_ts"] if index + 1 < len(faults)
+                 else outcome.injected_ts + window_s)
         kinds = DETECTED_AS.get(outcome.kind, (outcome.kind,))
         found = [a for a in anomalies if a["kind"] in kinds
                  and outcome.injected_ts - 1.0 <= a.get("ts", a["detected_ts"])
                  <= outcome.injected_ts + window_s]
+        taken = _actions_for(actions, {a["id"] for a in found}, outcome.injected_ts, until)
+        outcome.actions = _unique(a["action"] for a in taken if a["action"] != "none")
+        restarts = [a["ts"] for a in taken if a["action"] in ("restart", "rollback")
+                    and a.get("status") == "done"]
         if found:
             first = min(found, key=lambda a: a.get("ts", a["detected_ts"]))
             outcome.detected_ts = first.get("ts", first["detected_ts"])
             outcome.anomaly_kinds = sorted({a["kind"] for a in found})
-            incident_ids = {a.get("incident") or a["id"] for a in found}
-            taken = [a for a in actions if a.get("incident") in incident_ids
-                     and a.get("status") in ("done", "planned", "dry_run")]
-            outcome.actions = _unique(a["action"] for a in taken if a["action"] != "none")
-            if outcome.kind in DISRUPTIVE:
-                restarts = [a["ts"] for a in taken if a["action"] in ("restart", "evict")
-                            and a.get("status") == "done"]
-                after = max(restarts) if restarts else outcome.detected_ts
-            else:
-                after = outcome.detected_ts
+        if outcome.kind in DISRUPTIVE:
+            after = min(restarts) if restarts else outcome.injected_ts + 1.0
             outcome.recovered_ts = _first_step_end_after(steps, after)
-        elif outcome.kind in DISRUPTIVE:
-            # Not detected, but training may have come back on its own (a plain restart).
-            resumed = _first_step_end_after(steps, outcome.injected_ts + 1.0, gap_s=5.0)
-            outcome.recovered_ts = resumed
+        elif outcome.detected_ts is not None:
+            outcome.recovered_ts = _first_step_end_after(steps, outcome.detected_ts)
         result.append(outcome)
     return result
+
+
+def _actions_for(actions: list[dict], anomaly_ids: set, since: float, until: float) -> list:
+    """The actions taken for these anomalies' incidents (the action service names the
+    anomalies of each decision; the supervisor's records name the incident only), plus the
+    supervisor's own restarts of a failed command between this fault and the next."""
+    incidents = {a["incident"] for a in actions if set(a.get("anomalies") or []) & anomaly_ids}
+    incidents |= {f"inc-{i}" for i in anomaly_ids}
+    return [a for a in actions
+            if a.get("status") in ("done", "planned", "dry_run")
+            and (a.get("incident") in incidents
+                 or (a.get("source") == "supervisor" and ":exit:" in a.get("incident", "")
+                     and since <= a["ts"] < until))]
 
 
 def _one_per_fault(injections: list[dict]) -> list[dict]:
