@@ -18,8 +18,6 @@ found from the heartbeats that kept coming while the steps stopped.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 from trainguard.recording import ReadStats, read_events
 
@@ -57,28 +55,12 @@ def analyze_events(events, config: DetectorConfig | None = None):
     return engine, summary
 
 
-def analyze_file(path, report=None, config: DetectorConfig | None = None) -> dict:
+def analyze_file(path, config: DetectorConfig | None = None) -> dict:
     """SPEC §4 ``{"events": N, "invalid": M, "incidents": [...]}`` for one recording.
 
-    ``events`` counts the valid events, ``invalid`` the lines that were not. ``report``, an
-    HTML path, is written by ``trainguard.detectors.report.write_report`` where that module
-    exists.
+    ``events`` counts the valid events, ``invalid`` the lines that were not.
     """
     stats = ReadStats()
-    engine, summary = analyze_events(read_events(path, stats), config)
+    engine, _ = analyze_events(read_events(path, stats), config)
     incidents = [{k: inc[k] for k in _INCIDENT_KEYS} for inc in engine.incidents()]
-    result = {"events": stats.events, "invalid": stats.invalid, "incidents": incidents}
-    if report:
-        summary["invalid_reasons"] = dict(stats.reasons)
-        _write_report(report, result, summary)
-    return result
-
-
-def _write_report(path, result, summary) -> None:
-    if importlib.util.find_spec("trainguard.detectors.report") is None:
-        print(f"trainguard: no HTML report written to {path}: this version has no report "
-              f"writer", file=sys.stderr)
-        return
-    from . import report as report_module
-
-    report_module.write_report(path, result, summary)
+    return {"events": stats.events, "invalid": stats.invalid, "incidents": incidents}

@@ -66,13 +66,15 @@ def test_several_jobs_in_one_recording(tmp_path):
                                                                            ("b", "nan")]
 
 
-def test_report_without_a_report_writer_still_returns_the_result(tmp_path, capsys):
-    import importlib.util
-    if importlib.util.find_spec("trainguard.detectors.report") is not None:
-        pytest.skip("a report writer exists; its own tests cover it")
-    path = write(tmp_path / "r.jsonl", JobSim(steps=20).events())
-    result = analyze_file(path, report=str(tmp_path / "r.html"))
-    assert result["invalid"] == 0 and "no HTML report" in capsys.readouterr().err
+def test_cli_analyze_writes_the_html_report(tmp_path):
+    path = write(tmp_path / "r.jsonl", JobSim(steps=60).events())
+    report = tmp_path / "out" / "r.html"
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", "analyze", str(path), "--json",
+                          "--report", str(report)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    html = report.read_text()
+    assert 'id="heatmap"' in html and 'id="summary"' in html
+    assert json.loads(out.stdout)["invalid"] == 0
 
 
 def test_cli_analyze_json(tmp_path):

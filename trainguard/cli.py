@@ -62,7 +62,9 @@ def cmd_topics(args) -> int:
 def cmd_analyze(args) -> int:
     from .detectors.offline import analyze_file
 
-    result = analyze_file(args.file, report=args.report)
+    result = analyze_file(args.file)
+    if args.report:
+        write_analysis_report(args.file, result, args.report)
     if args.json:
         print(json.dumps(result))
     else:
@@ -72,6 +74,24 @@ def cmd_analyze(args) -> int:
             print(f"  [{incident['severity']}] {incident['kind']} ranks={incident['ranks']} "
                   f"nodes={incident['nodes']} step={incident['step']}: {incident['summary']}")
     return 0
+
+
+def write_analysis_report(recording, result: dict, path) -> None:
+    """The HTML report of a recording: its events, actions and stack captures, and the incidents."""
+    from .actions.stacks import analyze_threads
+    from .events import to_dict
+    from .recording import read_events
+    from .report import write_report
+
+    events = list(read_events(recording))
+    per_capture: dict = {}
+    for event in events:
+        if event.type == "stack" and event.rank is not None:
+            per_capture.setdefault(event.capture_id, {})[event.rank] = event.threads
+    captures = [{**analyze_threads(ranks), "capture_id": capture_id}
+                for capture_id, ranks in per_capture.items()]
+    actions = [to_dict(e) for e in events if e.type == "action"]
+    write_report(path, result, events=events, actions=actions, captures=captures)
 
 
 def _print_localization(result: dict, as_json: bool) -> int:
