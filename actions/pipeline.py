@@ -33,7 +33,7 @@ from typing import Callable
 
 from trainguard import events as ev
 from trainguard.actions.policy import (JOB_ACTIONS, Decision, Incident, Policy, apply_limits,
-                                       covering_restart, decide, restart_over)
+                                       covering_restart, decide, ladder_kind, restart_over)
 
 __all__ = ["Work", "Pipeline", "build_pipeline", "apply_limits", "covering_restart",
            "incident_of", "incident_from", "driver_actions", "ListRecorder",
@@ -60,7 +60,8 @@ def incident_of(anomaly: ev.Anomaly) -> Incident:
                     severity=anomaly.severity, ranks=list(anomaly.ranks),
                     nodes=list(anomaly.nodes), onset_ts=anomaly.onset_ts,
                     detected_ts=anomaly.detected_ts, summary=anomaly.summary,
-                    step=anomaly.step, anomalies=[anomaly.id], evidence=dict(anomaly.evidence))
+                    step=anomaly.step, anomalies=[anomaly.id], evidence=dict(anomaly.evidence),
+                    kinds=[anomaly.kind])
 
 
 def action_event(decision: Decision, incident: Incident, ts: float) -> ev.Action:
@@ -90,10 +91,14 @@ class ListRecorder:
         pass
 
 
-def incident_from(found: dict, anomaly: ev.Anomaly) -> Incident:
+def incident_from(found: dict, anomaly: ev.Anomaly, kinds: dict | None = None) -> Incident:
     """An :class:`Incident` from the correlator's incident dict (SPEC §4 shape) and the
     anomaly that just joined it; machines of the ranks come from ``evidence.rank_nodes``
-    when the anomalies name none."""
+    when the anomalies name none. ``kinds`` (``{anomaly id: kind}`` of the anomalies seen so
+    far) gives the incident's member kinds, root kind first."""
+    ids = list(found.get("anomalies") or [anomaly.id])
+    seen = [anomaly.kind if i == anomaly.id else (kinds or {}).get(i) for i in ids]
+    members = list(dict.fromkeys([found["kind"], *filter(None, seen)]))
     evidence = dict(anomaly.evidence)
     nodes = list(found.get("nodes") or [])
     where = evidence.get("rank_nodes") or {}
@@ -103,8 +108,8 @@ def incident_from(found: dict, anomaly: ev.Anomaly) -> Incident:
                     severity=found["severity"], ranks=list(found["ranks"]), nodes=nodes,
                     onset_ts=found["onset_ts"], detected_ts=max(found["detected_ts"],
                                                                 anomaly.detected_ts),
-                    summary=found["summary"], step=found.get("step"),
-                    anomalies=list(found.get("anomalies") or [anomaly.id]), evidence=evidence)
+                    summary=found["summary"], step=found.get("step"), anomalies=ids,
+                    evidence=evidence, kinds=members)
 
 
 def _fresh(obj):
@@ -125,16 +130,21 @@ class Correlate:
     incident was over (:func:`~trainguard.actions.policy.restart_over`) is a new problem,
     correlated afresh (a new *generation*: a fresh correlator of the same settings), and an
     incident whose root cause changed since it was handled (a crash later explained by a GPU
-    fault) is handled again as ``<id>~<new kind>``."""
+    fault) is handled again as ``<id>~<new kind>``. The kinds of the last ``keep_kinds``
+    anomalies are remembered, for the incident's member kinds (escalation, see
+    :func:`~trainguard.actions.policy.ladder_kind`)."""
 
     name = "correlate"
 
-    def __init__(self, correlator=None, state=None, directory=None, settle_s: float = 120.0):
+    def __init__(self, correlator=None, state=None, directory=None, settle_s: float = 120.0,
+                 keep_kinds: int = 100_000):
         self.correlator = correlator
         self.state = state
         self.directory = directory
         self.settle_s = settle_s
+        self.keep_kinds = keep_kinds
         self.generations = [correlator] if correlator is not None else []
+        self.kinds: dict = {}
 
     def _generation(self, n: int):
         while len(self.generations) <= n:
@@ -147,8 +157,11 @@ class Correlate:
             work.incident = incident_of(a)
             return True
         launches = self.directory.launches(a.job) if self.directory else ()
+        self.kinds[a.id] = a.kind
+        while len(self.kinds) > self.keep_kinds:
+            del self.kinds[next(iter(self.kinds))]  # the oldest
         for n in range(64):
-            incident = incident_from(self._generation(n).add(a), a)
+            incident = incident_from(self._generation(n).add(a), a, self.kinds)
             settled = self.state.settled_ts(incident.id) if self.state else None
             if settled is None or a.onset_ts <= restart_over(settled, launches, self.settle_s):
                 break
@@ -193,7 +206,8 @@ class Dedup:
 
 
 class Investigate:
-    """Captures and aggregates the stacks of all ranks when the ladder asks for it."""
+    """Captures and aggregates the stacks of all ranks when the ladder the incident gets
+    (:func:`~trainguard.actions.policy.ladder_kind`) asks for it."""
 
     name = "investigate"
 
@@ -205,7 +219,8 @@ class Investigate:
 
     def __call__(self, work: Work) -> bool:
         incident = work.incident
-        if not self.policy.wants_capture(incident.kind) or self.capturer is None:
+        if not self.policy.wants_capture(ladder_kind(self.policy, incident)) \
+                or self.capturer is None:
             return True
         from trainguard.actions.capture import JobInfo, localize
 

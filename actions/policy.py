@@ -17,6 +17,17 @@ documented in ``docs/POLICY.md``.
 ...     print(d.action, "|", d.reason)
 evict | hang_suspects: stack analysis blames rank(s) [2] on n1
 restart | hang: restart after evicting n1
+
+An incident gets the ladder of its most demanding member kind (:func:`ladder_kind`): a hang
+that joins a NaN incident escalates it from an alert to the hang's capture and restart.
+
+>>> nan = Incident(id="i3", job="j1", kind="nan", severity="critical", ranks=[1], nodes=[],
+...                onset_ts=100.0, detected_ts=160.0, summary="loss is NaN on rank 1",
+...                kinds=["nan", "hang"])
+>>> for d in decide(Policy(), nan, History(done={"alert": "done"})):
+...     print(d.action, "|", d.reason)
+restart | escalated: hang joined nan incident i3: loss is NaN on rank 1
+alert | escalated: hang joined nan incident i3: loss is NaN on rank 1
 """
 from __future__ import annotations
 
@@ -29,7 +40,7 @@ from trainguard.errors import UserError
 
 __all__ = ["Policy", "Limits", "CaptureSettings", "Incident", "Decision", "History",
            "PolicyError", "decide", "apply_limits", "covering_restart", "restart_over",
-           "load_policy", "STEPS",
+           "load_policy", "ladder_kind", "STEPS", "STRENGTH",
            "DEFAULT_LADDER", "JOB_ACTIONS", "DAY_S"]
 
 STEPS = {
@@ -57,6 +68,11 @@ DEFAULT_LADDER = {
     "gpu_degraded": ("alert",),
     "silent": ("alert",),
 }
+#: How demanding a step is, for escalation: a ladder is as demanding as its strongest step.
+#: The conditional evictions rank below a restart: they are a "maybe", and a straggler that
+#: *may* be evicted one day must still escalate to a hang's restart.
+STRENGTH = {"alert": 0, "capture": 1, "evict_if_repeated": 2, "evict_suspects": 2,
+            "evict_if_persistent": 2, "restart": 3, "rollback": 3, "evict": 4}
 JOB_ACTIONS = ("restart", "evict", "rollback")  # what changes the job; dry-run stops these
 ACTIONS = ("alert", "capture_stacks", "restart", "evict", "rollback", "none")
 OVER_EVICT = (None, "tp", "pp", "dp")
@@ -161,6 +177,10 @@ class Policy:
     def wants_capture(self, kind: str) -> bool:
         return "capture" in self.steps(kind)
 
+    def strength(self, kind: str) -> int:
+        """How demanding the ladder of ``kind`` is (its strongest step, by :data:`STRENGTH`)."""
+        return max((STRENGTH[s] for s in self.steps(kind)), default=-1)
+
     @classmethod
     def from_dict(cls, data: dict) -> "Policy":
         """Build from the JSON policy file's object; unknown keys are mistakes.
@@ -223,7 +243,8 @@ def load_policy(path: str | Path | None, dry_run: bool = False) -> Policy:
 
 @dataclass(kw_only=True)
 class Incident:
-    """One problem of one job, made of one or more anomalies; ``kind`` is its root cause."""
+    """One problem of one job, made of one or more anomalies; ``kind`` is its root cause,
+    ``kinds`` the kinds of its anomalies (empty: just ``kind``)."""
 
     id: str
     job: str
@@ -237,6 +258,7 @@ class Incident:
     step: int | None = None
     anomalies: list = field(default_factory=list)
     evidence: dict = field(default_factory=dict)
+    kinds: list = field(default_factory=list)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -291,11 +313,26 @@ def _slowdown(evidence: dict) -> float | None:
     return None
 
 
+def ladder_kind(policy: Policy, incident: Incident) -> str:
+    """The kind whose ladder the incident gets: its root kind, unless one of its anomalies is
+    of a kind with a more demanding ladder (:meth:`Policy.strength`; the root kind wins ties).
+
+    >>> inc = Incident(id="i", job="j", kind="straggler", severity="warning", ranks=[2],
+    ...                nodes=[], onset_ts=0.0, detected_ts=1.0, summary="rank 2 is slow")
+    >>> ladder_kind(Policy(), inc)
+    'straggler'
+    >>> inc.kinds = ["straggler", "hang"]
+    >>> ladder_kind(Policy(), inc)
+    'hang'
+    """
+    return max([incident.kind, *incident.kinds], key=policy.strength)
+
+
 def _evictions(policy: Policy, incident: Incident, history: History, loc: dict | None,
-               steps: tuple) -> tuple[list, str]:
-    """Machines the ladder evicts now, and why."""
+               steps: tuple, kind: str) -> tuple[list, str]:
+    """Machines the ladder (of ``kind``) evicts now, and why."""
     if "evict" in steps and incident.nodes:
-        return sorted(set(incident.nodes)), (f"{incident.kind}: {incident.summary}")
+        return sorted(set(incident.nodes)), (f"{kind}: {incident.summary}")
     if "evict_if_repeated" in steps and incident.nodes:
         window_start = incident.detected_ts - policy.crash_window_s
         repeated = [n for n in sorted(set(incident.nodes))
@@ -311,7 +348,7 @@ def _evictions(policy: Policy, incident: Incident, history: History, loc: dict |
         if world and len(suspects) > policy.max_suspect_fraction * world:
             return [], ""
         if nodes:
-            return nodes, (f"{incident.kind}_suspects: stack analysis blames rank(s) "
+            return nodes, (f"{kind}_suspects: stack analysis blames rank(s) "
                            f"{suspects} on {', '.join(nodes)}")
     if "evict_if_persistent" in steps and incident.nodes:
         since = min(incident.onset_ts, history.first_seen_ts or incident.onset_ts)
@@ -320,21 +357,27 @@ def _evictions(policy: Policy, incident: Incident, history: History, loc: dict |
         if lasted >= policy.straggler_persist_s and slowdown is not None \
                 and slowdown >= policy.straggler_min_slowdown:
             return sorted(set(incident.nodes)), (
-                f"persistent_{incident.kind}: {slowdown:.2f}x slower for {lasted:.0f}s "
+                f"persistent_{kind}: {slowdown:.2f}x slower for {lasted:.0f}s "
                 f"(limits {policy.straggler_min_slowdown:g}x, {policy.straggler_persist_s:g}s)")
     return [], ""
 
 
 def decide(policy: Policy, incident: Incident, history: History,
            localization: dict | None = None) -> list[Decision]:
-    """The decisions of the ladder of ``incident.kind``: evictions first, then the restart or
-    rollback, then the alert. Actions already recorded for the incident are not repeated.
-    ``localization`` is the stack analysis (``suspects``, ``nodes``, ``world_size``, and
-    ``group_nodes`` per parallel dimension for over-eviction)."""
-    steps = policy.steps(incident.kind)
+    """The decisions of the ladder of :func:`ladder_kind`: evictions first, then the restart
+    or rollback, then the alert. Actions already recorded for the incident are not repeated.
+    When a member's ladder is used rather than the root kind's, the restart, rollback and
+    alert reasons start with ``escalated:``. ``localization`` is the stack analysis
+    (``suspects``, ``nodes``, ``world_size``, and ``group_nodes`` per parallel dimension for
+    over-eviction)."""
+    kind = ladder_kind(policy, incident)
+    steps = policy.steps(kind)
+    head = kind if kind == incident.kind else \
+        f"escalated: {kind} joined {incident.kind} incident {incident.id}"
+    escalated = "" if kind == incident.kind else head + "; "
     done = history.done
     out: list[Decision] = []
-    nodes, why = _evictions(policy, incident, history, localization, steps)
+    nodes, why = _evictions(policy, incident, history, localization, steps, kind)
     nodes = [n for n in nodes if n not in history.excluded_nodes]
     if nodes and "evict" not in done:
         out.append(Decision(action="evict", reason=why, severity="critical", targets={
@@ -346,22 +389,23 @@ def decide(policy: Policy, incident: Incident, history: History,
         target = max(0, onset_step - 1) if isinstance(onset_step, int) else None
         out.append(Decision(action="rollback", severity="critical", targets={
             **_job_targets(incident), "exclude_nodes": exclude, "rollback_step": target},
-            reason=f"{incident.kind}: restart from the last checkpoint at or before step "
-                   f"{target}" if target is not None else
-                   f"{incident.kind}: restart from the last checkpoint (onset step unknown)"))
+            reason=escalated + (f"{kind}: restart from the last checkpoint at or before step "
+                                f"{target}" if target is not None else
+                                f"{kind}: restart from the last checkpoint (onset step "
+                                f"unknown)")))
     elif ("restart" in steps or nodes) and "restart" not in done and "rollback" not in done:
         if nodes:
-            why_restart = f"{incident.kind}: restart after evicting {', '.join(nodes)}"
-        elif incident.kind == "hang" and localization is not None:
-            why_restart = (f"hang: no outlier among the ranks' stacks "
+            why_restart = f"{escalated}{kind}: restart after evicting {', '.join(nodes)}"
+        elif kind == "hang" and localization is not None:
+            why_restart = (f"{escalated}hang: no outlier among the ranks' stacks "
                            f"({localization.get('summary', 'no summary')}); restart")
         else:
-            why_restart = f"{incident.kind}: {incident.summary}"
+            why_restart = f"{head}: {incident.summary}"
         out.append(Decision(action="restart", reason=why_restart, severity="critical",
                             targets={**_job_targets(incident), "exclude_nodes": exclude}))
     if "alert" in steps and ("alert" not in done or out):
         out.append(Decision(action="alert", severity=incident.severity,
-                            reason=f"{incident.kind}: {incident.summary}",
+                            reason=f"{head}: {incident.summary}",
                             targets={"job": incident.job, "ranks": list(incident.ranks),
                                      "nodes": list(incident.nodes)}))
     return out

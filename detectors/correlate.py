@@ -6,8 +6,14 @@ than ``window_s`` after the incident's last detection, its detection no earlier 
 ``window_s`` before the incident's onset) and a member of the incident can cause it, or it
 can cause a member, by :data:`CONSEQUENCES`. Some consequences follow from their cause
 anywhere in the job (a crash makes *every* other rank hang); others only where they share a
-rank or a machine (an Xid on GPU 3 of n1 explains rank 3 going silent, not rank 12 on n2).
-Machines of ranks come from the anomalies' ``nodes`` and ``evidence["rank_nodes"]``.
+rank or a machine (an Xid on GPU 3 of n1 explains rank 3 going silent, not rank 12 on n2),
+and a few only on the same rank. A NaN is one rank's arithmetic, not its machine's: it can
+make that rank's own code fail (a finiteness check that raises, a device-side assert on a NaN
+index) or branch away from a collective the others entered, so it explains a crash or a hang
+*blamed on that rank*; it explains neither on another rank, even on the same machine (on a
+one-machine job every rank shares it). A crash it caused still explains the other ranks'
+hang through ``crash -> hang``. Machines of ranks come from the anomalies' ``nodes`` and
+``evidence["rank_nodes"]``.
 
 The incident's suspects (``ranks``, ``nodes``) are those of its root-kind members detected
 within ``root_slack_s`` of the root's onset: the first crashed rank, not the ranks torn down
@@ -26,6 +32,10 @@ stream of anomalies.
 >>> _ = c.add(a("hang", 125.0, onset=99.8))
 >>> [(i["kind"], i["ranks"], i["nodes"], len(i["anomalies"])) for i in c.incidents()]
 [('gpu_fault', [3], ['n1'], 3)]
+>>> _ = c.add(a("nan", 1000.0, [1]))
+>>> _ = c.add(a("hang", 1050.0, [2], onset=990.0))  # blamed on another rank: not the NaN's
+>>> [i["kind"] for i in c.incidents()]
+['gpu_fault', 'hang', 'nan']
 """
 from __future__ import annotations
 
@@ -36,13 +46,15 @@ PRIORITY = ("gpu_fault", "nan", "crash", "silent", "gpu_degraded", "straggler", 
             "loss_spike", "grad_spike", "throughput_drop")
 _RANK = {k: i for i, k in enumerate(PRIORITY)}
 
-ANY, SHARED = "any", "shared"
-#: cause kind -> {consequence kind: ANY (anywhere in the job) or SHARED (same rank/machine)}
+ANY, SHARED, SAME_RANK = "any", "shared", "same_rank"
+#: cause kind -> {consequence kind: ANY (anywhere in the job), SHARED (same rank or machine)
+#: or SAME_RANK (same rank only)}
 CONSEQUENCES = {
     "gpu_fault": {"hang": ANY, "throughput_drop": ANY, "silent": SHARED, "crash": SHARED,
                   "nan": SHARED, "straggler": SHARED, "gpu_degraded": SHARED,
                   "gpu_fault": SHARED, "loss_spike": ANY, "grad_spike": ANY},
-    "nan": {"nan": ANY, "loss_spike": ANY, "grad_spike": ANY, "crash": ANY, "hang": ANY},
+    "nan": {"nan": ANY, "loss_spike": ANY, "grad_spike": ANY, "crash": SAME_RANK,
+            "hang": SAME_RANK},
     "crash": {"crash": ANY, "hang": ANY, "silent": ANY},
     "silent": {"silent": ANY, "hang": ANY},
     "gpu_degraded": {"gpu_degraded": SHARED, "straggler": SHARED, "throughput_drop": ANY},
@@ -71,9 +83,9 @@ def _linked(x, y) -> bool:
         how = _relation(cause, effect)
         if how == ANY:
             return True
-        if how == SHARED:
+        if how in (SHARED, SAME_RANK):
             (r1, n1), (r2, n2) = _places(cause), _places(effect)
-            if r1 & r2 or n1 & n2:
+            if r1 & r2 or (how == SHARED and n1 & n2):
                 return True
     return False
 

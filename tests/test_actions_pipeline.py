@@ -432,3 +432,66 @@ def test_a_failing_capture_still_leads_to_a_restart():
     assert summary(rec.events) == [("capture_stacks", "failed"), ("restart", "planned"),
                                    ("alert", "done")]
     assert rec.events[0].reason == "capture_error: RuntimeError: broker gone"
+
+
+def alike(cid, n):
+    return [stack_event(r, cid, "all_reduce", node="n1") for r in range(4)]
+
+
+def test_demo_nan_then_a_hang_on_another_rank_captures_and_restarts():
+    """The demo run: NaN on rank 1 (alert only), then a hang blamed on rank 2."""
+    capturer, agent = hang_capturer(alike)
+    p, rec, _ = pipe(correlator=Correlator(), capturer=capturer)
+    p.process(anomaly(kind="nan", id="n1", ranks=[1], nodes=[]), now=T0 + 2)
+    work = p.process(anomaly(kind="hang", id="h1", ranks=[2], nodes=[], onset=T0 - 9,
+                             detected=T0 + 51, evidence={"rank_nodes": {"2": "n1"},
+                                                         "world_size": 4}), now=T0 + 52)
+    assert work.incident.kind == "hang"
+    assert [(r.incident, r.action, r.status) for r in rec.events] == [
+        ("inc-n1", "alert", "done"), ("inc-h1", "capture_stacks", "done"),
+        ("inc-h1", "restart", "planned"), ("inc-h1", "alert", "done")]
+    # rank 1 exits by our restart's SIGTERM: it joins the NaN incident, covered by that restart
+    work = p.process(anomaly(kind="crash", id="c1", ranks=[1], nodes=[], onset=T0 + 53,
+                             detected=T0 + 53), now=T0 + 54)
+    assert work.incident.id == "inc-n1"
+    assert [r.status for r in rec.events if r.action == "restart"] == ["planned",
+                                                                       "rate_limited"]
+    assert rec.events[-1].reason.startswith("covered: job j1 was already restarted for "
+                                            "incident inc-h1")
+
+
+def test_a_hang_joining_a_nan_incident_escalates_it():
+    capturer, agent = hang_capturer(alike)
+    p, rec, _ = pipe(correlator=Correlator(), capturer=capturer)
+    p.process(anomaly(kind="nan", id="n1", ranks=[2], nodes=[]), now=T0 + 2)
+    work = p.process(anomaly(kind="hang", id="h1", ranks=[2], nodes=[], onset=T0 - 9,
+                             detected=T0 + 51, evidence={"world_size": 4}), now=T0 + 52)
+    assert work.incident.id == "inc-n1" and work.incident.kinds == ["nan", "hang"]
+    assert summary(work.records) == [("capture_stacks", "done"), ("restart", "planned"),
+                                     ("alert", "done")]
+    assert work.records[1].reason.startswith("escalated: hang joined nan incident inc-n1; "
+                                             "hang: no outlier among the ranks' stacks")
+
+
+def test_a_straggler_that_hangs_escalates_to_one_restart():
+    capturer, agent = hang_capturer(alike)
+    p, rec, _ = pipe(correlator=Correlator(), capturer=capturer)
+    where = {"rank_nodes": {"2": "n1"}, "world_size": 4}
+    first = p.process(anomaly(kind="straggler", id="s1", ranks=[2], nodes=[],
+                              evidence={"slowdown": 1.5, **where}), now=T0 + 2)
+    assert summary(first.records) == [("capture_stacks", "done"), ("alert", "done")]
+    hang = anomaly(kind="hang", id="h1", ranks=[2], nodes=[], onset=T0 + 20,
+                   detected=T0 + 80, evidence=where)
+    work = p.process(hang, now=T0 + 81)
+    assert work.incident.id == "inc-s1" and work.incident.kind == "straggler"
+    assert summary(work.records) == [("capture_stacks", "done"), ("restart", "planned"),
+                                     ("alert", "done")]
+    assert work.records[1].reason.startswith("escalated: hang joined straggler incident inc-s1")
+    assert len(agent.commands) == 4  # two rounds for the straggler, two for the hang
+    # the hang delivered again, and the exits our own restart causes: no second restart
+    assert p.process(hang, now=T0 + 82).dropped == "duplicate: anomaly h1 was already handled"
+    for rank in (0, 2):
+        again = p.process(anomaly(kind="crash", id=f"c{rank}", ranks=[rank], nodes=[],
+                                  onset=T0 + 83, detected=T0 + 84), now=T0 + 85)
+        assert again.dropped.startswith("duplicate: incident inc-s1 already has a restart")
+    assert [r.status for r in rec.events if r.action == "restart"] == ["planned"]

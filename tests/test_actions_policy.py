@@ -160,3 +160,49 @@ def test_unreadable_policy_file(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(PolicyError, match="not valid JSON"):
         load_policy(tmp_path / "bad.json")
+
+
+def escalated(kind, kinds, **kw):
+    inc = incident(kind, **kw)
+    inc.kinds = list(kinds)
+    return inc
+
+
+def test_ladders_are_ordered_by_their_strongest_step():
+    strength = Policy().strength
+    assert strength("gpu_fault") > strength("hang") == strength("crash") \
+        > strength("straggler") > strength("nan")
+
+
+def test_a_hang_joining_a_nan_incident_escalates_to_the_hang_ladder():
+    loc = {"suspects": [2], "nodes": ["n2"], "world_size": 8, "summary": "rank 2 differs"}
+    inc = escalated("nan", ["nan", "hang"], ranks=[1], nodes=[])
+    out = decide(Policy(), inc, History(done={"alert": "done"}), loc)
+    assert actions(out) == ["evict", "restart", "alert"]
+    assert out[0].reason.startswith("hang_suspects: stack analysis blames rank(s) [2]")
+    assert out[1].reason == "escalated: hang joined nan incident i1; hang: restart after " \
+                            "evicting n2"
+    assert out[2].reason == "escalated: hang joined nan incident i1: nan happened"
+
+
+def test_a_straggler_that_hangs_escalates_to_a_restart():
+    inc = escalated("straggler", ["straggler", "hang"], ranks=[2], nodes=["n1"],
+                    evidence={"slowdown": 1.5})
+    done = History(done={"capture_stacks": "done", "alert": "done"})
+    out = decide(Policy(), inc, done)
+    assert actions(out) == ["restart", "alert"]
+    assert out[0].reason.startswith("escalated: hang joined straggler incident i1:")
+    # once restarted, the incident's further anomalies change nothing
+    assert decide(Policy(), inc, History(done={**done.done, "restart": "planned"})) == []
+
+
+def test_a_stronger_or_equal_root_keeps_its_own_ladder():
+    gpu = decide(Policy(), escalated("gpu_fault", ["gpu_fault", "hang"], nodes=["n7"]),
+                 History())
+    assert actions(gpu) == ["evict", "restart", "alert"]
+    assert not any(d.reason.startswith("escalated") for d in gpu)
+    crash = decide(Policy(), escalated("crash", ["crash", "hang"]), History())
+    assert [d.reason for d in crash] == ["crash: crash happened"] * 2
+    rollback = Policy(ladder={"nan": ["alert", "rollback"]})  # as strong as a hang's restart
+    assert actions(decide(rollback, escalated("nan", ["nan", "hang"]), History())) == [
+        "rollback", "alert"]

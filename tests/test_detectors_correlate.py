@@ -97,3 +97,24 @@ def test_same_anomaly_twice_is_counted_once():
     c.add(a)
     [incident] = c.incidents()
     assert incident["anomalies"] == [a.id]
+
+
+def test_a_nan_explains_a_hang_or_crash_only_on_its_own_rank():
+    # the demo: NaN on rank 1, then a hang blamed on rank 2 of the same machine
+    c = Correlator()
+    c.add(anomaly("nan", 100.0, [1], ["n0"]))
+    c.add(anomaly("hang", 151.0, [2], onset=90.0, rank_nodes={"2": "n0"}))
+    assert sorted(i["kind"] for i in c.incidents()) == ["hang", "nan"]
+    c = Correlator()
+    c.add(anomaly("nan", 100.0, [1]))
+    c.add(anomaly("crash", 120.0, [0], rank_nodes={"0": "n0"}))
+    assert sorted(i["kind"] for i in c.incidents()) == ["crash", "nan"]
+
+
+def test_a_nan_explains_its_own_ranks_crash_and_hang():
+    c = Correlator()
+    c.add(anomaly("nan", 100.0, [2]))
+    c.add(anomaly("hang", 151.0, [2], onset=90.0))
+    c.add(anomaly("crash", 160.0, [2]))
+    [incident] = c.incidents()
+    assert incident["kind"] == "nan" and len(incident["anomalies"]) == 3
