@@ -4,7 +4,8 @@ An incident's ``kind`` is its root cause: the member of highest :data:`PRIORITY`
 anomaly joins an open incident of the same job when it is close in time (its onset no later
 than ``window_s`` after the incident's last detection, its detection no earlier than
 ``window_s`` before the incident's onset) and a member of the incident can cause it, or it
-can cause a member, by :data:`CONSEQUENCES`. Some consequences follow from their cause
+can cause a member, by :data:`CONSEQUENCES`, and the cause does not begin after its effect
+(within :data:`CAUSE_LEAD_S`: an Xid three minutes after a NaN did not cause it). Some consequences follow from their cause
 anywhere in the job (a crash makes *every* other rank hang); others only where they share a
 rank or a machine (an Xid on GPU 3 of n1 explains rank 3 going silent, not rank 12 on n2),
 and a few only on the same rank. A NaN is one rank's arithmetic, not its machine's: it can
@@ -78,9 +79,22 @@ def _relation(cause, effect):
     return CONSEQUENCES.get(cause.kind, {}).get(effect.kind)
 
 
+#: How much later than its effect's onset a cause may begin: hang and silent onsets are the
+#: last progress seen, which precedes their cause by up to a step; other effects follow it.
+CAUSE_LEAD_S = {"hang": 120.0, "silent": 120.0}
+CAUSE_LEAD_DEFAULT_S = 10.0
+
+
+def _precedes(cause, effect) -> bool:
+    lead = CAUSE_LEAD_S.get(effect.kind, CAUSE_LEAD_DEFAULT_S)
+    return cause.onset_ts <= effect.onset_ts + lead
+
+
 def _linked(x, y) -> bool:
     for cause, effect in ((x, y), (y, x)):
         how = _relation(cause, effect)
+        if how is None or not _precedes(cause, effect):
+            continue
         if how == ANY:
             return True
         if how in (SHARED, SAME_RANK):
@@ -124,8 +138,9 @@ class _Incident:
                        f"{', '.join(others)})"
         step = root.step
         if step is None:
-            steps = [m.step for m in self.members if m.step is not None]
-            step = min(steps) if steps else None
+            stepped = [m for m in self.members if m.step is not None]
+            nearest = min(stepped, key=lambda m: abs(m.onset_ts - root.onset_ts), default=None)
+            step = nearest.step if nearest is not None else None
         return {"id": self.id, "kind": root.kind, "job": self.job, "ranks": sorted(ranks),
                 "nodes": sorted(nodes), "step": step,
                 "onset_ts": min(m.onset_ts for m in self.members),
