@@ -74,6 +74,11 @@ class DetectorConfig:
     # -- silent: a rank or machine that stops sending while the rest go on -------------------
     silent_timeout_s: float = 15.0
 
+    # -- crash: failed exits, and ranks that vanished while the launcher tore the job down ---
+    crash_grace_s: float = 3.0             # wait after a SIGTERM/SIGINT exit for the rest
+    crash_vanish_s: float = 10.0           # ranks heard this shortly before it, with no exit,
+                                           # vanished (SIGKILL, OOM killer)
+
     # -- gpu_fault / gpu_degraded ---------------------------------------------------------------
     gpu_fault_missing_samples: int = 2     # samples a GPU must be absent to be "missing"
     gpu_fault_repeat_s: float = 300.0      # the same Xid on the same GPU within this is one

@@ -90,7 +90,15 @@ def _precedes(cause, effect) -> bool:
     return cause.onset_ts <= effect.onset_ts + lead
 
 
+def _external(anomaly) -> bool:
+    """The whole job stopped from outside (a restart, a preemption, Ctrl-C): the end of
+    whatever came before, the cause of nothing; an incident of its own."""
+    return anomaly.kind == "crash" and bool((anomaly.evidence or {}).get("external_stop"))
+
+
 def _linked(x, y) -> bool:
+    if _external(x) or _external(y):
+        return False
     for cause, effect in ((x, y), (y, x)):
         how = _relation(cause, effect)
         if how is None or not _precedes(cause, effect):

@@ -1,8 +1,8 @@
 """Detectors of a job that stopped: hang (no progress), silent (no events), crash (exit).
 
 They read the rank summaries (``step``, ``hb``, ``life``) and, for machines, ``ev.Gpu``
-samples. ``advance(now)`` lets hang and silent notice what did not arrive; offline ``now`` is
-the recording's event time, online the wall clock.
+samples. ``advance(now)`` lets hang and silent notice what did not arrive, and crash decide a
+tear-down; offline ``now`` is the recording's event time, online the job's clock.
 
 >>> d = CrashDetector()
 >>> life = {"k": "life", "job": "j", "rank": 5, "node": "n2", "ts": 50.0, "event": "exit",
@@ -19,32 +19,205 @@ from .base import Detector, Finding, fmt_ranks, rank_nodes, whole_nodes
 __all__ = ["HangDetector", "SilentDetector", "CrashDetector"]
 
 
+#: Signals (and the exit codes shells and ``subprocess`` use for them) by which a launcher,
+#: a scheduler or a user stops processes from outside: a rank ending so is torn down, not
+#: failing.
+TEARDOWN_SIGNALS = frozenset(("SIGTERM", "SIGINT", "TERM", "INT"))
+TEARDOWN_CODES = {-15: "SIGTERM", 143: "SIGTERM", -2: "SIGINT", 130: "SIGINT"}
+
+
 class CrashDetector(Detector):
-    """A lifecycle ``exit`` with a non-zero code or a signal. Each exit is one finding."""
+    """A rank that failed: a lifecycle ``exit`` with a non-zero code or a signal, or a rank
+    that vanished without one while the launcher tore the job down.
+
+    - A non-zero code or a signal other than SIGTERM/SIGINT (SIGSEGV, SIGABRT, a SIGKILL
+      reported by a supervisor) is a critical crash of that rank at once.
+    - SIGTERM/SIGINT exits are a *tear-down*: torchrun stopping the survivors of a failure,
+      or the whole job stopped from outside. They are gathered for ``grace_s`` after the
+      latest of them (or until every rank heard within ``vanish_s`` before the first exited)
+      and decided together:
+
+      * when ranks were torn down, the ranks heard within ``vanish_s`` before the first
+        tear-down exit, and not since, that sent no exit (a SIGKILL or the OOM killer
+        leaves no exit event) are the crash: one critical finding naming them, the
+        torn-down peers in its evidence;
+      * else, after a crash exit, nothing more (the tear-down follows that crash);
+      * else, when more ranks were torn down than are still running, the whole job was
+        stopped from outside (our own restart, a preemption, Ctrl-C): one ``warning``
+        finding naming no rank (``evidence["external_stop"]``), so that it is still seen;
+      * else the few SIGTERMed ranks, while the rest went on, are a critical crash.
+
+      Later exits of the same tear-down are folded into it; it ends when a rank starts, or
+      steps again after its exit. ``finish(now)`` decides a pending tear-down at the end of
+      the input.
+
+    >>> d = CrashDetector(grace_s=3.0)
+    >>> for r in range(4):           # rank 3 is SIGKILLed after step 160, torchrun stops the rest
+    ...     _ = d.update({"k": "step", "rank": r, "node": "n1", "ts": 99.0, "step": 160})
+    >>> for r in range(3):
+    ...     _ = d.update({"k": "life", "rank": r, "node": "n1", "ts": 100.0, "event": "exit",
+    ...                   "exit_code": None, "signal": "SIGTERM", "step": 160})
+    >>> d.advance(102.0)
+    []
+    >>> [(f.ranks, f.severity, f.summary) for f in d.advance(103.0)]  # doctest: +NORMALIZE_WHITESPACE
+    [([3], 'critical', 'rank 3 on n1 vanished without an exit event after step 160 (killed by
+      SIGKILL or the OOM killer, most likely); ranks 0, 1, 2 were torn down by SIGTERM 1.0s
+      later')]
+    """
 
     PREFIX = "crash"
 
-    def __init__(self):
-        pass
+    def __init__(self, grace_s: float = 3.0, vanish_s: float = 10.0):
+        self.grace_s = grace_s
+        self.vanish_s = vanish_s
+        self._last: dict = {}      # rank -> last event time
+        self._step: dict = {}      # rank -> last step
+        self._where: dict = {}     # rank -> node
+        self._exit: dict = {}      # rank -> time of its exit, until it starts again
+        self._wave = None          # the open tear-down, see _open
 
     def update(self, item) -> list[Finding]:
-        if type(item) is not dict or item.get("k") != "life" or item.get("event") != "exit":
+        if type(item) is not dict:
             return []
+        k = item.get("k")
+        if k not in ("step", "hb", "life"):
+            return []
+        rank, ts = item.get("rank"), item.get("ts")
+        if ts is None:
+            return []
+        found = []
+        event = item.get("event")
+        if k == "step" and rank in self._exit and ts > self._exit[rank]:
+            found = self._close(ts)                   # stepping again: a restart
+            del self._exit[rank]
+        elif event == "start":
+            found = self._close(ts)
+            self._exit.pop(rank, None)
+        if rank is not None:
+            self._heard(rank, item, ts)
+        if event != "exit":
+            return found
         code, sig = item.get("exit_code"), item.get("signal")
+        if rank is not None:
+            self._exit[rank] = ts
         if not sig and code in (0, None):
             return []
+        teardown = sig in TEARDOWN_SIGNALS or (not sig and code in TEARDOWN_CODES)
+        if rank is None:                             # the launcher itself
+            return [] if teardown or self._wave is not None else [self._exited(item)]
+        wave = self._open(ts)
+        wave["last"] = max(wave["last"], ts)
+        if not wave["decided"]:
+            wave["start"] = min(wave["start"], ts)      # exits may arrive out of order
+        if not teardown:
+            wave["failed"].append(rank)
+            return [self._exited(item)]
+        wave["torn"][rank] = sig or TEARDOWN_CODES[code]
+        if not wave["decided"] and not self._pending_ranks(wave):
+            return self._decide(ts)
+        return []
+
+    def advance(self, now: float) -> list[Finding]:
+        wave = self._wave
+        if wave is None or wave["decided"] or now < wave["last"] + self.grace_s:
+            return []
+        return self._decide(now)
+
+    def finish(self, now: float) -> list[Finding]:
+        """The input ended: decide a tear-down still within its grace period."""
+        wave = self._wave
+        return self._decide(now) if wave is not None and not wave["decided"] else []
+
+    def _heard(self, rank, item, ts) -> None:
+        if ts >= self._last.get(rank, ts):
+            self._last[rank] = ts
+            if item.get("step") is not None:
+                self._step[rank] = item["step"]
+        if item.get("node"):
+            self._where[rank] = item["node"]
+
+    def _open(self, ts) -> dict:
+        if self._wave is None:
+            self._wave = {"start": ts, "last": ts, "torn": {}, "failed": [], "decided": False}
+        return self._wave
+
+    def _close(self, now) -> list[Finding]:
+        found = self.finish(now)
+        self._wave = None
+        return found
+
+    def _pending_ranks(self, wave) -> list:
+        """Ranks heard shortly before the tear-down began that have not exited."""
+        since = wave["start"] - self.vanish_s
+        return sorted(r for r, ts in self._last.items() if ts >= since and r not in self._exit)
+
+    def _decide(self, now) -> list[Finding]:
+        wave = self._wave
+        wave["decided"] = True
+        start, torn = wave["start"], wave["torn"]
+        pending = self._pending_ranks(wave)
+        vanished = [r for r in pending if self._last[r] < start] if torn else []
+        running = [r for r in pending if self._last[r] >= start]
+        evidence = {"exit_code": None, "signal": None, "teardown_ts": start,
+                    "torn_down": {str(r): torn[r] for r in sorted(torn)},
+                    "failed": sorted(wave["failed"]), "running": running}
+        signals = "/".join(sorted(set(torn.values())))
+        if vanished:
+            onset = min(self._last[r] for r in vanished)
+            step = max((self._step[r] for r in vanished if r in self._step), default=None)
+            nodes = sorted({self._where[r] for r in vanished if r in self._where})
+            where = f" on {', '.join(nodes)}" if nodes else ""
+            after = f" after step {step}" if step is not None else ""
+            peers = (f"; {fmt_ranks(torn)} {'was' if len(torn) == 1 else 'were'} torn down by "
+                     f"{signals} {start - onset:.1f}s later" if torn else "")
+            return [Finding(
+                kind="crash", severity="critical", ranks=vanished, nodes=[], step=step,
+                onset_ts=onset, detected_ts=now, detector=self.PREFIX,
+                summary=(f"{fmt_ranks(vanished)}{where} vanished without an exit event{after} "
+                         f"(killed by SIGKILL or the OOM killer, most likely){peers}"),
+                key=f"t{onset:.3f}",
+                evidence={**evidence, "vanished": True,
+                          "last_seen": {str(r): self._last[r] for r in vanished},
+                          "rank_nodes": rank_nodes(vanished, self._where)})]
+        if wave["failed"] or not torn:
+            return []
+        step = max((self._step[r] for r in torn if r in self._step), default=None)
+        after = f" after step {step}" if step is not None else ""
+        spread = wave["last"] - start
+        if len(running) < len(torn):
+            return [Finding(
+                kind="crash", severity="warning", ranks=[], nodes=[], step=step,
+                onset_ts=start, detected_ts=now, detector=self.PREFIX,
+                summary=(f"the job was stopped from outside: {fmt_ranks(torn)} exited by signal "
+                         f"{signals} within {spread:.1f}s{after} and no rank failed first "
+                         f"(a restart, a preemption or Ctrl-C)"),
+                key=f"t{start:.3f}", evidence={**evidence, "external_stop": True,
+                                               "rank_nodes": {}})]
+        ranks = sorted(torn)
+        nodes = sorted({self._where[r] for r in ranks if r in self._where})
+        where = f" on {', '.join(nodes)}" if nodes else ""
+        return [Finding(
+            kind="crash", severity="critical", ranks=ranks, nodes=[], step=step,
+            onset_ts=start, detected_ts=now, detector=self.PREFIX,
+            summary=(f"{fmt_ranks(ranks)}{where} exited by signal {signals}{after} while "
+                     f"{fmt_ranks(running)} went on"),
+            key=f"t{start:.3f}", evidence={**evidence, "signal": signals,
+                                           "rank_nodes": rank_nodes(ranks, self._where)})]
+
+    def _exited(self, item) -> Finding:
+        code, sig = item.get("exit_code"), item.get("signal")
         rank, node, ts = item.get("rank"), item.get("node"), item["ts"]
         how = f"by signal {sig}" if sig else f"with code {code}"
         who = f"rank {rank}" if rank is not None else "a process"
         where = f" on {node}" if node else ""
         after = f" after step {item['step']}" if item.get("step") is not None else ""
         ranks = [rank] if rank is not None else []
-        return [Finding(kind="crash", severity="critical", ranks=ranks, nodes=[],
-                        step=item.get("step"), onset_ts=ts, detected_ts=ts,
-                        detector=self.PREFIX, summary=f"{who}{where} exited {how}{after}",
-                        key=f"t{ts:.3f}",
-                        evidence={"exit_code": code, "signal": sig,
-                                  "rank_nodes": {str(rank): node} if node and ranks else {}})]
+        return Finding(kind="crash", severity="critical", ranks=ranks, nodes=[],
+                       step=item.get("step"), onset_ts=ts, detected_ts=ts,
+                       detector=self.PREFIX, summary=f"{who}{where} exited {how}{after}",
+                       key=f"t{ts:.3f}",
+                       evidence={"exit_code": code, "signal": sig,
+                                 "rank_nodes": {str(rank): node} if node and ranks else {}})
 
 
 class HangDetector(Detector):
@@ -56,8 +229,9 @@ class HangDetector(Detector):
     ``init``, the deadline is at least that phase's start plus its allowance; before the first
     step the ``init`` allowance runs from the job's first event. Suspects are the ranks whose
     last heartbeat phase or step differs from the majority's, or whose heartbeats went stale
-    (``stale_s``). Ranks that exited are left out; once a rank exited cleanly (code 0) the
-    job is finishing and no hang is reported. One finding per stall.
+    (``stale_s``). Ranks that exited are left out; once a rank exited cleanly (code 0), or
+    every rank exited or went stale after some exited (a torn-down job), the job is over and
+    no hang is reported. One finding per stall.
 
     >>> d = HangDetector(floor_s=10.0)
     >>> for s in range(30):
@@ -97,6 +271,7 @@ class HangDetector(Detector):
         self._hb: dict = {}            # rank -> (ts, phase, phase_since, step)
         self._where: dict = {}
         self._exited: set = set()
+        self._seen: dict = {}          # rank -> last ts
         self._finished = False
         self._hung = False
 
@@ -148,8 +323,11 @@ class HangDetector(Detector):
                     self._exited.discard(rank)
         else:
             return []
-        if rank is not None and item.get("node"):
-            self._where[rank] = item["node"]
+        if rank is not None:
+            if ts > self._seen.get(rank, ts - 1):
+                self._seen[rank] = ts
+            if item.get("node"):
+                self._where[rank] = item["node"]
         return []
 
     def timeout(self) -> float:
@@ -176,6 +354,9 @@ class HangDetector(Detector):
         deadline = self.deadline()
         if deadline is None or now < deadline:
             return []
+        if self._exited and all(r in self._exited or now - ts >= self.stale_s
+                                for r, ts in self._seen.items()):
+            return []      # every rank exited or went quiet after some exited: over, not hung
         self._hung = True
         suspects, majority = self._suspects(now)
         onset = self._progress_ts if self._progress_ts is not None else self._first_ts

@@ -181,7 +181,8 @@ class JobStage:
     """All cross-rank detection of one job, and its incident correlation.
 
     ``update(item)`` takes a RankStage summary dict, an ``ev.Gpu`` / ``ev.Xid`` event (or its
-    SPEC dict); ``advance(now)`` runs the time-driven checks. Both return new ``ev.Anomaly``
+    SPEC dict); ``advance(now)`` runs the time-driven checks (``final=True`` once the input
+    ended, to decide what waits for more evidence). Both return new ``ev.Anomaly``
     objects; an anomaly id is emitted once. The whole object pickles (for snapshots).
     """
 
@@ -192,12 +193,12 @@ class JobStage:
         d = self.detectors
         self._on_jobstep = [d[n] for n in ("nan", "loss_spike", "grad_spike", "straggler",
                                            "throughput", "gpu_fault", "gpu_degraded")]
-        self._on_step = [d["hang"], d["silent"]]
-        self._on_hb = [d["hang"], d["silent"]]
+        self._on_step = [d["hang"], d["silent"], d["crash"]]
+        self._on_hb = [d["hang"], d["silent"], d["crash"]]
         self._on_life = [d["crash"], d["hang"], d["silent"], d["gpu_fault"], d["gpu_degraded"]]
         self._on_gpu = [d["silent"], d["gpu_fault"], d["gpu_degraded"]]
         self._on_xid = [d["gpu_fault"]]
-        self._timed = [d["hang"], d["silent"]]
+        self._timed = [d["hang"], d["silent"], d["crash"]]
         self.steps = StepAggregator(close_lag=c.step_close_lag, close_s=c.step_close_s)
         self.correlator = Correlator(window_s=c.correlate_window_s,
                                      root_slack_s=c.correlate_root_slack_s)
@@ -233,13 +234,15 @@ class JobStage:
             findings += d.update(item)
         return self._emit(findings) if findings else []
 
-    def advance(self, now: float) -> list[ev.Anomaly]:
+    def advance(self, now: float, final: bool = False) -> list[ev.Anomaly]:
         findings = []
         for jobstep in self.steps.expire(now):
             for d in self._on_jobstep:
                 findings += d.update(jobstep)
         for d in self._timed:
             findings += d.advance(now)
+        if final:      # the input ended: what waits for more evidence is decided now
+            findings += self.detectors["crash"].finish(now)
         return self._emit(findings) if findings else []
 
     def incidents(self) -> list[dict]:
@@ -264,7 +267,8 @@ class Engine:
     """Routes raw events through one RankStage per (job, rank) and one JobStage per job.
 
     ``advance(now)`` does work at most every ``config.advance_interval_s`` of ``now``
-    (pass ``force=True`` for a final sweep). Events other than step, heartbeat, lifecycle,
+    (pass ``force=True`` for the final sweep at the end of the input: it also decides what
+    still waits for more evidence, such as a tear-down within its grace period). Events other than step, heartbeat, lifecycle,
     gpu and xid are ignored, as are rank events without a rank.
     """
 
@@ -308,7 +312,7 @@ class Engine:
         self._next = now + self.config.advance_interval_s
         out = []
         for stage in self._jobs.values():
-            out += stage.advance(now)
+            out += stage.advance(now, final=force)
         return out
 
     def incidents(self) -> list[dict]:

@@ -102,8 +102,23 @@ class JobSim:
         self._grad_spikes[step] = factor
         return self
 
-    def crash(self, rank, step, exit_code=1, signal=None):
-        self._stop = (step, "crash", {"rank": rank, "exit_code": exit_code, "signal": signal})
+    def crash(self, rank, step, exit_code=1, signal=None, teardown_s=None):
+        """``rank`` exits at ``step``; with ``teardown_s`` the launcher then stops the other
+        ranks by SIGTERM that much later (else they hang in the collective)."""
+        self._stop = (step, "crash", {"rank": rank, "exit_code": exit_code, "signal": signal,
+                                      "teardown_s": teardown_s})
+        return self
+
+    def kill(self, rank, step, teardown_s=0.5, signal="SIGTERM"):
+        """``rank`` is SIGKILLed (or OOM-killed) at ``step``: it sends no exit event; the
+        launcher stops the other ranks by ``signal`` ``teardown_s`` later."""
+        self._stop = (step, "kill", {"rank": rank, "teardown_s": teardown_s, "signal": signal})
+        return self
+
+    def stop(self, step, signal="SIGTERM", spread_s=0.3):
+        """The whole job is stopped from outside at ``step`` (a restart, a preemption,
+        Ctrl-C): every rank exits by ``signal`` within ``spread_s``."""
+        self._stop = (step, "stop", {"signal": signal, "spread_s": spread_s})
         return self
 
     def hang(self, rank, step, phase="data"):
@@ -209,14 +224,31 @@ class JobSim:
         end = t + (self.tail_s if self._stop else 1.0)
         self.end_ts = end
         stopped_ranks, stopped_node, lost_gpu = set(), None, None
+        hb_end = {}                    # rank -> time of its exit (no heartbeat after)
+
+        def teardown(ranks, ts, signal, spread):
+            for i, peer in enumerate(ranks):
+                at = ts + spread * i / max(1, len(ranks) - 1)
+                hb_end[peer] = at
+                emit(ev.Lifecycle(job=self.job, ts=at, node=self.node_of(peer), rank=peer,
+                                  event="exit", signal=signal))
+
         if self._stop:
             _, how, detail = self._stop
+            others = [r for r in range(self.ranks) if r != detail.get("rank")]
             if how == "crash":
                 r = detail["rank"]
                 stopped_ranks = {r}
                 emit(ev.Lifecycle(job=self.job, ts=t + 0.5, node=self.node_of(r), rank=r,
                                   event="exit", exit_code=detail["exit_code"],
                                   signal=detail["signal"]))
+                if detail["teardown_s"] is not None:
+                    teardown(others, t + 0.5 + detail["teardown_s"], "SIGTERM", 0.2)
+            elif how == "kill":
+                stopped_ranks = {detail["rank"]}
+                teardown(others, t + detail["teardown_s"], detail["signal"], 0.2)
+            elif how == "stop":
+                teardown(list(range(self.ranks)), t + 0.1, detail["signal"], detail["spread_s"])
             elif how == "silent":
                 stopped_ranks = set(detail["ranks"])
                 stopped_node = detail["node"]
@@ -231,7 +263,7 @@ class JobSim:
         for r in range(self.ranks):
             hb = self.t0 + 0.5 + 0.013 * r
             while hb < end:
-                if r in stopped_ranks and hb >= self.stop_ts:
+                if r in stopped_ranks and hb >= self.stop_ts or hb >= hb_end.get(r, end):
                     break
                 emit(self._heartbeat(r, hb, segments, starts, last_done))
                 hb += self.heartbeat_s
