@@ -1,14 +1,16 @@
 """End to end: a real 4-rank torchrun (gloo) job under ``trainguard run``, with ``trainguard
 worker``, ``agent`` and ``actions`` running, faults from ``trainguard.chaos``.
 
-Each scenario takes about a minute on two cores, so they run only with ``TRAINGUARD_E2E=1``
-(``make test`` leaves them out; the lead's acceptance run sets it).
+Each scenario takes about a minute on two cores; they run with ``TRAINGUARD_E2E=1``, which
+``make test`` sets (``TRAINGUARD_E2E=0 make test`` leaves them out).
 """
+import contextlib
 import os
 
 import pytest
 
 from actions_harness import Collector, Deployment, wait_for
+from alertmanager_harness import BINARY, alertmanager, alerts_in
 from http_receiver import HttpReceiver
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow,
@@ -34,10 +36,23 @@ def world(kafka_config, tmp_path):
         c.close()
 
 
-def test_hang_is_localized_restarted_and_resumed(world):
+def test_hang_is_localized_restarted_and_resumed(world, tmp_path):
     d, c, hook = world
-    d.start(policy={"capture": FAST_CAPTURE,
-                    "alerts": {"webhook": {"url": hook.url("/hook"), "retries": 1}}})
+    alerts = {"webhook": {"url": hook.url("/hook"), "retries": 1}}
+    with contextlib.ExitStack() as stack:
+        if BINARY:
+            am = stack.enter_context(alertmanager(tmp_path, hook.url("/am")))
+            alerts["alertmanager"] = {"url": am}
+        d.start(policy={"capture": FAST_CAPTURE, "alerts": alerts})
+        _hang_scenario(d, c, hook)
+        if BINARY:  # Alertmanager holds the alert and forwards it to its own receiver
+            forwarded = hook.wait_for(lambda reqs: [a for a in alerts_in(reqs, "firing")
+                                                    if a["labels"]["job"] == "hang"], timeout=15)
+            assert {a["labels"]["kind"] for a in alerts_in(forwarded, "firing")} & {
+                "hang", "straggler", "crash"}
+
+
+def _hang_scenario(d, c, hook):
     run = d.supervise("hang", d.torchrun(4, steps=STEPS, job="hang"),
                       chaos="hang@step=25,rank=2")
     wait_for(lambda: run.poll() is not None, timeout=240, interval=0.5, what="the job's end")
