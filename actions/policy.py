@@ -372,6 +372,10 @@ def decide(policy: Policy, incident: Incident, history: History,
     over-eviction)."""
     kind = ladder_kind(policy, incident)
     steps = policy.steps(kind)
+    if kind == "crash" and incident.evidence.get("external_stop"):
+        # Every rank exited by SIGTERM with none vanished: a preemption or an operator's stop
+        # (our own restarts are recognised earlier, as covered or expected). Say it; don't undo it.
+        steps = [s for s in steps if s == "alert"]
     head = kind if kind == incident.kind else \
         f"escalated: {kind} joined {incident.kind} incident {incident.id}"
     escalated = "" if kind == incident.kind else head + "; "

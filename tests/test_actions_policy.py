@@ -206,3 +206,14 @@ def test_a_stronger_or_equal_root_keeps_its_own_ladder():
     rollback = Policy(ladder={"nan": ["alert", "rollback"]})  # as strong as a hang's restart
     assert actions(decide(rollback, escalated("nan", ["nan", "hang"]), History())) == [
         "rollback", "alert"]
+
+
+def test_a_job_stopped_from_outside_is_reported_not_restarted():
+    from trainguard.actions.policy import History, Incident, Policy, decide
+
+    incident = Incident(id="inc-stop", job="j", kind="crash", severity="warning", ranks=[],
+                        nodes=[], onset_ts=100.0, detected_ts=103.0,
+                        summary="the job was stopped from outside",
+                        evidence={"external_stop": True})
+    decisions = decide(Policy(), incident, History())
+    assert [d.action for d in decisions] == ["alert"]
