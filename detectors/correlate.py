@@ -81,7 +81,7 @@ def _relation(cause, effect):
 
 #: How much later than its effect's onset a cause may begin: hang and silent onsets are the
 #: last progress seen, which precedes their cause by up to a step; other effects follow it.
-CAUSE_LEAD_S = {"hang": 120.0, "silent": 120.0}
+CAUSE_LEAD_S = {"hang": 30.0, "silent": 30.0}
 CAUSE_LEAD_DEFAULT_S = 10.0
 
 

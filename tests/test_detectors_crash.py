@@ -160,5 +160,6 @@ def test_recorded_demo_names_the_sigkilled_ranks_and_one_restart():
     assert named == [("warning", [], 119), ("critical", [3], 159), ("critical", [0], 199)]
     assert all("vanished" in a.summary for a in crashes(found)[1:])
     incidents = analyze_file(DEMO)["incidents"]
+    # our restart after the hang, and the SIGKILL of rank 3; rank 0's joined the Xid incident
     assert [(i["severity"], i["ranks"]) for i in incidents if i["kind"] == "crash"] \
-        == [("warning", [])]    # the kills joined the hang and Xid incidents
+        == [("warning", []), ("critical", [3])]
