@@ -1,0 +1,223 @@
+"""The Faust app of ``trainguard worker``: the job side, its table, timers and ``/metrics``.
+
+Declared by :func:`make_app` (names depend on the prefix and id of the run):
+
+- topic ``<app>-summaries`` (raw bytes, keyed by job): per-rank summaries, from
+  :mod:`~trainguard.streams.ranks`;
+- agent ``jobs`` (``concurrency=1``): one ``JobStage`` per job, anomalies to
+  ``<prefix>.anomalies`` as ``ev.encode(anomaly)`` keyed by job;
+- table ``job-state`` (changelog ``<app>-job-state-changelog``, compacted): pickled job
+  slots, co-partitioned with the summaries topic, so a job's state moves with its partition;
+- timer (every ``advance_interval_s``): ``JobStage.advance`` for hang and silent (on each
+  job's clock, :meth:`~trainguard.streams.processors.JobSlot.now`), gauges, and every
+  ``job_snapshot_interval_s`` a checkpoint;
+- page ``/metrics``: Prometheus text (:mod:`~trainguard.streams.metrics`).
+
+The agent reads with ``noack()``: an event is acknowledged only by the checkpoint after the
+snapshot that covers it, and Faust's own periodic commit is off, so a committed summaries
+offset never passes the job table; after a crash the replayed items that a restored job had
+applied are skipped by its source marks. Anomalies are at-least-once: one found between a
+snapshot and a crash is found and sent again after the restart, with the same id.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import faust
+
+from trainguard import events as ev
+
+from .logic import InvalidSummaries
+from .processors import JobProcessor, state_partition
+
+__all__ = ["make_app", "JobRuntime"]
+
+log = logging.getLogger(__name__)
+NEVER = 10 ** 8   # seconds / acks: Faust's own commit timer and counter, switched off
+
+
+class JobRuntime:
+    """The job side's moving parts, shared by the agent, the timer and the page."""
+
+    def __init__(self, *, settings, topics, processor: JobProcessor, metrics, clock=time.time):
+        self.settings = settings
+        self.topics = topics
+        self.processor = processor
+        self.metrics = metrics
+        self.clock = clock
+        self.app = None
+        self.table = None
+        self.anomalies = None
+        self.rank_service = None
+        self.pending: list = []          # processed, not yet acknowledged events
+        self.synced: set = set()         # summaries partitions loaded from the table
+        self.next_snapshot = clock() + settings.job_snapshot_interval_s
+
+    def assigned(self) -> set:
+        try:
+            return {tp.partition for tp in self.app.consumer.assignment()
+                    if tp.topic == self.topics.summaries}
+        except Exception:                # consumer not started yet
+            return set()
+
+    def sync(self, partitions: set) -> None:
+        """Hand the table's recovered snapshots of newly owned partitions to the processor."""
+        new = partitions - self.synced
+        if not new:
+            return
+        live = self.processor.state.slots
+        for key, blob in list(self.table.data.items()):
+            if blob and key not in live and state_partition(blob) in new:
+                self.processor.restore(key, blob)
+        loaded = self.processor.load_saved(new)
+        self.synced |= new
+        log.info("job side: partitions %s owned, %d job stages restored", sorted(new), loaded)
+
+    def forget(self, partitions: set) -> None:
+        self.processor.drop(partitions)
+        self.synced -= partitions
+        self.pending = [e for e in self.pending if e.message.partition not in partitions]
+
+    def emit(self, anomalies) -> None:
+        """Into the producer's buffer at once (no await): a snapshot that records an
+        anomaly as sent is taken after it, and the commit flushes the buffer first."""
+        for anomaly in anomalies:
+            self.anomalies.send_soon(key=anomaly.job.encode(), value=ev.encode(anomaly))
+            self.metrics.inc("anomalies_out")
+
+    async def on_event(self, event) -> None:
+        message = event.message
+        self.metrics.inc("summaries_in")
+        if message.partition not in self.synced:
+            self.sync({message.partition})
+        proc = self.processor
+        before = (proc.applied, proc.replayed, proc.errors)
+        try:
+            found = proc.apply(message.value, message.partition, self.clock())
+        except InvalidSummaries as exc:
+            self.metrics.inc("summaries_invalid")
+            log.warning("skipped summaries message %s/%s: %s", message.partition,
+                        message.offset, exc)
+            found = []
+        except Exception:                # a detector bug must not stop the worker
+            log.exception("job stage failed on summaries message %s/%s", message.partition,
+                          message.offset)
+            found = []
+        self.pending.append(event)
+        m = self.metrics
+        m.inc("items_applied", proc.applied - before[0])
+        m.inc("replayed", proc.replayed - before[1])
+        m.inc("stage_errors", proc.errors - before[2])
+        if found:
+            self.emit(found)
+
+    async def tick(self) -> None:
+        if not self.app.tables.recovery.completed.is_set():
+            return
+        now = self.clock()
+        self.sync(self.assigned())
+        try:
+            found = self.processor.advance(now)
+        except Exception:
+            log.exception("job stage failed in advance()")
+            found = []
+        if found:
+            self.emit(found)
+        self.refresh_gauges()
+        if now >= self.next_snapshot:
+            await self.checkpoint()
+
+    async def checkpoint(self) -> None:
+        now = self.clock()
+        self.next_snapshot = now + self.settings.job_snapshot_interval_s
+        for key, partition, blob in self.processor.snapshot() + self.processor.evict(now):
+            if blob is None:
+                self.table.data.pop(key, None)
+            else:
+                self.table.data[key] = blob
+            self.table.send_changelog(partition, key, blob)
+        acks, self.pending = self.pending, []
+        for event in acks:
+            event.ack()
+        self.metrics.inc("snapshots")
+        try:
+            await self.app.consumer.commit()   # flushes the producer first
+        except Exception as exc:
+            self.metrics.inc("snapshot_failures")
+            log.warning("job side commit failed: %s", exc)
+
+    async def final_checkpoint(self) -> None:
+        """Before a clean stop: snapshot and commit, so a restart replays nothing."""
+        if self.app is not None and self.app.tables.recovery.completed.is_set():
+            await self.checkpoint()
+
+    def refresh_gauges(self) -> None:
+        m = self.metrics
+        failures = self.processor.state.restore_failures
+        if self.rank_service is not None:
+            failures += self.rank_service.processor.state.restore_failures
+            m.set_gauge("consumer_lag", self.rank_service.lag(), topic=self.topics.telemetry)
+            m.set_gauge("assigned_partitions", self.rank_service.assigned(),
+                        topic=self.topics.telemetry)
+            m.set_gauge("rank_stages", len(self.rank_service.processor))
+        lag, parts = 0, 0
+        try:
+            consumer = self.app.consumer
+            for tp in consumer.assignment():
+                if tp.topic != self.topics.summaries:
+                    continue
+                parts += 1
+                high, read = consumer.highwater(tp), consumer._read_offset[tp]
+                if high is not None:
+                    lag += max(0, high - (read + 1 if read is not None else 0))
+        except Exception:
+            pass
+        m.set_gauge("consumer_lag", lag, topic=self.topics.summaries)
+        m.set_gauge("assigned_partitions", parts, topic=self.topics.summaries)
+        m.set_gauge("job_stages", len(self.processor))
+        m.counters["restore_failures"] = failures
+
+
+def make_app(*, settings, topics, runtime: JobRuntime, faust_broker: str, credentials=None,
+             partitions: int) -> faust.App:
+    """The Faust app; ``topics`` names telemetry, summaries, anomalies and deadletter."""
+    app = faust.App(
+        settings.app_id, broker=faust_broker, broker_credentials=credentials,
+        store="memory://", datadir=settings.data_dir, autodiscover=False,
+        web_enabled=True, web_port=settings.web_port, web_bind=settings.web_bind,
+        topic_disable_leader=True, topic_partitions=partitions,
+        consumer_auto_offset_reset="earliest",
+        broker_commit_every=NEVER, broker_commit_interval=NEVER,
+        broker_session_timeout=settings.session_timeout_s,
+        broker_heartbeat_interval=max(1.0, settings.session_timeout_s / 5),
+        producer_max_request_size=16 * 1024 * 1024, table_standby_replicas=0,
+        worker_redirect_stdouts=False, stream_wait_empty=False,
+    )
+    summaries = app.topic(topics.summaries, key_type=bytes, value_type=bytes,
+                          key_serializer="raw", value_serializer="raw", partitions=partitions)
+    runtime.anomalies = app.topic(topics.anomalies, key_type=bytes, value_type=bytes,
+                                  key_serializer="raw", value_serializer="raw")
+    runtime.table = app.Table("job-state", default=None, partitions=partitions,
+                              key_type=bytes, value_type=bytes)
+    runtime.app = app
+
+    @app.agent(summaries, concurrency=1, name="jobs")
+    async def jobs(stream):
+        async for event in stream.noack().events():
+            await runtime.on_event(event)
+
+    @app.timer(settings.advance_interval_s, name="advance")
+    async def advance():
+        await runtime.tick()
+
+    @app.page("/metrics")
+    async def metrics(web, request):
+        runtime.refresh_gauges()
+        return web.text(runtime.metrics.exposition(), content_type="text/plain; version=0.0.4")
+
+    @app.on_partitions_revoked.connect
+    async def on_revoked(sender, revoked, **kwargs):
+        runtime.forget({tp.partition for tp in revoked if tp.topic == topics.summaries})
+
+    return app

@@ -1,0 +1,131 @@
+"""The worker's Prometheus metrics, in the text exposition format (version 0.0.4).
+
+Counters (``_total``): ``trainguard_events_in_total`` telemetry messages consumed,
+``trainguard_invalid_total`` of them dead-lettered, ``trainguard_anomalies_out_total``
+anomalies produced, ``trainguard_summaries_out_total`` / ``trainguard_summaries_in_total``
+messages on the internal summaries topic, ``trainguard_items_applied_total`` summary items
+given to job stages, ``trainguard_replayed_total`` messages skipped because a restored
+state had already seen them, ``trainguard_snapshots_total``.
+Gauges: ``trainguard_consumer_lag{topic}`` messages not yet read (high watermark minus
+position, summed over this worker's partitions), ``trainguard_assigned_partitions{topic}``,
+``trainguard_rank_stages``, ``trainguard_job_stages``.
+Histogram: ``trainguard_event_lag_seconds``, wall time at which a job stage got an item
+minus the event's own ``ts`` (end-to-end delay of the pipeline, sender clocks permitting).
+
+>>> m = Metrics()
+>>> m.inc("events_in", 3)
+>>> m.observe_lag(0.2)
+>>> m.set_gauge("consumer_lag", 7, topic="tg.telemetry")
+>>> text = m.exposition()
+>>> "trainguard_events_in_total 3" in text, 'trainguard_consumer_lag{topic="tg.telemetry"} 7' in text
+(True, True)
+>>> 'trainguard_event_lag_seconds_bucket{le="0.3"} 1' in text
+True
+"""
+from __future__ import annotations
+
+import bisect
+
+__all__ = ["Metrics", "COUNTERS", "LAG_BUCKETS"]
+
+COUNTERS = {
+    "events_in": "Telemetry messages consumed.",
+    "invalid": "Telemetry messages sent to the dead-letter topic.",
+    "ignored": "Valid rank events without a rank, ignored.",
+    "anomalies_out": "Anomalies produced to the anomalies topic.",
+    "summaries_out": "Messages produced to the internal summaries topic.",
+    "summaries_in": "Messages consumed from the internal summaries topic.",
+    "summaries_invalid": "Unreadable summaries messages skipped.",
+    "items_applied": "Summary items and node events given to job stages.",
+    "replayed": "Messages or items skipped because restored state already had them.",
+    "stage_errors": "Inputs on which a rank or job stage raised (logged, skipped).",
+    "snapshots": "State snapshots written (rank and job side).",
+    "snapshot_failures": "State snapshots whose flush failed (offsets not committed).",
+    "restore_failures": "Snapshots that could not be loaded (state started afresh).",
+}
+GAUGES = {
+    "consumer_lag": "Messages not yet read on this worker's partitions.",
+    "assigned_partitions": "Partitions assigned to this worker.",
+    "rank_stages": "Rank stages held in memory.",
+    "job_stages": "Job stages held in memory.",
+}
+LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
+               60.0, 300.0)
+
+
+def _labels(labels: dict) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{str(v)}"' for k, v in sorted(labels.items()))
+    return "{" + inner + "}"
+
+
+class Metrics:
+    """Plain counters for one process; the event loop is single-threaded, so no locks."""
+
+    def __init__(self):
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.gauges: dict = {}
+        self.lag_counts = [0] * (len(LAG_BUCKETS) + 1)
+        self.lag_sum = 0.0
+
+    def inc(self, name: str, amount: int = 1) -> None:
+        self.counters[name] += amount
+
+    def set_gauge(self, name: str, value: float, **labels) -> None:
+        self.gauges[(name, tuple(sorted(labels.items())))] = value
+
+    def observe_lag(self, seconds: float) -> None:
+        self.lag_counts[bisect.bisect_left(LAG_BUCKETS, seconds)] += 1
+        self.lag_sum += seconds
+
+    def lag_quantile(self, q: float, counts: list | None = None) -> float | None:
+        """Upper bucket bound below which a fraction ``q`` of the observed lags fall."""
+        counts = counts if counts is not None else self.lag_counts
+        total = sum(counts)
+        if not total:
+            return None
+        running = 0
+        for bound, count in zip((*LAG_BUCKETS, float("inf")), counts):
+            running += count
+            if running >= q * total:
+                return bound
+        return float("inf")
+
+    def exposition(self) -> str:
+        lines = []
+        for name, help_text in COUNTERS.items():
+            full = f"trainguard_{name}_total"
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter",
+                      f"{full} {self.counters[name]}"]
+        for name, help_text in GAUGES.items():
+            full = f"trainguard_{name}"
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} gauge"]
+            for (gname, labels), value in sorted(self.gauges.items()):
+                if gname == name:
+                    lines.append(f"{full}{_labels(dict(labels))} {value}")
+        full = "trainguard_event_lag_seconds"
+        lines += [f"# HELP {full} Wall time of a job stage's update minus the event's ts.",
+                  f"# TYPE {full} histogram"]
+        running = 0
+        for bound, count in zip(LAG_BUCKETS, self.lag_counts):
+            running += count
+            lines.append(f'{full}_bucket{{le="{bound}"}} {running}')
+        running += self.lag_counts[-1]
+        lines += [f'{full}_bucket{{le="+Inf"}} {running}', f"{full}_sum {self.lag_sum:.6f}",
+                  f"{full}_count {running}"]
+        return "\n".join(lines) + "\n"
+
+
+def parse_exposition(text: str) -> dict:
+    """``{"name{labels}": value}`` from exposition text (for tests and the benchmark).
+
+    >>> parse_exposition('# HELP x y\\nx_total 4\\nlag{topic="t"} 2.5\\n')
+    {'x_total': 4.0, 'lag{topic="t"}': 2.5}
+    """
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out

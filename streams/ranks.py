@@ -1,0 +1,391 @@
+"""The rank side of the worker: telemetry in batches, per-rank stages, summaries out.
+
+Faust hands every message through its stream machinery one at a time; on this project's
+2-core machine that path tops out at 6,000-14,000 messages/s even with ``take_events`` and
+no processing at all (``faust_take_events_per_s`` in bench/bench_stream_throughput.py),
+less than this service does with every detector on, and its aiokafka client cannot read
+the collectors' lz4 batches without the cramjam package. So the high-volume rank side is a
+:class:`mode.Service` inside the Faust worker that consumes in batches with confluent-kafka
+(librdkafka: lz4, heartbeats on its own threads, the classic consumer-group protocol) in
+its own consumer group; the job side stays a Faust agent and table.
+
+Records are decoded, aligned in event time across partitions
+(:class:`~trainguard.streams.logic.EventTimeAligner`) and applied to the stages without
+awaiting anything. Every ``snapshot_interval_s`` the changed stages go to the compacted
+``<app>-rank-state`` topic (in the partition of their telemetry), the producer is flushed
+and only then are the offsets of the applied records committed. A committed offset never
+passes the snapshot, and a restarted worker restores the snapshot, re-reads from the
+committed offset and skips what each restored stage had already seen.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from mode import Service
+
+from .logic import EventTimeAligner
+from .processors import RankOutput, RankProcessor, state_partition
+
+__all__ = ["RankService"]
+
+log = logging.getLogger(__name__)
+IDLE_SLEEP_S = 0.02
+#: a partition that brought records this recently may bring older ones still
+ACTIVE_S = 0.3
+#: event-time lead over the other partitions at which a partition is paused
+AHEAD_S = 2.0
+
+
+class RankService(Service):
+    """Consumes ``telemetry``; see the module docstring."""
+
+    def __init__(self, *, kafka: dict, settings, topics, processor: RankProcessor, metrics,
+                 state_partitions: int, clock=time.time, consumer_factory=None,
+                 producer_factory=None, **kwargs):
+        self.kafka = kafka                      # librdkafka settings (bootstrap, security)
+        self.consumer_factory = consumer_factory    # default: confluent_kafka.Consumer
+        self.producer_factory = producer_factory    # default: confluent_kafka.Producer
+        self.settings = settings
+        self.topics = topics
+        self.processor = processor
+        self.metrics = metrics
+        self.state_partitions = state_partitions
+        self.clock = clock
+        self.consumer = None
+        self.producer = None
+        self.assignment: set = set()    # partitions of the telemetry topic we own
+        self.positions: dict = {}       # partition -> next offset to apply
+        self.fetched: dict = {}         # partition -> next offset to fetch
+        self.last_seen: dict = {}       # partition -> wall time records last came
+        self.paused: set = set()        # partitions paused by flow control
+        self.unblocked: dict = {}       # partition -> fetch position at which it stalled
+        self.aligner = EventTimeAligner(max_hold_s=settings.align_hold_s)
+        self._committed: dict = {}
+        self._failed = 0
+        self._stopping = False
+        self._task = None
+        self._next_snapshot = 0.0
+        super().__init__(**kwargs)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def on_start(self) -> None:
+        self.connect()
+        self._next_snapshot = self.clock() + self.settings.snapshot_interval_s
+        self._task = asyncio.ensure_future(self._run())
+
+    def _clients(self):
+        from confluent_kafka import Consumer, Producer
+
+        return self.consumer_factory or Consumer, self.producer_factory or Producer
+
+    def connect(self) -> None:
+        """Create the producer and the consumer, and subscribe."""
+        Consumer, Producer = self._clients()
+        self.producer = Producer({**self.kafka, "linger.ms": 5, "enable.idempotence": True,
+                                  "partitioner": "murmur2_random",
+                                  "message.max.bytes": 16 * 1024 * 1024})
+        session_ms = int(self.settings.session_timeout_s * 1000)
+        self.consumer = Consumer({
+            **self.kafka, "group.id": self.settings.rank_group,
+            "client.id": f"{self.settings.app_id}-ranks", "enable.auto.commit": False,
+            "auto.offset.reset": "earliest", "session.timeout.ms": session_ms,
+            "heartbeat.interval.ms": max(1000, session_ms // 5),
+            "max.poll.interval.ms": 300_000, "fetch.wait.max.ms": 100,
+            # a short prefetch queue and small per-partition fetches interleave the
+            # partitions of a backlog finely, so the event-time aligner holds little back
+            "queued.min.messages": 5000, "fetch.queue.backoff.ms": 10,
+            "max.partition.fetch.bytes": 65536})
+        self.consumer.subscribe([self.topics.telemetry], on_assign=self._on_assign,
+                                on_revoke=self._on_revoke, on_lost=self._on_lost)
+
+    async def on_stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout=self.settings.grace_s / 2)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+            except Exception:
+                log.exception("rank side failed while stopping")
+        if self.consumer is not None:
+            await self.checkpoint("stop")
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.consumer.close)
+        if self.producer is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.producer.flush, 10.0)
+
+    # -- the loop -----------------------------------------------------------------------
+    async def _run(self) -> None:
+        consume, batch_max = self.consumer.consume, self.settings.batch_max
+        while not self._stopping:
+            try:
+                messages = consume(batch_max, 0)     # serves rebalance callbacks too
+            except Exception as exc:
+                log.warning("telemetry consume failed: %s", exc)
+                messages = []
+                await asyncio.sleep(1.0)
+            self._process(messages)
+            self.producer.poll(0)
+            if self.clock() >= self._next_snapshot:
+                await self.checkpoint("interval")
+            # yield to Faust's tasks after every batch; idle: wait a little for more
+            await asyncio.sleep(IDLE_SLEEP_S if not messages else 0)
+
+    def _process(self, messages) -> None:
+        now = self.clock()
+        out = RankOutput()
+        records = []
+        for m in messages:
+            if m.error():
+                if m.error().code() != -191:         # _PARTITION_EOF
+                    log.warning("telemetry consume error: %s", m.error())
+                continue
+            p, o = m.partition(), m.offset()
+            records.append((p, o, m.key(), m.value()))
+            self.fetched[p] = o + 1
+            self.last_seen[p] = now
+        if records:
+            for p, timed in self.processor.decode(records, out).items():
+                self.aligner.add(p, timed, now)
+        if len(self.aligner):
+            stalls = self.aligner.stalls
+            blocked = self._blocked(now)
+            released = self.aligner.release(blocked, now)
+            if self.aligner.stalls != stalls:
+                # what held everything back brought nothing (e.g. offsets taken by
+                # transaction markers): stop waiting for it until it brings records again
+                for p in blocked:
+                    if now - self.last_seen.get(p, -ACTIVE_S) >= ACTIVE_S:
+                        self.unblocked[p] = self.fetched.get(p, 0)
+            if released:
+                self.processor.apply(released, now, out)
+                positions = self.positions
+                for rec in released:
+                    positions[rec[0]] = rec[1] + 1
+        if len(self.aligner) or self.paused:
+            self._flow_control()
+        self._account(out)
+
+    def _flow_control(self) -> None:
+        """Pause partitions whose held records run ``AHEAD_S`` past the others, so that
+        librdkafka, which hands a backlog over one partition after another, fetches the
+        partitions that are behind; resume them once those caught up."""
+        from confluent_kafka import TopicPartition
+
+        cutoff = self.aligner.cutoff
+        pause, resume = [], []
+        for p in self.assignment:
+            newest = self.aligner.newest(p)
+            ahead = newest is not None and newest - cutoff > AHEAD_S
+            if ahead and p not in self.paused:
+                pause.append(p)
+            elif not ahead and p in self.paused and (
+                    newest is None or newest - cutoff <= AHEAD_S / 2):
+                resume.append(p)
+        topic = self.topics.telemetry
+        try:
+            if pause:
+                self.consumer.pause([TopicPartition(topic, p) for p in pause])
+                self.paused.update(pause)
+            if resume:
+                self.consumer.resume([TopicPartition(topic, p) for p in resume])
+                self.paused.difference_update(resume)
+        except Exception as exc:          # e.g. partitions revoked meanwhile
+            log.info("pause/resume failed: %s", exc)
+
+    def _blocked(self, now: float) -> set:
+        """Assigned partitions that may still bring older records: their broker log holds
+        records not fetched yet (or the high watermark is not known yet), or records came
+        from them within ``ACTIVE_S`` (the watermark lags while producers write)."""
+        from confluent_kafka import TopicPartition
+
+        blocked = set()
+        fetched, seen = self.fetched, self.last_seen
+        for p in self.assignment:
+            if now - seen.get(p, -ACTIVE_S) < ACTIVE_S:
+                blocked.add(p)
+                continue
+            if p in self.unblocked:
+                if self.unblocked[p] == fetched.get(p, 0):
+                    continue
+                del self.unblocked[p]
+            try:
+                _, high = self.consumer.get_watermark_offsets(
+                    TopicPartition(self.topics.telemetry, p), cached=True)
+            except Exception:
+                continue
+            if high < 0 or high > fetched.get(p, 0):
+                blocked.add(p)
+        return blocked
+
+    def _account(self, out: RankOutput) -> None:
+        m = self.metrics
+        m.inc("events_in", out.events)
+        m.inc("invalid", out.invalid)
+        m.inc("ignored", out.ignored)
+        m.inc("replayed", out.replayed)
+        m.inc("stage_errors", out.errors)
+        for key, value in out.messages():
+            self._produce(self.topics.summaries, value, key)
+            m.inc("summaries_out")
+        for key, record in out.deadletters:
+            self._produce(self.topics.deadletter, record, key)
+
+    def _produce(self, topic: str, value, key, partition: int | None = None) -> None:
+        kwargs = {} if partition is None else {"partition": partition}
+        while True:
+            try:
+                self.producer.produce(topic, value, key, on_delivery=self._delivered, **kwargs)
+                return
+            except BufferError:          # local queue full: let deliveries drain
+                self.producer.poll(0.05)
+
+    def _delivered(self, err, msg) -> None:
+        if err is not None:
+            self._failed += 1
+            log.warning("delivery to %s failed: %s", msg.topic(), err)
+
+    # -- snapshots and commits ------------------------------------------------------------
+    def _write_snapshot(self) -> dict:
+        now = self.clock()
+        self._next_snapshot = now + self.settings.snapshot_interval_s
+        for key, partition, blob in self.processor.snapshot() + self.processor.evict(now):
+            self._produce(self.topics.rank_state, blob, key, partition % self.state_partitions)
+        self.metrics.inc("snapshots")
+        return dict(self.positions)
+
+    def _commit(self, offsets: dict, undelivered: int, why: str) -> bool:
+        from confluent_kafka import TopicPartition
+
+        if undelivered or self._failed:
+            self.metrics.inc("snapshot_failures")
+            log.warning("rank snapshot (%s): %d messages undelivered, %d failed; offsets not "
+                        "committed", why, undelivered, self._failed)
+            self._failed = 0
+            return False
+        assigned = {tp.partition for tp in self.consumer.assignment()}
+        todo = {p: o for p, o in offsets.items()
+                if p in assigned and o > self._committed.get(p, -1)}
+        if not todo:
+            return True
+        try:
+            self.consumer.commit(offsets=[TopicPartition(self.topics.telemetry, p, o)
+                                          for p, o in todo.items()], asynchronous=False)
+        except Exception as exc:          # a rebalance in progress: the next one commits
+            log.info("rank offsets not committed (%s): %s", why, exc)
+            return False
+        self._committed.update(todo)
+        return True
+
+    async def checkpoint(self, why: str) -> bool:
+        """Snapshot changed stages, flush, then commit what the snapshot covers."""
+        offsets = self._write_snapshot()
+        loop = asyncio.get_running_loop()
+        left = await loop.run_in_executor(None, self.producer.flush, 30.0)
+        return self._commit(offsets, left, why)
+
+    # -- rebalancing (called from inside consume()) -----------------------------------------
+    def checkpoint_now(self, why: str) -> bool:
+        """:meth:`checkpoint` without the event loop (rebalance callbacks, tests)."""
+        offsets = self._write_snapshot()
+        return self._commit(offsets, self.producer.flush(30.0), why)
+
+    def _on_revoke(self, consumer, partitions) -> None:
+        if partitions:
+            self.checkpoint_now("revoke")
+        self._forget({tp.partition for tp in partitions})
+
+    def _on_lost(self, consumer, partitions) -> None:
+        self._forget({tp.partition for tp in partitions})
+
+    def _forget(self, parts: set) -> None:
+        self.assignment -= parts
+        self.paused -= parts
+        self.processor.drop(parts)
+        self.aligner.drop(parts)
+        for p in parts:
+            self.positions.pop(p, None)
+            self.fetched.pop(p, None)
+            self.last_seen.pop(p, None)
+            self.unblocked.pop(p, None)
+            self._committed.pop(p, None)
+
+    def _on_assign(self, consumer, partitions) -> None:
+        parts = {tp.partition for tp in partitions}
+        self.assignment |= parts
+        try:
+            for tp in consumer.committed(partitions, timeout=10):
+                if tp.offset >= 0:
+                    self.positions[tp.partition] = self.fetched[tp.partition] = tp.offset
+        except Exception as exc:            # only the lag gauge needs them
+            log.info("committed offsets unknown: %s", exc)
+        if parts:
+            restored = self.restore(parts)
+            log.info("rank side: partitions %s assigned, %d stage snapshots restored",
+                     sorted(parts), restored)
+
+    def restore(self, partitions: set) -> int:
+        """Read the rank-state partitions of ``partitions`` from the start to their end."""
+        from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+
+        Consumer, _ = self._clients()
+        reader = Consumer({**self.kafka, "group.id": f"restore-{uuid.uuid4().hex}",
+                           "enable.auto.commit": False, "enable.partition.eof": False})
+        latest: dict = {}
+        try:
+            ends = {}
+            for q in sorted({p % self.state_partitions for p in partitions}):
+                low, high = reader.get_watermark_offsets(
+                    TopicPartition(self.topics.rank_state, q), timeout=10)
+                if high > low:
+                    ends[q] = high
+            reader.assign([TopicPartition(self.topics.rank_state, q, OFFSET_BEGINNING)
+                           for q in ends])
+            deadline = time.monotonic() + 120
+            while ends and time.monotonic() < deadline:
+                for m in reader.consume(10000, 0.5):
+                    if m.error():
+                        continue
+                    latest[m.key()] = m.value()
+                    if m.offset() + 1 >= ends.get(m.partition(), 0):
+                        ends.pop(m.partition(), None)
+            if ends:
+                log.warning("rank state partitions %s not fully read; those stages start "
+                            "afresh", sorted(ends))
+        finally:
+            reader.close()
+        count = 0
+        for key, blob in latest.items():
+            if not blob:
+                self.processor.restore(key, None)
+            elif state_partition(blob) in partitions:
+                self.processor.restore(key, blob)
+                count += 1
+        return count
+
+    # -- gauges -------------------------------------------------------------------------------
+    def lag(self) -> int:
+        """Telemetry messages on this worker's partitions not yet applied."""
+        from confluent_kafka import TopicPartition
+
+        if self.consumer is None:
+            return 0
+        total = 0
+        for p, pos in list(self.positions.items()):
+            try:
+                _, high = self.consumer.get_watermark_offsets(
+                    TopicPartition(self.topics.telemetry, p), cached=True)
+            except Exception:
+                continue
+            if high is not None and high >= 0:
+                total += max(0, high - pos)
+        return total
+
+    def assigned(self) -> int:
+        try:
+            return len(self.consumer.assignment()) if self.consumer is not None else 0
+        except Exception:
+            return 0

@@ -1,0 +1,202 @@
+"""How one ``trainguard worker`` is set up: names of its internal topics, its timings, and
+the Kafka client settings in the dialects of aiokafka and Faust.
+
+Internal names derive from the Faust app id ``<prefix>.<id>`` (``--prefix``, ``--id``):
+the consumer groups ``<app>`` (job side, Faust) and ``<app>-ranks`` (rank side), the
+summaries topic ``<app>-summaries`` (repartition by job), the compacted rank-state topic
+``<app>-rank-state`` and the job table's changelog ``<app>-job-state-changelog``. Workers
+with one prefix and id share the work; another id is an independent deployment.
+
+>>> s = WorkerSettings(prefix="tg", worker_id="w1")
+>>> s.app_id, s.summaries_topic, s.rank_state_topic, s.job_changelog_topic
+('tg.w1', 'tg.w1-summaries', 'tg.w1-rank-state', 'tg.w1-job-state-changelog')
+>>> WorkerSettings(prefix="tg", worker_id="a b")
+Traceback (most recent call last):
+...
+trainguard.config.ConfigError: --id 'a b' must be 1-100 of [A-Za-z0-9._-]
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+from trainguard.config import Config, ConfigError
+from trainguard.topics import TopicPlan, create_topics
+
+__all__ = ["WorkerSettings", "aiokafka_security", "faust_credentials", "ensure_topics"]
+
+log = logging.getLogger(__name__)
+_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,100}")
+JOB_TABLE = "job-state"
+STATE_MAX_BYTES = 16 * 1024 * 1024
+#: compaction settings of the state topics: segments roll every 10 minutes so that old
+#: snapshots are compacted away and a restore reads little more than the latest ones
+STATE_TOPIC_CONFIG = {"cleanup.policy": "compact", "segment.ms": "600000",
+                      "min.cleanable.dirty.ratio": "0.1",
+                      "max.message.bytes": str(STATE_MAX_BYTES)}
+SUMMARIES_TOPIC_CONFIG = {"retention.ms": str(24 * 3600 * 1000)}
+LOGLEVELS = {"crit": "CRITICAL", "error": "ERROR", "warn": "WARNING", "info": "INFO",
+             "debug": "DEBUG"}
+
+
+@dataclass(kw_only=True)
+class WorkerSettings:
+    prefix: str = "tg"
+    worker_id: str = "trainguard-worker"
+    web_port: int = 6066
+    web_bind: str = "0.0.0.0"
+    data_dir: str = ".tg/worker"
+    loglevel: str = "warn"
+    batch_max: int = 5000            # telemetry records per batch of the rank side
+    poll_ms: int = 100               # longest wait for a batch
+    snapshot_interval_s: float = 2.0  # rank state snapshot, then offset commit
+    job_snapshot_interval_s: float = 5.0  # job state (large for large jobs), then commit
+    advance_interval_s: float = 1.0   # JobStage.advance(wall clock)
+    session_timeout_s: float = 10.0   # consumer group session (a killed worker's partitions
+                                      # move after this long)
+    align_hold_s: float = 3.0        # longest the aligner waits for a stalled partition
+    grace_s: float = 20.0            # after SIGTERM/SIGINT, hard exit if not stopped by then
+    idle_ttl_s: float = 6 * 3600.0   # stages without input this long are dropped
+    partitions: int = 0              # of the summaries topic; 0: as many as telemetry
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not _ID_RE.fullmatch(self.worker_id):
+            raise ConfigError(f"--id {self.worker_id!r} must be 1-100 of [A-Za-z0-9._-]")
+        if not 0 < self.web_port < 65536:
+            raise ConfigError(f"--web-port {self.web_port} must be a port number 1-65535")
+        if self.loglevel not in LOGLEVELS:
+            raise ConfigError(f"--loglevel {self.loglevel!r} must be one of {', '.join(LOGLEVELS)}")
+        for name in ("batch_max", "poll_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for name in ("snapshot_interval_s", "job_snapshot_interval_s", "advance_interval_s",
+                     "session_timeout_s",
+                     "grace_s", "idle_ttl_s", "align_hold_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def app_id(self) -> str:
+        return f"{self.prefix}.{self.worker_id}"
+
+    @property
+    def rank_group(self) -> str:
+        return f"{self.app_id}-ranks"
+
+    @property
+    def summaries_topic(self) -> str:
+        return f"{self.app_id}-summaries"
+
+    @property
+    def rank_state_topic(self) -> str:
+        return f"{self.app_id}-rank-state"
+
+    @property
+    def job_changelog_topic(self) -> str:
+        return f"{self.app_id}-{JOB_TABLE}-changelog"
+
+    @property
+    def python_loglevel(self) -> str:
+        return LOGLEVELS[self.loglevel]
+
+
+def ensure_topics(config: Config, settings: WorkerSettings, timeout: float = 30.0) -> dict:
+    """Create the SPEC topics and this worker's internal ones before anything subscribes;
+    returns ``{"telemetry": n, "summaries": n, "rank_state": n}`` partition counts."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    create_topics(config, TopicPlan(), timeout=timeout)
+    admin = AdminClient(config.kafka())
+    topics = admin.list_topics(timeout=timeout).topics
+    telemetry = len(topics[config.topics.telemetry].partitions)
+    want = settings.partitions or telemetry
+    specs = {settings.summaries_topic: (want, SUMMARIES_TOPIC_CONFIG),
+             settings.rank_state_topic: (telemetry, STATE_TOPIC_CONFIG),
+             settings.job_changelog_topic: (want, STATE_TOPIC_CONFIG)}
+    new = [NewTopic(name, num_partitions=n, replication_factor=-1, config=conf)
+           for name, (n, conf) in specs.items() if name not in topics]
+    if new:
+        for name, future in admin.create_topics(new, request_timeout=timeout).items():
+            try:
+                future.result()
+            except Exception as exc:   # raced with another worker creating it: fine
+                if "already exists" not in str(exc).lower():
+                    raise ConfigError(f"creating topic {name} failed: {exc}") from None
+    counts = {}
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        topics = admin.list_topics(timeout=timeout).topics
+        if all(name in topics and topics[name].partitions for name in specs):
+            break
+        if time.monotonic() > deadline:
+            raise ConfigError(f"topics {sorted(specs)} did not become visible in {timeout:.0f}s")
+        time.sleep(0.2)
+    counts["telemetry"] = telemetry
+    counts["summaries"] = len(topics[settings.summaries_topic].partitions)
+    counts["rank_state"] = len(topics[settings.rank_state_topic].partitions)
+    changelog = len(topics[settings.job_changelog_topic].partitions)
+    if changelog != counts["summaries"]:
+        raise ConfigError(f"topic {settings.job_changelog_topic} has {changelog} partitions "
+                          f"but {settings.summaries_topic} has {counts['summaries']}; delete "
+                          "both (the worker recreates them) or use another --id")
+    return counts
+
+
+# -- Kafka client settings: librdkafka names (SPEC config files) to aiokafka / Faust -------
+
+_HARMLESS = {"client.id", "bootstrap.servers"}
+
+
+def aiokafka_security(client_settings: dict) -> dict:
+    """aiokafka keyword arguments for the security settings of a librdkafka config.
+
+    >>> aiokafka_security({"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN",
+    ...                    "sasl.username": "u", "sasl.password": "p"})
+    {'security_protocol': 'SASL_PLAINTEXT', 'sasl_mechanism': 'PLAIN', 'sasl_plain_username': 'u', 'sasl_plain_password': 'p'}
+    """
+    s = dict(client_settings)
+    out = {}
+    if "security.protocol" in s:
+        out["security_protocol"] = s.pop("security.protocol").upper()
+    if "sasl.mechanism" in s or "sasl.mechanisms" in s:
+        out["sasl_mechanism"] = (s.pop("sasl.mechanism", None) or s.pop("sasl.mechanisms"))
+    if "sasl.username" in s:
+        out["sasl_plain_username"] = s.pop("sasl.username")
+    if "sasl.password" in s:
+        out["sasl_plain_password"] = s.pop("sasl.password")
+    ssl_keys = {k: s.pop(k) for k in ("ssl.ca.location", "ssl.certificate.location",
+                                      "ssl.key.location", "ssl.key.password") if k in s}
+    if ssl_keys or out.get("security_protocol", "").endswith("SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        out["ssl_context"] = create_ssl_context(
+            cafile=ssl_keys.get("ssl.ca.location"),
+            certfile=ssl_keys.get("ssl.certificate.location"),
+            keyfile=ssl_keys.get("ssl.key.location"),
+            password=ssl_keys.get("ssl.key.password"))
+    for key in s:
+        if key not in _HARMLESS:
+            log.warning("Kafka setting %s is not passed to the worker's aiokafka clients", key)
+    return out
+
+
+def faust_credentials(client_settings: dict):
+    """Faust ``broker_credentials`` for the same settings, or None for plaintext."""
+    sec = aiokafka_security(client_settings)
+    if not sec:
+        return None
+    import faust
+
+    protocol = sec.get("security_protocol", "PLAINTEXT")
+    if protocol.startswith("SASL"):
+        return faust.SASLCredentials(username=sec.get("sasl_plain_username"),
+                                     password=sec.get("sasl_plain_password"),
+                                     mechanism=sec.get("sasl_mechanism", "PLAIN"),
+                                     ssl_context=sec.get("ssl_context"))
+    if "ssl_context" in sec:
+        return faust.SSLCredentials(sec["ssl_context"])
+    return None

@@ -1,0 +1,222 @@
+"""The rank side's Kafka logic against fake clients that behave like librdkafka where it
+matters: a backlog comes one partition after another, paused partitions stop coming,
+commits and the compacted state topic persist across a "restart"."""
+from __future__ import annotations
+
+import math
+
+from trainguard import events as ev
+from trainguard.detectors import RankStage
+from trainguard.streams.logic import decode_summaries
+from trainguard.streams.metrics import Metrics
+from trainguard.streams.processors import RankProcessor
+from trainguard.streams.ranks import RankService
+from trainguard.streams.settings import WorkerSettings
+from trainguard.streams.worker import WorkerTopics
+
+TOPICS = WorkerTopics(telemetry="t.telemetry", anomalies="t.anomalies", deadletter="t.dl",
+                      summaries="t.w-summaries", rank_state="t.w-rank-state")
+PARTITIONS = 4
+
+
+class TP:
+    def __init__(self, topic, partition, offset=-1001):
+        self.topic, self.partition, self.offset = topic, partition, offset
+
+
+class Msg:
+    def __init__(self, topic, partition, offset, key, value):
+        self._v = (topic, partition, offset, key, value)
+
+    def error(self):
+        return None
+
+    def topic(self):
+        return self._v[0]
+
+    def partition(self):
+        return self._v[1]
+
+    def offset(self):
+        return self._v[2]
+
+    def key(self):
+        return self._v[3]
+
+    def value(self):
+        return self._v[4]
+
+
+class Broker:
+    def __init__(self):
+        self.logs: dict = {}          # (topic, partition) -> [(key, value)]
+        self.committed: dict = {}     # (group, partition) -> offset
+
+    def append(self, topic, partition, key, value):
+        self.logs.setdefault((topic, partition), []).append((key, value))
+
+
+class FakeProducer:
+    def __init__(self, broker):
+        self.broker = broker
+        self.pending = []
+
+    def produce(self, topic, value, key=None, partition=None, on_delivery=None):
+        self.pending.append((topic, partition if partition is not None else 0, key, value))
+
+    def poll(self, timeout=0):
+        return 0
+
+    def flush(self, timeout=None):
+        for item in self.pending:
+            self.broker.append(*item)
+        self.pending = []
+        return 0
+
+
+class FakeConsumer:
+    """Hands out a backlog in runs of ``run`` records, one partition after another."""
+
+    def __init__(self, conf, broker, run=300):
+        self.conf, self.broker, self.run = conf, broker, run
+        self.group = conf.get("group.id")
+        self.callbacks = None
+        self.assigned: list = []
+        self.position: dict = {}
+        self.paused: set = set()
+        self.pauses = 0
+
+    def subscribe(self, topics, on_assign, on_revoke, on_lost):
+        self.topic = topics[0]
+        self.callbacks = (on_assign, on_revoke)
+
+    def assign(self, tps):
+        self.assigned = [(tp.topic, tp.partition) for tp in tps]
+        for tp in tps:
+            self.position[(tp.topic, tp.partition)] = 0
+
+    def assignment(self):
+        return [TP(t, p) for t, p in self.assigned]
+
+    def committed(self, tps, timeout=None):
+        return [TP(tp.topic, tp.partition, self.broker.committed.get((self.group, tp.partition),
+                                                                     -1001)) for tp in tps]
+
+    def commit(self, offsets, asynchronous=True):
+        for tp in offsets:
+            self.broker.committed[(self.group, tp.partition)] = tp.offset
+
+    def consume(self, n, timeout):
+        if self.callbacks and not self.assigned:
+            self.assigned = [(self.topic, p) for p in range(PARTITIONS)]
+            for t, p in self.assigned:
+                start = self.broker.committed.get((self.group, p), 0)
+                self.position[(t, p)] = max(0, start)
+            self.callbacks[0](self, [TP(t, p) for t, p in self.assigned])
+        for key in sorted(self.assigned, key=lambda k: k[1]):
+            if key[1] in self.paused:
+                continue
+            log = self.broker.logs.get(key, [])
+            pos = self.position[key]
+            if pos < len(log):
+                take = log[pos:pos + min(n, self.run)]
+                self.position[key] = pos + len(take)
+                return [Msg(key[0], key[1], pos + i, k, v) for i, (k, v) in enumerate(take)]
+        return []
+
+    def get_watermark_offsets(self, tp, cached=False, timeout=None):
+        return 0, len(self.broker.logs.get((tp.topic, tp.partition), []))
+
+    def pause(self, tps):
+        self.paused.update(tp.partition for tp in tps)
+        self.pauses += 1
+
+    def resume(self, tps):
+        self.paused.difference_update(tp.partition for tp in tps)
+
+    def close(self):
+        pass
+
+
+def _service(broker, now):
+    settings = WorkerSettings(prefix="t", worker_id="w", snapshot_interval_s=3600.0)
+    svc = RankService(kafka={"bootstrap.servers": "fake:1"}, settings=settings, topics=TOPICS,
+                      processor=RankProcessor(RankStage), metrics=Metrics(),
+                      state_partitions=PARTITIONS, clock=lambda: now[0],
+                      consumer_factory=lambda conf: FakeConsumer(conf, broker),
+                      producer_factory=lambda conf: FakeProducer(broker))
+    svc.connect()
+    return svc
+
+
+def _load(broker, steps, ranks=16, first=0, nan_at=None):
+    for s in range(first, first + steps):
+        for r in range(ranks):
+            loss = math.nan if (s, r) == nan_at else 2.0
+            e = ev.Step(job="j", ts=1000.0 + s, node=f"n{r // 4}", rank=r, step=s,
+                        step_time=1.0, loss=loss)
+            broker.append(TOPICS.telemetry, r % PARTITIONS, f"j/{r}".encode(), ev.encode(e))
+
+
+def _drain(svc, now, rounds=400):
+    for _ in range(rounds):
+        now[0] += 0.01
+        svc._process(svc.consumer.consume(200, 0))
+        svc.producer.flush()
+
+
+def _summaries(broker):
+    items = []
+    for (topic, _), log in sorted(broker.logs.items()):
+        if topic == TOPICS.summaries:
+            for _, value in log:
+                items += decode_summaries(value)[1]
+    return items
+
+
+def test_a_backlog_handed_over_partition_by_partition_comes_out_in_step_order():
+    broker, now = Broker(), [0.0]
+    _load(broker, steps=60)
+    svc = _service(broker, now)
+    _drain(svc, now)
+    steps = [item["step"] for _, _, _, item in _summaries(broker)]
+    assert len(steps) == 60 * 16
+    assert max(a - b for a, b in zip(steps, steps[1:] + [steps[-1]])) <= 0    # never back
+    assert svc.consumer.pauses > 0 and not svc.paused
+    assert svc.aligner.stalls == 0
+
+
+def test_checkpoint_commits_what_was_applied_and_a_restart_skips_it():
+    broker, now = Broker(), [0.0]
+    _load(broker, steps=200)
+    svc = _service(broker, now)
+    _drain(svc, now, rounds=6)                 # part of the backlog
+    applied = dict(svc.positions)
+    assert 0 < sum(applied.values()) < 200 * 16
+    assert svc.checkpoint_now("test")
+    committed = {p: o for (g, p), o in broker.committed.items()}
+    assert committed == {p: o for p, o in applied.items() if o > 0}
+    assert sum(len(v) for (t, _), v in broker.logs.items() if t == TOPICS.rank_state) > 0
+    _load(broker, steps=5, first=200, nan_at=(202, 3))
+    broker.committed = {k: max(0, v - 4) for k, v in broker.committed.items()}   # commit lags
+    before = len(_summaries(broker))
+    again = _service(broker, now)              # "restart": restores from the state topic
+    _drain(again, now)
+    assert again.metrics.counters["replayed"] == 4 * len(committed)
+    items = _summaries(broker)[before:]
+    per_rank = {}
+    for p, o, i, item in items:
+        per_rank.setdefault(item["rank"], []).append(item["step"])
+    assert all(s == sorted(set(s)) for s in per_rank.values())            # nothing twice
+    assert any(item["loss"] == "NaN" for _, _, _, item in items)
+
+
+def test_revoke_checkpoints_and_forgets_the_partitions():
+    broker, now = Broker(), [0.0]
+    _load(broker, steps=5)
+    svc = _service(broker, now)
+    _drain(svc, now)
+    svc._on_revoke(svc.consumer, [TP(TOPICS.telemetry, p) for p in (0, 1)])
+    assert {p for (g, p) in broker.committed} == {0, 1, 2, 3}
+    assert svc.assignment == {2, 3} and all(s.partition in (2, 3)
+                                            for s in svc.processor.state.slots.values())
