@@ -48,6 +48,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Iterable
+from ..ranks import format_ranks
 
 __all__ = ["analyze_threads", "analyze_dir", "render_tree_text", "map_suspects",
            "normalize_threads", "load_stack_file", "format_ranks", "rank_from_name",
@@ -69,23 +70,6 @@ def rank_from_name(name: str) -> int | None:
     """
     found = re.findall(r"\d+", name)
     return int(found[-1]) if found else None
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    """Rank set as compact ranges.
-
-    >>> format_ranks([3, 0, 1, 7, 8, 9])
-    '0-1,3,7-9'
-    """
-    out, rs = [], sorted(set(ranks))
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def frame_key(frame: dict) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from . import events as ev
+from .ranks import format_ranks
 
 __all__ = ["write_report", "render_report", "format_ranks"]
 
@@ -44,22 +45,6 @@ KIND_COLOURS = {"nan": "#d62728", "loss_spike": "#ff7f0e", "grad_spike": "#e6a70
                 "gpu_fault": "#17becf", "gpu_degraded": "#7f7f7f", "crash": "#000000",
                 "silent": "#bcbd22"}
 VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"]
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    """Rank set as compact ranges.
-
-    >>> format_ranks([3, 0, 1, 7, 8, 9])
-    '0-1,3,7-9'
-    """
-    rs, out, i = sorted(set(ranks)), [], 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _e(value: Any) -> str:

@@ -36,6 +36,7 @@ import datetime as _dt
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+from ...ranks import format_ranks
 
 __all__ = ["AlertMessage", "format_ranks", "json_safe", "as_dict", "STATES"]
 
@@ -43,22 +44,6 @@ STATES = ("firing", "resolved")
 SEVERITIES = ("info", "warning", "critical")
 MAX_STACK_LINES = 12
 MAX_STACK_CHARS = 1500
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    """Ranks as compact ranges.
-
-    >>> format_ranks([3, 0, 1, 7, 8, 9])
-    '0-1,3,7-9'
-    """
-    out, rs, i = [], sorted(set(int(r) for r in ranks)), 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def json_safe(value: Any) -> Any:
