@@ -58,7 +58,7 @@ def test_replayed_recording_gives_the_incidents_of_analyze(kafka_bootstrap, tmp_
             return found if incidents_of(found) == expected else None
 
         try:
-            reader.wait_for(same, "the offline incidents", timeout=90, worker=worker)
+            reader.wait_for(same, "the offline incidents", timeout=40, worker=worker)
         except AssertionError:
             got = incidents_of(reader.anomalies(job))
             raise AssertionError(f"worker incidents {got} != analyze {expected}\n"
