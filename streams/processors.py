@@ -278,13 +278,22 @@ class RankProcessor:
 
 class JobProcessor:
     """One ``make_stage()`` per job; ``apply`` summaries messages, ``advance`` the clock
-    (each job on its own clock, :meth:`JobSlot.now`)."""
+    (each job on its own clock, :meth:`JobSlot.now`).
+
+    ``apply`` also advances a job in event time, as ``trainguard analyze`` does, whenever
+    its items move its clock on by ``advance_every_s`` (None: never): a backlog or a fast
+    replay brings many seconds of event time between two ticks of the wall-clock timer, and
+    a hang that such a stretch holds (steps stop, heartbeats go on, then the ranks exit)
+    would otherwise never be looked for while it lasted.
+    """
 
     def __init__(self, make_stage: Callable[[], Any], *,
-                 idle_ttl_s: float = DEFAULT_IDLE_TTL_S, observe_lag=None):
+                 idle_ttl_s: float = DEFAULT_IDLE_TTL_S, observe_lag=None,
+                 advance_every_s: float | None = 0.5):
         self.make_stage = make_stage
         self.idle_ttl_s = idle_ttl_s
         self.observe_lag = observe_lag
+        self.advance_every_s = advance_every_s
         self.state = _Slots(idle_ttl_s)
         self.applied = 0
         self.replayed = 0
@@ -311,6 +320,7 @@ class JobProcessor:
         self.state.dirty.add(job.encode())
         stage, marks, observe = slot.stage, slot.marks, self.observe_lag
         watermark, limit = slot.watermark, now + FUTURE_SLACK_S
+        every = self.advance_every_s
         out = []
         for p, o, i, item in items:
             if not marks.advance(p, o, i):
@@ -330,6 +340,13 @@ class JobProcessor:
             except Exception:            # a detector bug must not stop the stream
                 self.errors += 1
                 log.exception("job stage %s failed on an item from %d/%d", job, p, o)
+            if every is not None and watermark - slot.clock >= every:
+                slot.clock = watermark
+                try:
+                    out += stage.advance(watermark)
+                except Exception:
+                    self.errors += 1
+                    log.exception("job stage %s failed in advance()", job)
         slot.watermark, slot.applied_at = watermark, now
         return out
 

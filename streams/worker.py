@@ -70,7 +70,8 @@ def build(settings: WorkerSettings, config: Config, detector_config=None):
     ranks = RankProcessor(partial(RankStage, detector_config), telemetry_topic=topics.telemetry,
                           idle_ttl_s=settings.idle_ttl_s)
     jobs = JobProcessor(partial(JobStage, detector_config), idle_ttl_s=settings.idle_ttl_s,
-                        observe_lag=metrics.observe_lag)
+                        observe_lag=metrics.observe_lag,
+                        advance_every_s=detector_config.advance_interval_s)
     runtime = JobRuntime(settings=settings, topics=topics, processor=jobs, metrics=metrics)
     app = make_app(settings=settings, topics=topics, runtime=runtime,
                    faust_broker=config.faust_broker(),
