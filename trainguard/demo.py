@@ -11,6 +11,7 @@ event land in the output folder.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import sys
 import time
@@ -182,8 +183,17 @@ def mean_loss_per_fault(faults, steps) -> float | None:
     return sum(losses) / len(losses) if losses else None
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(args, config: Config) -> int:
     from .live import LiveView
+
+    # Ctrl-C, and a SIGTERM from a scheduler, unwind through the ServiceSets, which stop every
+    # process the demo started (also when SIGINT was ignored, as in a background job).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
 
     out = Path(args.out or f"demo-out/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
