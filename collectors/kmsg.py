@@ -204,6 +204,14 @@ what was read). No thread busy-spins:
             self.reason = ("kernel log unavailable: " + "; ".join(reasons or ["no source configured"]))
             log.warning("%s", self.reason)
         if self.extra_source:
+            # Where "the end" is gets fixed now, not when the thread first runs: a line written
+            # right after start() must not be skipped.
+            self._extra_start = None
+            if not self.replay:
+                try:
+                    self._extra_start = os.stat(self.extra_source).st_size
+                except OSError:
+                    self._extra_start = 0
             self._spawn(self._run_file, "extra")
         return self
 
@@ -361,7 +369,7 @@ what was read). No thread busy-spins:
     # -- extra file ------------------------------------------------------------------------
     def _run_file(self) -> None:
         path, fh, pending = self.extra_source, None, b""
-        at_end = not self.replay
+        at_end = self._extra_start is not None
         while not self._stop.is_set():
             if fh is None:
                 try:
@@ -371,7 +379,7 @@ what was read). No thread busy-spins:
                     self._stop.wait(self.poll_interval)
                     continue
                 if at_end:
-                    fh.seek(0, os.SEEK_END)
+                    fh.seek(min(self._extra_start, os.fstat(fh.fileno()).st_size))
                 at_end = False  # a file created or replaced later is read from its start
             chunk = fh.read(65536)
             if chunk:
