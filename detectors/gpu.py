@@ -180,13 +180,18 @@ class GpuFaultDetector(_GpuDetector):
             key=f"xid{x.xid}:{x.gpu}:{x.ts:.3f}")]
 
     def _flag(self, node, index, what, on, ts, summary, evidence) -> list[Finding]:
+        """Report condition ``what`` of a GPU once until it clears. ``summary`` is a template
+        of ``index`` and ``node``, formatted only when a finding is made (this runs for every
+        GPU of every sample)."""
         key = (node, index, what)
         if not on:
-            self._flags.discard(key)
+            if self._flags:
+                self._flags.discard(key)
             return []
         if key in self._flags:
             return []
         self._flags.add(key)
+        summary = summary.format(index=index, node=node)
         return [self._finding("gpu_fault", "critical", node, index, ts, summary, evidence,
                               key=f"{what}:{index}:{ts:.3f}")]
 
@@ -196,42 +201,53 @@ class GpuFaultDetector(_GpuDetector):
             return []
         out = []
         present = set()
+        ts = g.ts
         for gpu in g.gpus:
             index = gpu.get("index")
             if index is None:
                 continue
             present.add(index)
-            where = f"GPU {index} of {node}"
-            out += self._flag(node, index, "lost", gpu.get("lost") is True, g.ts,
-                              f"{where} is lost (the driver cannot reach it)", {"lost": True})
+            lost, failed = gpu.get("lost") is True, gpu.get("remapped_failure") is True
+            if lost or self._flags:
+                out += self._flag(node, index, "lost", lost, ts,
+                                  "GPU {index} of {node} is lost (the driver cannot reach it)",
+                                  {"lost": True})
             dbe = gpu.get("ecc_dbe")
             if dbe is not None:
                 prev = self._dbe.get((node, index))
-                self._dbe[(node, index)] = dbe
+                if prev != dbe:
+                    self._dbe[(node, index)] = dbe
                 if prev is not None and dbe > prev:
                     out.append(self._finding(
-                        "gpu_fault", "critical", node, index, g.ts,
-                        f"uncorrectable ECC errors on {where}: ecc_dbe rose {prev} -> {dbe}",
-                        {"ecc_dbe": dbe, "previous": prev}, key=f"dbe{dbe}:{index}"))
-            out += self._flag(node, index, "remap", gpu.get("remapped_failure") is True, g.ts,
-                              f"row remapping failed on {where}", {"remapped_failure": True})
-        known = self._known.setdefault(node, set())
-        if present:
+                        "gpu_fault", "critical", node, index, ts,
+                        f"uncorrectable ECC errors on GPU {index} of {node}: ecc_dbe rose "
+                        f"{prev} -> {dbe}", {"ecc_dbe": dbe, "previous": prev},
+                        key=f"dbe{dbe}:{index}"))
+            if failed or self._flags:
+                out += self._flag(node, index, "remap", failed, ts,
+                                  "row remapping failed on GPU {index} of {node}",
+                                  {"remapped_failure": True})
+        known = self._known.get(node)
+        if known is None:
+            known = self._known[node] = set()
+        if present and present != known:
             for index in known - present:
                 n = self._missing.get((node, index), 0) + 1
                 self._missing[(node, index)] = n
                 if n >= self.missing_samples:
-                    out += self._flag(node, index, "missing", True, g.ts,
-                                      f"GPU {index} is missing from {node}'s samples",
+                    out += self._flag(node, index, "missing", True, ts,
+                                      "GPU {index} is missing from {node}'s samples",
                                       {"missing_samples": n, "present": sorted(present)})
+        if present and self._missing:
             for index in present:
                 if self._missing.pop((node, index), None):
-                    self._flag(node, index, "missing", False, g.ts, "", {})
-            known |= present
+                    self._flag(node, index, "missing", False, ts, "", {})
+        known |= present
         return out
 
 
 _COUNTERS = ("pcie_replay", "nvlink_errors", "ecc_sbe")
+_NO_RISE = (False, False, False)
 
 
 class _Window:
@@ -244,6 +260,22 @@ class _Window:
         self.last = [None, None, None]
 
     def add(self, ts, hw, values, horizon):
+        last = self.last
+        if values[0] == last[0] and values[1] == last[1] and values[2] == last[2]:
+            rose = _NO_RISE                      # the common case: no counter moved
+        else:
+            rose = self._rises(values)
+        self.rows.append((ts, hw, values, rose))
+        self.throttled += hw
+        while self.rows[0][0] < horizon:
+            old = self.rows.popleft()
+            self.throttled -= old[1]
+            if old[3] is not _NO_RISE:
+                for col, up in enumerate(old[3]):
+                    if up:
+                        self.ups[col] -= 1
+
+    def _rises(self, values) -> list:
         rose = []
         for col, value in enumerate(values):
             prev = self.last[col]
@@ -253,14 +285,7 @@ class _Window:
             if up:
                 self.ups[col] += 1
             rose.append(up)
-        self.rows.append((ts, hw, values, rose))
-        self.throttled += hw
-        while self.rows[0][0] < horizon:
-            old = self.rows.popleft()
-            self.throttled -= old[1]
-            for col, up in enumerate(old[3]):
-                if up:
-                    self.ups[col] -= 1
+        return rose
 
 
 class GpuDegradedDetector(_GpuDetector):
@@ -323,6 +348,10 @@ class GpuDegradedDetector(_GpuDetector):
         return out
 
     def _judge(self, node, index, window, ts, reasons) -> list[Finding]:
+        ups = window.ups
+        if (not window.throttled and self.throttle_fraction > 0 and not self._active
+                and not (ups[0] or ups[1] or ups[2])):
+            return []                              # a healthy GPU: nothing to judge
         out = []
         rows = window.rows
         n = len(rows)
@@ -336,8 +365,13 @@ class GpuDegradedDetector(_GpuDetector):
                                    f"GPU {index} of {node} throttled by hardware in {throttled} "
                                    f"of {n} samples ({', '.join(reasons or ()) or 'now clear'})",
                                    {"throttled_samples": throttled, "samples": n})
+        if not (ups[0] or ups[1] or ups[2]):       # the common case: no counter rose
+            if self._active:
+                for name in _COUNTERS:
+                    self._active.discard((node, index, name))
+            return out
         for col, name in enumerate(_COUNTERS):
-            incs = window.ups[col]
+            incs = ups[col]
             needed = (1, self.nvlink_increments, self.sbe_increments)[col]
             if incs < needed:
                 self._active.discard((node, index, name))

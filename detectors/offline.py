@@ -33,7 +33,7 @@ _INCIDENT_KEYS = ("id", "kind", "job", "ranks", "nodes", "step", "onset_ts", "de
 def analyze_events(events, config: DetectorConfig | None = None):
     """Run an :class:`Engine` over events in event time; returns ``(engine, summary)``."""
     engine = Engine(config)
-    update, advance = engine.update, engine.advance
+    update = engine.update
     now = None
     types: dict = {}
     jobs: set = set()
@@ -48,7 +48,8 @@ def analyze_events(events, config: DetectorConfig | None = None):
         types[kind] = types.get(kind, 0) + 1
         jobs.add(event.job)
         update(event)
-        advance(now)
+        if now >= engine.next_advance_ts:
+            engine.advance(now)
     if now is not None:
         engine.advance(now, force=True)
     summary = {"types": types, "jobs": sorted(jobs), "first_ts": first, "last_ts": now}

@@ -276,7 +276,7 @@ class Engine:
         self.config = config if config is not None else DetectorConfig()
         self._ranks: dict = {}
         self._jobs: dict = {}
-        self._next = None
+        self.next_advance_ts = float("-inf")   # advance(now) before this does nothing
 
     def job_stage(self, job: str) -> JobStage:
         stage = self._jobs.get(job)
@@ -307,9 +307,9 @@ class Engine:
         return []
 
     def advance(self, now: float, force: bool = False) -> list[ev.Anomaly]:
-        if not force and self._next is not None and now < self._next:
+        if not force and now < self.next_advance_ts:
             return []
-        self._next = now + self.config.advance_interval_s
+        self.next_advance_ts = now + self.config.advance_interval_s
         out = []
         for stage in self._jobs.values():
             out += stage.advance(now, final=force)

@@ -75,15 +75,34 @@ def peer_ratios(times: dict) -> dict:
     """
     order = sorted(times.items(), key=lambda kv: kv[1])
     values = [v for _, v in order]
-    n = len(values)
-    m = n - 1
+    m = len(values) - 1                      # each rank's number of peers
+    if m < 1:
+        return {rank: 1.0 for rank, _ in order}
+    h = m // 2
+    # Leaving out the i-th smallest value, the median of the rest is one of three values,
+    # for i below, at or above the middle position h.
+    if m % 2:
+        below = at = values[h + 1]
+        above = values[h]
+    else:
+        below = (values[h] + values[h + 1]) / 2
+        at = (values[h - 1] + values[h + 1]) / 2
+        above = (values[h - 1] + values[h]) / 2
     out = {}
     for i, (rank, value) in enumerate(order):
-        def at(j):
-            return values[j] if j < i else values[j + 1]
-        ref = at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+        ref = below if i < h else at if i == h else above
         out[rank] = value / ref if ref > 0 else 1.0
     return out
+
+
+def peer_view(item) -> tuple[dict, dict]:
+    """``(compute_times, peer_ratios)`` of a jobstep, worked out once for all the detectors
+    that look at it (kept in the item under ``"_peer_view"``)."""
+    view = item.get("_peer_view")
+    if view is None:
+        times = _compute_times(item)
+        view = item["_peer_view"] = (times, peer_ratios(times) if len(times) >= 2 else {})
+    return view
 
 
 def _compute_times(item) -> dict:
@@ -118,6 +137,7 @@ class StragglerDetector(Detector):
         self.settle = settle
         self.min_ranks = min_ranks
         self._history: dict = {}       # rank -> deque of (slow, step, ts, ratio)
+        self._slow_steps: dict = {}    # rank -> how many of its _history steps were slow
         self._where: dict = {}         # rank -> node
         self._named: set = set()
         self._pending = None           # steps left before naming
@@ -129,10 +149,9 @@ class StragglerDetector(Detector):
             node = rec.get("node")
             if node and self._where.get(rank) != node:
                 self._where[rank] = node
-        times = _compute_times(item)
+        times, ratios = peer_view(item)
         if len(times) < self.min_ranks:
             return []
-        ratios = peer_ratios(times)
         step, ts = item["step"], item["ts"]
         qualifying = []
         for rank, r in ratios.items():
@@ -140,8 +159,12 @@ class StragglerDetector(Detector):
             if hist is None:
                 hist = self._history[rank] = deque(maxlen=self.n)
             slow = r >= self.ratio and times[rank] - times[rank] / r >= self.min_excess_s
+            count = self._slow_steps.get(rank, 0)
+            if len(hist) == self.n and hist[0][0]:
+                count -= 1                        # the oldest slow step leaves the window
             hist.append((slow, step, ts, r))
-            count = sum(1 for h in hist if h[0])
+            count += slow
+            self._slow_steps[rank] = count
             if rank in self._named:
                 if count <= self.n - self.k:
                     self._named.discard(rank)
@@ -232,10 +255,10 @@ class ThroughputDetector(Detector):
         if self._seen <= self.warmup:
             return []
         y = math.log(median(times))
-        cts = _compute_times(item)
+        cts, ratios = peer_view(item)
         standouts = ()
         if len(cts) >= 3:
-            standouts = tuple(r for r, x in peer_ratios(cts).items() if x >= self.standout_ratio)
+            standouts = tuple(r for r, x in ratios.items() if x >= self.standout_ratio)
         self._recent.append((y, item["step"], item["first_ts"], standouts))
         if self._learned < self.window:
             self._learned += 1

@@ -87,3 +87,20 @@ def test_cli_analyze_json(tmp_path):
     assert result["invalid"] == 1
     assert [(i["kind"], i["nodes"], i["ranks"]) for i in result["incidents"]] == [
         ("gpu_fault", ["n2"], [4])]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
+def test_lines_across_read_chunks_blank_lines_and_crlf(tmp_path, monkeypatch, suffix):
+    from trainguard import recording
+
+    monkeypatch.setattr(recording, "_CHUNK", 7)        # every line crosses a chunk boundary
+    good = [ev.encode(ev.Heartbeat(job="j", ts=float(t), node="n", rank=0, pid=1,
+                                   phase="data", phase_since=0.0)) for t in range(5)]
+    body = (good[0] + b"\r\n\n   \n" + good[1] + b"\n\t\n" + good[2] + b"\r\nnot json\n"
+            + good[3] + b"\n" + good[4])                # no line end after the last line
+    path = tmp_path / f"r{suffix}"
+    with recording._open_binary(path, "wb") as out:
+        out.write(body)
+    stats = recording.ReadStats()
+    assert [e.ts for e in recording.read_events(path, stats)] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert (stats.events, stats.invalid) == (5, 1)

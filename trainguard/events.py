@@ -28,6 +28,7 @@ import orjson
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .fastpath import compile_all
 from .fields import (AnyObject, Bool, Int, InvalidEvent, ListOf, Nullable, Num, Object, OneOf,
                      Str)
 
@@ -329,17 +330,36 @@ def _build(cls, values: dict) -> Event:
 
 
 def decode(raw: bytes | bytearray | memoryview | str) -> Event:
-    """Parse and validate one envelope; raises only :class:`InvalidEvent`."""
+    """Parse and validate one envelope; raises only :class:`InvalidEvent`.
+
+    A valid event takes the compiled fast path (``fastpath.py``); anything that path does
+    not accept is parsed again and goes through the checkers, which say what is wrong.
+    """
     try:
         obj = orjson.loads(raw)
     except (orjson.JSONDecodeError, TypeError) as exc:
         raise InvalidEvent(f"not valid UTF-8 JSON: {str(exc)[:120]}") from None
+    if type(obj) is dict:
+        version, kind = obj.get("v"), obj.get("type")
+        if version == VERSION and type(version) is int and type(kind) is str:
+            fast = _FAST.get(kind)
+            if fast is not None:
+                try:
+                    event = fast(obj)
+                except (InvalidEvent, ValueError, TypeError, OverflowError):
+                    event = None
+                if event is not None:
+                    return event
+                obj = orjson.loads(raw)
     try:
         return from_dict(obj)
     except InvalidEvent:
         raise
     except (ValueError, TypeError, RecursionError) as exc:
         raise InvalidEvent(f"malformed event: {str(exc)[:120]}") from None
+
+
+_FAST = compile_all(EVENT_TYPES)
 
 
 def to_dict(event: Event) -> dict:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import gzip
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterator
@@ -22,6 +21,7 @@ from .errors import UserError
 from .events import Event, InvalidEvent, decode
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+_CHUNK = 1 << 20
 
 
 class RecordingError(UserError):
@@ -44,16 +44,25 @@ def _open_binary(path: Path, mode: str) -> IO[bytes]:
 
 
 def iter_lines(path: str | Path) -> Iterator[bytes]:
-    """Non-blank lines of a recording, without their line ends."""
+    """Non-blank lines of a recording, without the ``\\n`` (whitespace around the JSON is
+    the JSON reader's to skip)."""
     path = Path(path)
     if not path.is_file():
         raise RecordingError(f"recording {path} does not exist or is not a file")
     try:
         with _open_binary(path, "rb") as raw:
-            for line in io.BufferedReader(raw, buffer_size=1 << 20):
-                line = line.strip()
-                if line:
-                    yield line
+            rest = b""
+            while True:
+                chunk = raw.read(_CHUNK)
+                if not chunk:
+                    break
+                lines = (rest + chunk).split(b"\n")
+                rest = lines.pop()
+                for line in lines:
+                    if line and not line.isspace():
+                        yield line
+            if rest and not rest.isspace():
+                yield rest
     except (OSError, EOFError) as exc:
         raise RecordingError(f"cannot read {path}: {exc}") from None
 
