@@ -65,8 +65,9 @@ class RankStage:
     """
 
     def __init__(self, config: DetectorConfig | None = None):
-        self.config = config if config is not None else DetectorConfig()
-        self._every = self.config.heartbeat_summary_s
+        # Only the one setting is kept: a worker snapshots thousands of these every few
+        # seconds, and a pickled DetectorConfig is ten times the size of the rest.
+        self._every = (config if config is not None else DetectorConfig()).heartbeat_summary_s
         self._last_step = None
         self._hb_key = 0
         self._hb_ts = None

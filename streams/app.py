@@ -40,8 +40,10 @@ NEVER = 10 ** 8   # seconds / acks: Faust's own commit timer and counter, switch
 class JobRuntime:
     """The job side's moving parts, shared by the agent, the timer and the page."""
 
-    def __init__(self, *, settings, topics, processor: JobProcessor, metrics, clock=time.time):
+    def __init__(self, *, settings, topics, processor: JobProcessor, metrics, clock=time.time,
+                 collection=None):
         self.settings = settings
+        self.collection = collection     # a gc_schedule.ScheduledCollection, or None
         self.topics = topics
         self.processor = processor
         self.metrics = metrics
@@ -113,6 +115,9 @@ class JobRuntime:
             self.emit(found)
 
     async def tick(self) -> None:
+        if self.collection is not None and self.collection.maybe_collect():
+            self.metrics.inc("gc_collections")
+            self.metrics.counters["gc_seconds"] = round(self.collection.seconds, 6)
         if not self.app.tables.recovery.completed.is_set():
             return
         now = self.clock()

@@ -5,7 +5,8 @@ Counters (``_total``): ``trainguard_events_in_total`` telemetry messages consume
 anomalies produced, ``trainguard_summaries_out_total`` / ``trainguard_summaries_in_total``
 messages on the internal summaries topic, ``trainguard_items_applied_total`` summary items
 given to job stages, ``trainguard_replayed_total`` messages skipped because a restored
-state had already seen them, ``trainguard_snapshots_total``.
+state had already seen them, ``trainguard_snapshots_total``, ``trainguard_gc_collections_total``
+and ``trainguard_gc_seconds_total`` (the worker's scheduled garbage collections).
 Gauges: ``trainguard_consumer_lag{topic}`` messages not yet read (high watermark minus
 position, summed over this worker's partitions), ``trainguard_assigned_partitions{topic}``,
 ``trainguard_rank_stages``, ``trainguard_job_stages``.
@@ -42,6 +43,8 @@ COUNTERS = {
     "snapshots": "State snapshots written (rank and job side).",
     "snapshot_failures": "State snapshots whose flush failed (offsets not committed).",
     "restore_failures": "Snapshots that could not be loaded (state started afresh).",
+    "gc_collections": "Scheduled garbage collections (one every gc_interval_s, 30 s).",
+    "gc_seconds": "Seconds spent in scheduled garbage collections.",
 }
 GAUGES = {
     "consumer_lag": "Messages not yet read on this worker's partitions.",

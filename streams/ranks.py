@@ -62,6 +62,7 @@ class RankService(Service):
         self.last_seen: dict = {}       # partition -> wall time records last came
         self.paused: set = set()        # partitions paused by flow control
         self.unblocked: dict = {}       # partition -> fetch position at which it stalled
+        self.reassigned: set = set()    # assigned since the last batch, to resume
         self.aligner = EventTimeAligner(max_hold_s=settings.align_hold_s)
         self._committed: dict = {}
         self._failed = 0
@@ -119,20 +120,43 @@ class RankService(Service):
 
     # -- the loop -----------------------------------------------------------------------
     async def _run(self) -> None:
-        consume, batch_max = self.consumer.consume, self.settings.batch_max
         while not self._stopping:
-            try:
-                messages = consume(batch_max, 0)     # serves rebalance callbacks too
-            except Exception as exc:
-                log.warning("telemetry consume failed: %s", exc)
-                messages = []
+            messages = self.poll_once()
+            if messages is None:
                 await asyncio.sleep(1.0)
-            self._process(messages)
-            self.producer.poll(0)
             if self.clock() >= self._next_snapshot:
                 await self.checkpoint("interval")
             # yield to Faust's tasks after every batch; idle: wait a little for more
             await asyncio.sleep(IDLE_SLEEP_S if not messages else 0)
+
+    def poll_once(self, timeout_s: float = 0) -> list | None:
+        """Consume one batch (this serves the rebalance callbacks too) and apply it; None
+        when consuming failed."""
+        try:
+            messages = self.consumer.consume(self.settings.batch_max, timeout_s)
+        except Exception as exc:
+            log.warning("telemetry consume failed: %s", exc)
+            return None
+        if self.reassigned:
+            self._resume_reassigned()
+        self._process(messages)
+        self.producer.poll(0)
+        return messages
+
+    def _resume_reassigned(self) -> None:
+        """librdkafka keeps a partition paused across a rebalance when it is assigned to
+        this consumer again, while :meth:`_forget` cleared it from ``paused``: resume every
+        newly assigned partition (only possible once the assignment took effect, after the
+        callback), or it would never be read again."""
+        from confluent_kafka import TopicPartition
+
+        parts, self.reassigned = self.reassigned & self.assignment - self.paused, set()
+        if not parts:
+            return
+        try:
+            self.consumer.resume([TopicPartition(self.topics.telemetry, p) for p in parts])
+        except Exception as exc:          # e.g. revoked again meanwhile
+            log.info("resume after assignment failed: %s", exc)
 
     def _process(self, messages) -> None:
         now = self.clock()
@@ -316,6 +340,7 @@ class RankService(Service):
     def _on_assign(self, consumer, partitions) -> None:
         parts = {tp.partition for tp in partitions}
         self.assignment |= parts
+        self.reassigned |= parts
         try:
             for tp in consumer.committed(partitions, timeout=10):
                 if tp.offset >= 0:

@@ -59,6 +59,7 @@ class WorkerSettings:
     grace_s: float = 20.0            # after SIGTERM/SIGINT, hard exit if not stopped by then
     idle_ttl_s: float = 6 * 3600.0   # stages without input this long are dropped
     partitions: int = 0              # of the summaries topic; 0: as many as telemetry
+    gc_interval_s: float = 30.0      # full garbage collection this often; 0: CPython's own
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -68,6 +69,8 @@ class WorkerSettings:
             raise ConfigError(f"--web-port {self.web_port} must be a port number 1-65535")
         if self.loglevel not in LOGLEVELS:
             raise ConfigError(f"--loglevel {self.loglevel!r} must be one of {', '.join(LOGLEVELS)}")
+        if not self.gc_interval_s >= 0:
+            raise ValueError("gc_interval_s must be 0 (CPython's own collection) or positive")
         for name in ("batch_max", "poll_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

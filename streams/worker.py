@@ -14,7 +14,6 @@ of both sides), and if it has not stopped ``grace_s`` seconds later the process 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -55,6 +54,7 @@ def build(settings: WorkerSettings, config: Config, detector_config=None):
     from trainguard.detectors import DetectorConfig, JobStage, RankStage
 
     from .app import JobRuntime, make_app
+    from .gc_schedule import ScheduledCollection
     from .metrics import Metrics
     from .processors import JobProcessor, RankProcessor
     from .ranks import RankService
@@ -72,7 +72,10 @@ def build(settings: WorkerSettings, config: Config, detector_config=None):
     jobs = JobProcessor(partial(JobStage, detector_config), idle_ttl_s=settings.idle_ttl_s,
                         observe_lag=metrics.observe_lag,
                         advance_every_s=detector_config.advance_interval_s)
-    runtime = JobRuntime(settings=settings, topics=topics, processor=jobs, metrics=metrics)
+    collection = (ScheduledCollection(settings.gc_interval_s) if settings.gc_interval_s > 0
+                  else None)
+    runtime = JobRuntime(settings=settings, topics=topics, processor=jobs, metrics=metrics,
+                         collection=collection)
     app = make_app(settings=settings, topics=topics, runtime=runtime,
                    faust_broker=config.faust_broker(),
                    credentials=faust_credentials(config.client_settings),
@@ -152,11 +155,8 @@ def main(args, config: Config) -> int:
         app, rank_service, runtime = build(settings, config)
     except SystemExit:
         return 0
-    # Many short-lived objects per event, many long-lived ones in the stages: collect the
-    # young generation less often and keep what startup made out of the older scans
-    # (about a quarter less CPU per event on the benchmark's job).
-    gc.set_threshold(50_000, 20, 100)
-    gc.freeze()
+    if runtime.collection is not None:       # garbage collection on the job side's timer
+        runtime.collection.start()
     Worker = _worker_class()
     Worker.grace_s = settings.grace_s
     Worker.before_stop = runtime.final_checkpoint
