@@ -190,7 +190,25 @@ class _Slots:
             del self.saved[key]
 
 
-class RankProcessor:
+class _SlotsProcessor:
+    """What both processors do with their slots' state: snapshot, evict, restore, drop."""
+
+    state: _Slots
+
+    def snapshot(self) -> list:
+        return self.state.snapshot()
+
+    def evict(self, now: float) -> list:
+        return self.state.evict(now)
+
+    def restore(self, key: bytes, blob: bytes | None) -> None:
+        self.state.restore(key, blob)
+
+    def drop(self, partitions: set) -> None:
+        self.state.drop(partitions)
+
+
+class RankProcessor(_SlotsProcessor):
     """One ``make_stage()`` per (job, rank); ``process`` a batch of raw telemetry."""
 
     def __init__(self, make_stage: Callable[[], Any], *, telemetry_topic: str = "telemetry",
@@ -263,20 +281,8 @@ class RankProcessor:
                 for index, summary in enumerate(summaries):
                     bucket.append((partition, offset, index, summary))
 
-    def snapshot(self) -> list:
-        return self.state.snapshot()
 
-    def evict(self, now: float) -> list:
-        return self.state.evict(now)
-
-    def restore(self, key: bytes, blob: bytes | None) -> None:
-        self.state.restore(key, blob)
-
-    def drop(self, partitions: set) -> None:
-        self.state.drop(partitions)
-
-
-class JobProcessor:
+class JobProcessor(_SlotsProcessor):
     """One ``make_stage()`` per job; ``apply`` summaries messages, ``advance`` the clock
     (each job on its own clock, :meth:`JobSlot.now`).
 
@@ -369,18 +375,6 @@ class JobProcessor:
         that send nothing any more); returns how many."""
         keys = [k for k, b in self.state.saved.items() if state_partition(b) in partitions]
         return sum(1 for k in keys if self.state.load(k) is not None)
-
-    def snapshot(self) -> list:
-        return self.state.snapshot()
-
-    def evict(self, now: float) -> list:
-        return self.state.evict(now)
-
-    def restore(self, key: bytes, blob: bytes | None) -> None:
-        self.state.restore(key, blob)
-
-    def drop(self, partitions: set) -> None:
-        self.state.drop(partitions)
 
 
 __all__ += ["InvalidSummaries"]
