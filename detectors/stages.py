@@ -109,7 +109,20 @@ class StepAggregator:
     A step closes when every expected rank reported it (the world size from lifecycle
     ``start``, else the ranks seen so far), when some rank is ``close_lag`` steps further, or
     ``close_s`` seconds after its first record. A step older than the last closed one is a
-    restart when a lifecycle ``start`` came since; otherwise a late record, dropped.
+    restart when a lifecycle ``start`` came since; otherwise a late record (from a rank
+    worker that lags behind the others, say), which comes out alone as a ``jobstep`` with
+    ``"late": True``, for the checks that make sense on one rank (non-finite values).
+
+    >>> agg = StepAggregator(close_lag=1)
+    >>> rec = lambda r, s: {"k": "step", "job": "j", "rank": r, "ts": float(s), "step": s}
+    >>> closed = [js for s in (1, 2) for r in (0, 1) for js in agg.add(rec(r, s))]
+    >>> [(js["step"], sorted(js["ranks"])) for js in closed]
+    [(1, [0, 1]), (2, [0, 1])]
+    >>> closed = [js for s in (3, 4, 5) for js in agg.add(rec(0, s))]    # rank 1 lags
+    >>> [(js["step"], sorted(js["ranks"])) for js in closed]
+    [(3, [0]), (4, [0])]
+    >>> [(js["step"], sorted(js["ranks"]), js.get("late")) for js in agg.add(rec(1, 3))]
+    [(3, [1], True)]
     """
 
     def __init__(self, close_lag: int = 2, close_s: float = 5.0):
@@ -136,7 +149,9 @@ class StepAggregator:
         if step <= self._closed:
             if not self._restarted:
                 self.late += 1
-                return []
+                return [{"k": "jobstep", "job": item["job"], "step": step, "ts": item["ts"],
+                         "first_ts": item["ts"], "world": max(self._world, len(self._ranks)),
+                         "ranks": {item["rank"]: item}, "late": True}]
             self._open.clear()
             self._closed = step - 1
         self._restarted = False
@@ -194,6 +209,7 @@ class JobStage:
         d = self.detectors
         self._on_jobstep = [d[n] for n in ("nan", "loss_spike", "grad_spike", "straggler",
                                            "throughput", "gpu_fault", "gpu_degraded")]
+        self._on_late = [d["nan"]]     # a record that came after its step was closed
         self._on_step = [d["hang"], d["silent"], d["crash"]]
         self._on_hb = [d["hang"], d["silent"], d["crash"]]
         self._on_life = [d["crash"], d["hang"], d["silent"], d["gpu_fault"], d["gpu_degraded"]]
@@ -219,7 +235,7 @@ class JobStage:
                 for d in self._on_step:
                     findings += d.update(item)
                 for jobstep in self.steps.add(item):
-                    for d in self._on_jobstep:
+                    for d in self._on_late if "late" in jobstep else self._on_jobstep:
                         findings += d.update(jobstep)
                 return self._emit(findings) if findings else []
             targets = self._on_hb if k == "hb" else self._on_life if k == "life" else ()

@@ -28,7 +28,9 @@ class NanDetector(Detector):
     the finding is then job-wide (``ranks == []``). With a dynamic loss scaler (``loss_scale``
     reported) a non-finite gradient norm with finite losses is the scaler's routine overflow
     skip, reported only after ``scaler_patience`` such steps in a row. One finding per episode;
-    a step with every value finite ends it.
+    a step with every value finite ends it. A late record (a ``jobstep`` with ``"late"``: one
+    rank's record that came after its step was closed) is checked for a non-finite loss
+    only, and never ends an episode.
 
     >>> d = NanDetector()
     >>> gn = [float("inf")] * 4
@@ -51,6 +53,8 @@ class NanDetector(Detector):
     def update(self, item) -> list[Finding]:
         if type(item) is not dict or item.get("k") != "jobstep":
             return []
+        if "late" in item:
+            return self._late(item)
         bad_loss, bad_grad, scaled, seen_grad = [], [], False, 0
         first_ts = math.inf
         for rank, rec in item["ranks"].items():
@@ -100,6 +104,19 @@ class NanDetector(Detector):
                         evidence={"nonfinite_loss_ranks": sorted(bad_loss),
                                   "nonfinite_grad_norm_ranks": sorted(bad_grad),
                                   "ranks_reporting": reporting, "loss_scaled": scaled})]
+
+    def _late(self, item) -> list[Finding]:
+        bad = sorted(r for r, rec in item["ranks"].items()
+                     if (loss := num(rec.get("loss"))) is not None and not is_finite(loss))
+        if not bad or self._active:
+            return []
+        self._active = True
+        step = item["step"]
+        return [Finding(kind="nan", severity="critical", ranks=bad, nodes=[], step=step,
+                        onset_ts=item["first_ts"], detected_ts=item["ts"], detector=self.PREFIX,
+                        summary=f"loss became non-finite on {fmt_ranks(bad)} at step {step} "
+                                "(its record came after the step was closed)",
+                        evidence={"nonfinite_loss_ranks": bad, "late_record": True})]
 
 
 class SpikeDetector(Detector):

@@ -181,6 +181,9 @@ class JobRuntime:
         m.set_gauge("consumer_lag", lag, topic=self.topics.summaries)
         m.set_gauge("assigned_partitions", parts, topic=self.topics.summaries)
         m.set_gauge("job_stages", len(self.processor))
+        m.set_gauge("late_step_records", sum(
+            getattr(getattr(slot.stage, "steps", None), "late", 0)
+            for slot in self.processor.state.slots.values()))
         m.counters["restore_failures"] = failures
 
 

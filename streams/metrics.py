@@ -9,7 +9,7 @@ state had already seen them, ``trainguard_snapshots_total``, ``trainguard_gc_col
 and ``trainguard_gc_seconds_total`` (the worker's scheduled garbage collections).
 Gauges: ``trainguard_consumer_lag{topic}`` messages not yet read (high watermark minus
 position, summed over this worker's partitions), ``trainguard_assigned_partitions{topic}``,
-``trainguard_rank_stages``, ``trainguard_job_stages``.
+``trainguard_rank_stages``, ``trainguard_job_stages``, ``trainguard_late_step_records``.
 Histogram: ``trainguard_event_lag_seconds``, wall time at which a job stage got an item
 minus the event's own ``ts`` (end-to-end delay of the pipeline, sender clocks permitting).
 
@@ -51,6 +51,8 @@ GAUGES = {
     "assigned_partitions": "Partitions assigned to this worker.",
     "rank_stages": "Rank stages held in memory.",
     "job_stages": "Job stages held in memory.",
+    "late_step_records": "Step records that reached their job stage after the step was closed "
+                         "(a lagging rank worker); checked for non-finite values only.",
 }
 LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
                60.0, 300.0)

@@ -307,3 +307,13 @@ def test_a_backlog_read_late_is_judged_in_its_own_time():
         wall += 0.05                             # reading ten times faster than real time
     assert [(a.kind, a.ranks) for a in found] == [("nan", [1])]
     assert [a.kind for a in jobs.advance(wall + 120.0)] == ["hang"]
+
+
+def test_every_worker_metric_is_documented():
+    from pathlib import Path
+
+    from trainguard.streams.metrics import COUNTERS, GAUGES
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "WORKER.md").read_text()
+    names = [f"trainguard_{n}_total" for n in COUNTERS] + [f"trainguard_{n}" for n in GAUGES]
+    assert [n for n in names if f"`{n}`" not in text] == []
