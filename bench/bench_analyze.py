@@ -2,10 +2,11 @@
 ~200k events (32 ranks on 4 machines, steps, heartbeats, GPU samples, a crash at the end).
 
 Reported beside it, measured in the same run on the same file: the rate of reading and
-decoding alone (``recording.read_events``, the core's ``ev.decode``), the rate of the
-detectors alone on already decoded events, and ``json.loads`` of the raw lines as the floor
-any JSON reader pays. Rates are per CPU second of this process, the best of ROUNDS
-interleaved rounds; the wall-clock rate of the best run is given too.
+decoding alone (``recording.read_events``, the core's ``ev.decode``; events are dropped as
+they come, as analyze does), the rate of the detectors alone on already decoded events, and
+the standard library's ``json.loads`` of the raw lines, for scale (``ev.decode`` parses with
+orjson and validates, and is faster). Rates are per CPU second of this process, the best of
+ROUNDS interleaved rounds; the wall-clock rate of the best run is given too.
 Target: >= 100,000 events/s end to end.
 """
 from __future__ import annotations

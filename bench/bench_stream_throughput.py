@@ -24,8 +24,13 @@ STEPS - 10, so detection is checked at scale), all detectors on. Protocol, in on
 2-core machine, with the broker and the load generator on the same cores, it moves far
 less from run to run than the wall-clock rates (see ``load_average_at_start``). Two
 workers cannot run faster than one on two cores that the broker and the load generator
-use too; ``cpu_efficiency_2_workers`` (events per CPU second with two workers over that
-with one) says what they would do with a core each: 1.0 is linear scaling.
+use too; ``projected_scaling_2_workers`` (the one worker's CPU seconds over the busier of
+the two's, for the same burst) says what they would do with a core each: the busier one,
+which also holds the job side of this one large job, sets the pace.
+
+The worker collects garbage every ``gc_interval_s`` (30 s); a burst of a few seconds may
+hold no collection. ``events_per_s_gc_amortized`` charges the burst its share, from the
+duration of the next collection after it (``gc_seconds_per_collection``).
 
 Uses ``$TRAINGUARD_BOOTSTRAP`` or starts its own broker. Workers are killed at the end.
 """
@@ -44,12 +49,15 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from trainguard.streams.settings import WorkerSettings
+
 RANKS, MACHINES, STEPS = 4096, 512, 30
 PARTITIONS = 12
 PACED_S = 8.0
 PACED_RATE = 8000.0   # events/s of the lag phase: a 4096-rank job at about one step a second
 FAUST_PROBE_EVENTS = 60_000
 TIMEOUT_S = 120.0
+GC_INTERVAL_S = WorkerSettings.gc_interval_s
 TRAINGUARD = str(Path(sys.executable).with_name("trainguard"))
 PROBE = Path(__file__).with_name("faust_take_probe.py")
 
@@ -198,27 +206,67 @@ def _drain(workers, n: int) -> float:
         if events >= n and inn >= out and lag == 0:
             return time.monotonic()
         time.sleep(0.1)
-    raise RuntimeError("the workers did not drain the load in time")
+    raise RuntimeError(f"the workers did not drain the load in time: {events:.0f} of {n} "
+                       f"events in, summaries out {out:.0f} / in {inn:.0f}, lag {lag:.0f}")
 
 
-def _burst(config, workers, messages) -> tuple[float, int, float]:
-    """(events/s, lost, events per worker CPU second) for one burst of ``messages``
-    produced while ``workers`` run, timed from the first produce call."""
+class Burst:
+    """What one burst measured: ``rate`` events/s, ``lost``, CPU seconds of each worker,
+    the wall seconds it took, and the scheduled garbage collections within it."""
+
+    def __init__(self, n, seconds, lost, cpu, gc_runs, gc_s):
+        self.n, self.seconds, self.lost, self.cpu = n, seconds, lost, cpu
+        self.gc_runs, self.gc_s = gc_runs, gc_s
+        self.rate = n / seconds
+        self.per_cpu = n / sum(cpu)
+
+
+def _burst(config, workers, messages) -> Burst:
+    """One burst of ``messages`` produced while ``workers`` run, timed from the first
+    produce call until everything went through both sides."""
     before = _sum(workers, "trainguard_events_in_total")
-    cpu = sum(w.cpu_s() for w in workers)
+    gc_before = (_sum(workers, "trainguard_gc_collections_total"),
+                 _sum(workers, "trainguard_gc_seconds_total"))
+    cpu = [w.cpu_s() for w in workers]
     began = time.monotonic()
     _produce(config, messages)
     done = _drain(workers, before + len(messages))
-    cpu = sum(w.cpu_s() for w in workers) - cpu
+    cpu = [w.cpu_s() - c for w, c in zip(workers, cpu)]
     lost = int(before + len(messages) - _sum(workers, "trainguard_events_in_total"))
-    return len(messages) / (done - began), lost, len(messages) / cpu
+    return Burst(len(messages), done - began, lost, cpu,
+                 _sum(workers, "trainguard_gc_collections_total") - gc_before[0],
+                 _sum(workers, "trainguard_gc_seconds_total") - gc_before[1])
+
+
+def _one_collection_s(worker) -> float | None:
+    """Seconds of the worker's next scheduled garbage collection (its heap as the burst
+    left it), waiting at most one interval for it."""
+    runs = worker.metrics().get("trainguard_gc_collections_total", 0)
+    spent = worker.metrics().get("trainguard_gc_seconds_total", 0)
+    deadline = time.monotonic() + GC_INTERVAL_S + 5
+    while time.monotonic() < deadline:
+        m = worker.metrics()
+        if m.get("trainguard_gc_collections_total", 0) > runs:
+            return (m["trainguard_gc_seconds_total"] - spent) / (
+                m["trainguard_gc_collections_total"] - runs)
+        time.sleep(0.5)
+    return None
+
+
+def _with_gc_amortized(burst: Burst, per_collection_s: float | None) -> float:
+    """The burst's rate had it held its share of collections (one every GC_INTERVAL_S):
+    a burst shorter than the interval may have held none."""
+    if per_collection_s is None:
+        return burst.rate
+    owed = burst.seconds / GC_INTERVAL_S - burst.gc_runs
+    return burst.n / (burst.seconds + max(0.0, owed) * per_collection_s)
 
 
 def _drain_backlog(workers, n: int) -> tuple[float, int, float]:
     """(events/s, lost, events per worker CPU second) of workers started on a topic that
     already holds ``n`` events, from their first consumed batch until everything went
-    through both sides (start-up and the group join are not counted; a rebalance between
-    workers that start a little apart is)."""
+    through both sides (the process start and the group join are not counted; the job side
+    may still be finishing its own start-up then, and that is)."""
     deadline = time.monotonic() + TIMEOUT_S
     while True:
         seen = _sum(workers, "trainguard_events_in_total")
@@ -361,7 +409,9 @@ def run() -> dict:
         config = _fresh_config(bootstrap)
         workers = [Worker(config, "one", tmp)]
         _wait_ready(workers, config, PARTITIONS)
-        rate1, lost1, per_cpu1 = _burst(config, workers, messages)
+        one = _burst(config, workers, messages)
+        rate1, lost1 = one.rate, one.lost
+        per_collection_s = _one_collection_s(workers[0])
         paced = min(rate1 / 2, PACED_RATE)
         p99 = _p99_lag(workers[0], config, paced)
         found = _anomalies(config)
@@ -379,7 +429,8 @@ def run() -> dict:
         config2 = _fresh_config(bootstrap)
         workers = [Worker(config2, "pair", tmp), Worker(config2, "pair", tmp)]
         _wait_ready(workers, config2, PARTITIONS)
-        rate2, lost2, per_cpu2 = _burst(config2, workers, messages)
+        two = _burst(config2, workers, messages)
+        rate2, lost2 = two.rate, two.lost
         for w in workers:
             w.stop()
         nan = [a for a in found if a.kind == "nan"]
@@ -389,9 +440,14 @@ def run() -> dict:
             "workers": 1, "events_per_s_backlog": round(backlog),
             "events_per_s_2_workers": round(rate2), "scaling_2_workers": round(rate2 / rate1, 2),
             "fraction_of_ceiling": round(rate1 / ceiling, 3),
-            "events_per_worker_cpu_s": round(per_cpu1),
-            "events_per_worker_cpu_s_2_workers": round(per_cpu2),
-            "cpu_efficiency_2_workers": round(per_cpu2 / per_cpu1, 2),
+            "events_per_s_gc_amortized": round(_with_gc_amortized(one, per_collection_s)),
+            "gc_collections_in_burst": one.gc_runs,
+            "gc_seconds_per_collection": (round(per_collection_s, 3)
+                                          if per_collection_s is not None else None),
+            "events_per_worker_cpu_s": round(one.per_cpu),
+            "events_per_worker_cpu_s_2_workers": round(two.per_cpu),
+            "worker_cpu_s_2_workers": [round(c, 2) for c in two.cpu],
+            "projected_scaling_2_workers": round(sum(one.cpu) / max(two.cpu), 2),
             "load_average_at_start": load_before,
             "faust_take_events_per_s": round(faust) if faust else None,
             "p99_lag_at_events_per_s": round(paced),

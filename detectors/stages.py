@@ -111,7 +111,7 @@ class StepAggregator:
     ``close_s`` seconds after its first record. A step older than the last closed one is a
     restart when a lifecycle ``start`` came since; otherwise a late record (from a rank
     worker that lags behind the others, say), which comes out alone as a ``jobstep`` with
-    ``"late": True``, for the checks that make sense on one rank (non-finite values).
+    ``"late": True``, for the one check that makes sense on one rank (a non-finite loss).
 
     >>> agg = StepAggregator(close_lag=1)
     >>> rec = lambda r, s: {"k": "step", "job": "j", "rank": r, "ts": float(s), "step": s}

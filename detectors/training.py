@@ -29,8 +29,8 @@ class NanDetector(Detector):
     reported) a non-finite gradient norm with finite losses is the scaler's routine overflow
     skip, reported only after ``scaler_patience`` such steps in a row. One finding per episode;
     a step with every value finite ends it. A late record (a ``jobstep`` with ``"late"``: one
-    rank's record that came after its step was closed) is checked for a non-finite loss
-    only, and never ends an episode.
+    rank's record that came after its step was closed) is checked for a non-finite loss only;
+    its rank's episode lasts until that rank reports a finite loss again.
 
     >>> d = NanDetector()
     >>> gn = [float("inf")] * 4
@@ -49,6 +49,7 @@ class NanDetector(Detector):
         self._active = False
         self._grad_streak = 0
         self._grad_onset = None
+        self._late_ranks: set = set()   # reported from late records, no finite loss since
 
     def update(self, item) -> list[Finding]:
         if type(item) is not dict or item.get("k") != "jobstep":
@@ -57,11 +58,14 @@ class NanDetector(Detector):
             return self._late(item)
         bad_loss, bad_grad, scaled, seen_grad = [], [], False, 0
         first_ts = math.inf
+        late_ranks = self._late_ranks
         for rank, rec in item["ranks"].items():
             loss, grad = num(rec.get("loss")), num(rec.get("grad_norm"))
             if loss is not None and not is_finite(loss):
                 bad_loss.append(rank)
                 first_ts = min(first_ts, rec["ts"])
+            elif late_ranks and loss is not None:
+                late_ranks.discard(rank)
             if grad is not None:
                 seen_grad += 1
                 if not is_finite(grad):
@@ -73,6 +77,8 @@ class NanDetector(Detector):
             self._active = False
             self._grad_streak = 0
             return []
+        if not bad_grad and late_ranks.issuperset(bad_loss):
+            return []                    # the ranks already reported from late records
         step, ts = item["step"], item["ts"]
         if self._active:
             return []
@@ -106,11 +112,20 @@ class NanDetector(Detector):
                                   "ranks_reporting": reporting, "loss_scaled": scaled})]
 
     def _late(self, item) -> list[Finding]:
-        bad = sorted(r for r, rec in item["ranks"].items()
-                     if (loss := num(rec.get("loss"))) is not None and not is_finite(loss))
-        if not bad or self._active:
+        """A late record's own non-finite loss, once per episode of that rank: the on-time
+        steps of the others, all finite, do not end it; a finite loss of that rank does."""
+        bad = []
+        for rank, rec in item["ranks"].items():
+            loss = num(rec.get("loss"))
+            if loss is not None and not is_finite(loss):
+                bad.append(rank)
+            elif loss is not None:
+                self._late_ranks.discard(rank)
+        new = sorted(r for r in bad if r not in self._late_ranks)
+        self._late_ranks.update(bad)
+        if not new or self._active:
             return []
-        self._active = True
+        bad = new
         step = item["step"]
         return [Finding(kind="nan", severity="critical", ranks=bad, nodes=[], step=step,
                         onset_ts=item["first_ts"], detected_ts=item["ts"], detector=self.PREFIX,

@@ -52,7 +52,7 @@ GAUGES = {
     "rank_stages": "Rank stages held in memory.",
     "job_stages": "Job stages held in memory.",
     "late_step_records": "Step records that reached their job stage after the step was closed "
-                         "(a lagging rank worker); checked for non-finite values only.",
+                         "(a lagging rank worker); checked for a non-finite loss only.",
 }
 LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
                60.0, 300.0)

@@ -8,8 +8,8 @@ and runs ``advance(now)``. Both keep their stages in *slots* that remember where
 input came from, so that after a restore from a snapshot, input the snapshot already
 covered is skipped instead of applied twice (the consumer's committed offset never passes a
 snapshot, see :mod:`trainguard.streams.ranks`). Snapshots are ``(key, partition, blob)``:
-``blob`` is a pickle of the slot behind a 5-byte header (codec, source partition), ``None``
-is a tombstone for an evicted slot.
+``blob`` is a pickle of ``(STATE_VERSION, slot)`` behind a 5-byte header (codec, source
+partition), ``None`` is a tombstone for an evicted slot.
 
 >>> from trainguard.detectors import RankStage
 >>> raw = (b'{"v":1,"type":"step","job":"j1","ts":10.0,"node":"n1","rank":0,"step":4,'
@@ -49,6 +49,10 @@ COMPRESS_ABOVE = 8192
 DEFAULT_IDLE_TTL_S = 6 * 3600.0
 #: an event stamped further ahead of the worker's clock than this moves a job's clock no more
 FUTURE_SLACK_S = 5.0
+#: the stages' pickled layout; a snapshot of another layout is a restore failure (the stage
+#: starts afresh) rather than a stage whose detectors miss attributes. Raise it whenever a
+#: stage or detector changes what it keeps.
+STATE_VERSION = 2
 
 
 def dump_state(obj, partition: int) -> bytes:
@@ -58,7 +62,7 @@ def dump_state(obj, partition: int) -> bytes:
     >>> state_partition(blob), load_state(blob)
     (7, {'a': 1})
     """
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = pickle.dumps((STATE_VERSION, obj), protocol=pickle.HIGHEST_PROTOCOL)
     if len(data) > COMPRESS_ABOVE:
         return _HEADER.pack(_ZLIB, partition) + zlib.compress(data, 1)
     return _HEADER.pack(_RAW, partition) + data
@@ -77,7 +81,10 @@ def load_state(blob: bytes):
         data = zlib.decompress(data)
     elif codec != _RAW:
         raise ValueError(f"unknown snapshot codec {codec!r}")
-    return pickle.loads(data)
+    loaded = pickle.loads(data)
+    if type(loaded) is not tuple or len(loaded) != 2 or loaded[0] != STATE_VERSION:
+        raise ValueError("a snapshot of another trainguard version")
+    return loaded[1]
 
 
 @dataclass

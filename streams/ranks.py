@@ -132,16 +132,17 @@ class RankService(Service):
     def poll_once(self, timeout_s: float = 0) -> list | None:
         """Consume one batch (this serves the rebalance callbacks too) and apply it; None
         when consuming failed."""
+        failed = False
         try:
             messages = self.consumer.consume(self.settings.batch_max, timeout_s)
         except Exception as exc:
             log.warning("telemetry consume failed: %s", exc)
-            return None
+            messages, failed = [], True
         if self.reassigned:
             self._resume_reassigned()
-        self._process(messages)
+        self._process(messages)        # also releases held records when nothing came
         self.producer.poll(0)
-        return messages
+        return None if failed else messages
 
     def _resume_reassigned(self) -> None:
         """librdkafka keeps a partition paused across a rebalance when it is assigned to

@@ -46,3 +46,25 @@ def test_late_records_feed_no_step_statistics():
     late = _summaries(3, [5])[0]                      # step 5 again, long closed
     assert job.update(late) == []
     assert {r: len(h) for r, h in straggler._history.items()} == seen
+
+
+def test_a_lagging_rank_that_stays_nan_is_one_finding():
+    job = JobStage()
+    found = []
+    stage7 = RankStage()
+
+    def rank7(s):
+        loss = math.nan if s >= 12 else 2.0
+        return stage7.update(ev.Step(job="j", ts=100.0 + s, node="n1", rank=7, step=s,
+                                     step_time=1.0, loss=loss, grad_norm=1.0))
+
+    for s in range(40):
+        for r in range(7):
+            found += job.update(_summaries(r, [s])[0])
+        if s >= 5:                                    # rank 7 runs five steps behind
+            for item in rank7(s - 5):
+                found += job.update(item)
+    for s in range(35, 40):                           # ... catches up, still NaN
+        for item in rank7(s):
+            found += job.update(item)
+    assert [(a.kind, a.ranks) for a in found] == [("nan", [7])]

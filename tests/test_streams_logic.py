@@ -149,6 +149,24 @@ def test_state_blobs_name_their_partition_and_compress_large_objects():
     assert len(dump_state(big, 0)) < len(json.dumps(big))
 
 
+def test_a_snapshot_of_another_version_starts_its_stage_afresh():
+    import pickle
+    import struct
+
+    jobs = JobProcessor(JobStage)
+    jobs.apply(encode_summaries("j1", [(0, 0, 0, {"k": "step", "job": "j1", "rank": 0,
+                                                  "node": "n", "ts": 1.0, "step": 0,
+                                                  "step_time": 1.0})])[0], 0, 1.0)
+    (key, part, blob), = jobs.snapshot()
+    old = struct.pack(">ci", b"P", part) + pickle.dumps(load_state(blob))   # no version
+    again = JobProcessor(JobStage)
+    again.restore(key, old)
+    again.apply(encode_summaries("j1", [(0, 1, 0, {"k": "step", "job": "j1", "rank": 0,
+                                                   "node": "n", "ts": 2.0, "step": 1,
+                                                   "step_time": 1.0})])[0], 0, 2.0)
+    assert again.state.restore_failures == 1 and again.errors == 0 and len(again) == 1
+
+
 def _scenario(job="j1", ranks=4, steps=12, nan_at=(7, 2)):
     out = []
     for s in range(steps):

@@ -51,16 +51,23 @@ def iter_lines(path: str | Path) -> Iterator[bytes]:
         raise RecordingError(f"recording {path} does not exist or is not a file")
     try:
         with _open_binary(path, "rb") as raw:
-            rest = b""
+            partial: list = []       # the pieces of a line that spans chunks
             while True:
                 chunk = raw.read(_CHUNK)
                 if not chunk:
                     break
-                lines = (rest + chunk).split(b"\n")
-                rest = lines.pop()
+                lines = chunk.split(b"\n")
+                if len(lines) == 1:
+                    partial.append(chunk)
+                    continue
+                if partial:
+                    partial.append(lines[0])
+                    lines[0] = b"".join(partial)
+                partial = [lines.pop()]
                 for line in lines:
                     if line and not line.isspace():
                         yield line
+            rest = b"".join(partial)
             if rest and not rest.isspace():
                 yield rest
     except (OSError, EOFError) as exc:
