@@ -88,7 +88,10 @@ class Placement:
     def learn(self, item) -> None:
         k = item.get("k")
         if k == "jobstep":
-            for rank, rec in item["ranks"].items():
+            ranks = item["ranks"]
+            if item["step"] % 16 and ranks.keys() <= self.node_of.keys():
+                return          # known ranks: look for moves only every 16th step
+            for rank, rec in ranks.items():
                 node = rec.get("node")
                 if node and self.node_of.get(rank) != node:
                     self.node_of[rank] = node
