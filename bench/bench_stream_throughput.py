@@ -212,11 +212,11 @@ def _drain(workers, n: int) -> float:
 
 class Burst:
     """What one burst measured: ``rate`` events/s, ``lost``, CPU seconds of each worker,
-    the wall seconds it took, and the scheduled garbage collections within it."""
+    the wall seconds it took, and how many scheduled garbage collections it held."""
 
-    def __init__(self, n, seconds, lost, cpu, gc_runs, gc_s):
+    def __init__(self, n, seconds, lost, cpu, gc_runs):
         self.n, self.seconds, self.lost, self.cpu = n, seconds, lost, cpu
-        self.gc_runs, self.gc_s = gc_runs, gc_s
+        self.gc_runs = gc_runs
         self.rate = n / seconds
         self.per_cpu = n / sum(cpu)
 
@@ -225,8 +225,7 @@ def _burst(config, workers, messages) -> Burst:
     """One burst of ``messages`` produced while ``workers`` run, timed from the first
     produce call until everything went through both sides."""
     before = _sum(workers, "trainguard_events_in_total")
-    gc_before = (_sum(workers, "trainguard_gc_collections_total"),
-                 _sum(workers, "trainguard_gc_seconds_total"))
+    gc_before = _sum(workers, "trainguard_gc_collections_total")
     cpu = [w.cpu_s() for w in workers]
     began = time.monotonic()
     _produce(config, messages)
@@ -234,8 +233,7 @@ def _burst(config, workers, messages) -> Burst:
     cpu = [w.cpu_s() - c for w, c in zip(workers, cpu)]
     lost = int(before + len(messages) - _sum(workers, "trainguard_events_in_total"))
     return Burst(len(messages), done - began, lost, cpu,
-                 _sum(workers, "trainguard_gc_collections_total") - gc_before[0],
-                 _sum(workers, "trainguard_gc_seconds_total") - gc_before[1])
+                 _sum(workers, "trainguard_gc_collections_total") - gc_before)
 
 
 def _one_collection_s(worker) -> float | None:

@@ -188,8 +188,7 @@ class GpuFaultDetector(_GpuDetector):
         GPU of every sample)."""
         key = (node, index, what)
         if not on:
-            if self._flags:
-                self._flags.discard(key)
+            self._flags.discard(key)
             return []
         if key in self._flags:
             return []
@@ -352,8 +351,9 @@ class GpuDegradedDetector(_GpuDetector):
 
     def _judge(self, node, index, window, ts, reasons) -> list[Finding]:
         ups = window.ups
+        rising = ups[0] or ups[1] or ups[2]
         if (not window.throttled and self.throttle_fraction > 0 and not self._active
-                and not (ups[0] or ups[1] or ups[2])):
+                and not rising):
             return []                              # a healthy GPU: nothing to judge
         out = []
         rows = window.rows
@@ -368,7 +368,7 @@ class GpuDegradedDetector(_GpuDetector):
                                    f"GPU {index} of {node} throttled by hardware in {throttled} "
                                    f"of {n} samples ({', '.join(reasons or ()) or 'now clear'})",
                                    {"throttled_samples": throttled, "samples": n})
-        if not (ups[0] or ups[1] or ups[2]):       # the common case: no counter rose
+        if not rising:                             # the common case: no counter rose
             if self._active:
                 for name in _COUNTERS:
                     self._active.discard((node, index, name))

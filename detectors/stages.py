@@ -149,9 +149,10 @@ class StepAggregator:
         if step <= self._closed:
             if not self._restarted:
                 self.late += 1
-                return [{"k": "jobstep", "job": item["job"], "step": step, "ts": item["ts"],
-                         "first_ts": item["ts"], "world": max(self._world, len(self._ranks)),
-                         "ranks": {item["rank"]: item}, "late": True}]
+                late = self._jobstep(item["job"], step, item["ts"], item["ts"],
+                                     {item["rank"]: item})
+                late["late"] = True
+                return [late]
             self._open.clear()
             self._closed = step - 1
         self._restarted = False
@@ -181,14 +182,16 @@ class StepAggregator:
         old = [s for s, e in self._open.items() if now - e[0] >= self.close_s]
         return self._close_through(max(old)) if old else []
 
+    def _jobstep(self, job, step, ts, first_ts, ranks) -> dict:
+        return {"k": "jobstep", "job": job, "step": step, "ts": ts, "first_ts": first_ts,
+                "world": max(self._world, len(self._ranks)), "ranks": ranks}
+
     def _close_through(self, last: int) -> list[dict]:
         out = []
         for step in sorted(s for s in self._open if s <= last):
             first_ts, last_ts, ranks = self._open.pop(step)
             job = next(iter(ranks.values()))["job"]
-            out.append({"k": "jobstep", "job": job, "step": step, "ts": last_ts,
-                        "first_ts": first_ts, "world": max(self._world, len(self._ranks)),
-                        "ranks": ranks})
+            out.append(self._jobstep(job, step, last_ts, first_ts, ranks))
             self._closed = max(self._closed, step)
         return out
 
