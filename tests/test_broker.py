@@ -145,3 +145,13 @@ def test_every_event_type_through_kafka(kafka_config, event):
                               f"rt-{uuid.uuid4().hex[:6]}")
     assert got == value
     assert ev.decode(got).type == event.type
+
+
+def test_cluster_id_never_reads_as_an_option(monkeypatch):
+    from trainguard import broker
+
+    # 0xfb... encodes to a leading '-' in url-safe base64; the storage tool took it for an option
+    ids = iter([uuid.UUID(bytes=b"\xfb" + bytes(15)), uuid.UUID(bytes=b"\x01" * 16)])
+    monkeypatch.setattr(broker.uuid, "uuid4", lambda: next(ids))
+    cluster_id = broker._kafka_cluster_id()
+    assert cluster_id == "AQEBAQEBAQEBAQEBAQEBAQ" and len(cluster_id) == 22

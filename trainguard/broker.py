@@ -358,9 +358,17 @@ def _alive(pid: int) -> bool:
 
 
 def _kafka_cluster_id() -> str:
+    """A random Kafka cluster id: 22 url-safe base64 characters.
+
+    Like Kafka's own ``Uuid.randomUuid``, never one that starts with '-': the storage
+    tool's argument parser would read it as an option and fail (1 start in 64).
+    """
     import base64
 
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 def local_broker(port: int = 9092, data: str | Path | None = None, environ=None) -> LocalBroker:
