@@ -76,6 +76,9 @@ STRENGTH = {"alert": 0, "capture": 1, "evict_if_repeated": 2, "evict_suspects": 
 JOB_ACTIONS = ("restart", "evict", "rollback")  # what changes the job; dry-run stops these
 ACTIONS = ("alert", "capture_stacks", "restart", "evict", "rollback", "none")
 OVER_EVICT = (None, "tp", "pp", "dp")
+#: Kinds that no restart of ours explains: their alert goes out even when another
+#: incident's restart covers theirs.
+HARDWARE_KINDS = ("gpu_fault", "gpu_degraded")
 DAY_S = 86400.0
 
 
@@ -415,15 +418,22 @@ def decide(policy: Policy, incident: Incident, history: History,
     return out
 
 
-def restart_over(ordered_ts: float, launches=(), settle_s: float = 120.0) -> float:
+def restart_over(ordered_ts: float, launches=(), settle_s: float = 120.0,
+                 onset_ts: float | None = None) -> float:
     """When a restart ordered at ``ordered_ts`` is over: the next launch by ``trainguard run``
     after it, at most ``settle_s`` later. Until then, ranks exiting "by signal" are our own
-    doing; a problem beginning later is a new one.
+    doing; a problem beginning later is a new one. With the ``onset_ts`` of the incident it
+    was ordered for, a launch between that onset and the order counts: ``trainguard run``
+    had relaunched the job already (the order was satisfied, nothing was torn down), and the
+    restart was over before it was ordered.
 
     >>> restart_over(100.0, launches=[50.0, 104.5]), restart_over(100.0, settle_s=30)
     (104.5, 130.0)
+    >>> restart_over(100.0, launches=[96.0, 150.0], onset_ts=95.0)
+    96.0
     """
-    after = sorted(t for t in launches if t >= ordered_ts)
+    since = ordered_ts if onset_ts is None else min(onset_ts, ordered_ts)
+    after = sorted(t for t in launches if t >= since)
     return min(after[0], ordered_ts + settle_s) if after else ordered_ts + settle_s
 
 
@@ -437,7 +447,8 @@ def covering_restart(state, incident: Incident, launches=(), settle_s: float = 1
                        f"{r['incident']} after this incident began")
     for r in state.restarts_since(incident.job, incident.onset_ts - settle_s):
         if r["incident"] != incident.id and \
-                r["ts"] <= incident.onset_ts <= restart_over(r["ts"], launches, settle_s):
+                r["ts"] <= incident.onset_ts <= restart_over(r["ts"], launches, settle_s,
+                                                             r.get("onset_ts")):
             return r, (f"expected: began while job {incident.job} was being restarted for "
                        f"incident {r['incident']}")
     return None
@@ -512,7 +523,8 @@ def apply_limits(decisions: list, incident: Incident, policy: Policy, state,
         elif policy.dry_run:
             d = d.with_status("dry_run", f"dry_run: would {d.action}; {d.reason}")
         out.append(d)
-    if cover and any(d.reason.startswith(("covered", "expected")) for d in out):
+    if cover and incident.kind not in HARDWARE_KINDS and \
+            any(d.reason.startswith(("covered", "expected")) for d in out):
         out = [d for d in out if d.action != "alert"]  # the other incident's alert said it
     last_page = state.last_page(job)
     if pages and (last_page is None or now - last_page >= lim.page_cooldown_s):

@@ -499,3 +499,40 @@ def test_a_straggler_that_hangs_escalates_to_one_restart():
             assert again.dropped.startswith("duplicate: incident inc-")
     assert [r.status for r in rec.events if r.action == "restart"
             and r.status == "planned"] == ["planned"]
+
+
+def test_a_restart_already_satisfied_expects_nothing_later():
+    """The demo's sequence: rank 3 is killed, ``trainguard run`` relaunches the job on its
+    own, then the crash's restart is ordered (already satisfied); 13 s later an Xid 79
+    takes a GPU of the machine the hang before had the job exclude. That fault is not an
+    effect of our restart: it is restarted for and alerted."""
+    directory = JobDirectory()
+    state = ServiceState()
+    state.excluded["j1"] = ["vm"]
+    p, rec, _ = pipe(correlator=Correlator(), directory=directory, state=state)
+    directory.observe(ev.Lifecycle(job="j1", ts=T0 + 1, node="vm", event="start", pid=1,
+                                   world_size=4))
+    p.process(anomaly(id="c3", ranks=[3], nodes=["vm"], onset=T0, detected=T0 + 4),
+              now=T0 + 4.5)
+    assert state.restarts[-1]["onset_ts"] == T0
+    work = p.process(anomaly(kind="gpu_fault", id="x79", ranks=[], nodes=["vm"],
+                             onset=T0 + 17.5, detected=T0 + 17.6), now=T0 + 18)
+    assert summary(r for r in rec.events if r.incident == work.incident.id) == [
+        ("restart", "planned"), ("alert", "done")]
+
+
+def test_a_hardware_fault_covered_by_another_restart_is_still_alerted():
+    p, rec, _ = pipe()
+    p.process(anomaly(kind="hang", id="h1", ranks=[], nodes=[]), now=T0 + 2)
+    p.process(anomaly(kind="gpu_fault", id="x1", nodes=[], onset=T0 + 3, detected=T0 + 3.5),
+              now=T0 + 4)
+    late = [r for r in rec.events if r.incident == "x1"]
+    assert summary(late) == [("restart", "rate_limited"), ("alert", "done")]
+    assert late[0].reason.startswith("expected: began while job j1 was being restarted")
+
+
+def test_a_restart_that_evicts_is_not_satisfied_by_an_earlier_relaunch():
+    p, rec, state = pipe()
+    p.process(anomaly(kind="gpu_fault", id="x1", nodes=["n7"]), now=T0 + 2)
+    assert [r.action for r in rec.events][:2] == ["evict", "restart"]
+    assert "onset_ts" not in state.restarts[-1]

@@ -45,3 +45,32 @@ def test_undetected_fault_has_null_detection():
 def test_projection_shows_its_inputs():
     p = projected_ettr(20.0)
     assert p["gpus"] == 9600 and "419" in p["source"] and p["ettr"] > 0.99
+
+
+def test_a_later_fault_joining_the_incident_keeps_its_own_actions():
+    # the demo: rank 2 straggles, then hangs; the hang joins the straggler's incident
+    injections = [{"id": "f2", "kind": "straggler", "ranks": [2], "injected_ts": 62.0},
+                  {"id": "f3", "kind": "hang", "ranks": [2], "injected_ts": 89.0},
+                  {"id": "f5", "kind": "xid", "ranks": [], "injected_ts": 147.6},
+                  {"id": "f6", "kind": "crash", "ranks": [0], "injected_ts": 147.7}]
+    anomalies = [{"id": "s", "kind": "straggler", "ts": 66.0, "detected_ts": 66.0},
+                 {"id": "h", "kind": "hang", "ts": 110.0, "detected_ts": 110.0},
+                 {"id": "x", "kind": "gpu_fault", "ts": 147.6, "detected_ts": 147.7},
+                 {"id": "c", "kind": "crash", "ts": 151.0, "detected_ts": 151.0}]
+    inc = "inc-s"
+    actions = [{"incident": inc, "action": "capture_stacks", "status": "done", "ts": 69.0,
+                "anomalies": ["s"]},
+               {"incident": inc, "action": "alert", "status": "done", "ts": 69.0,
+                "anomalies": ["s"]},
+               {"incident": inc, "action": "evict", "status": "planned", "ts": 112.0,
+                "anomalies": ["s", "h"]},
+               {"incident": inc, "action": "restart", "status": "planned", "ts": 112.0,
+                "anomalies": ["s", "h"]},
+               {"incident": "inc-x", "action": "restart", "status": "planned", "ts": 148.0,
+                "anomalies": ["x", "c"]},
+               {"incident": "inc-x", "action": "alert", "status": "done", "ts": 148.0,
+                "anomalies": ["x", "c"]}]
+    straggler, hang, xid, crash = outcomes(injections, anomalies, actions, [(1, 0.0, 1.0)])
+    assert straggler.actions == ["capture_stacks", "alert"]
+    assert hang.actions == ["evict", "restart"]
+    assert xid.actions == crash.actions == ["restart", "alert"]

@@ -81,8 +81,7 @@ def outcomes(injections: list[dict], anomalies: list[dict], actions: list[dict],
         outcome = FaultOutcome(kind=record["kind"], ranks=record.get("ranks") or [],
                                injected_ts=record["injected_ts"], step=record.get("step"),
                                node=record.get("node"))
-        until = (faults[index + 1]["injected_ts"] if index + 1 < len(faults)
-                 else outcome.injected_ts + window_s)
+        until = _next_fault_ts(faults, index, outcome.injected_ts + window_s)
         kinds = DETECTED_AS.get(outcome.kind, (outcome.kind,))
         found = [a for a in anomalies if a["kind"] in kinds
                  and outcome.injected_ts - 1.0 <= a.get("ts", a["detected_ts"])
@@ -110,11 +109,21 @@ def _actions_for(actions: list[dict], anomaly_ids: set, since: float, until: flo
     supervisor's own restarts of a failed command between this fault and the next."""
     incidents = {a["incident"] for a in actions if set(a.get("anomalies") or []) & anomaly_ids}
     incidents |= {f"inc-{i}" for i in anomaly_ids}
+    # an incident that a later fault joined (a straggler, then a hang of the same rank) ran
+    # the later fault's ladder too: each fault gets what was done between it and the next
     return [a for a in actions
-            if a.get("status") in ("done", "planned", "dry_run")
+            if a.get("status") in ("done", "planned", "dry_run") and since <= a["ts"] < until
             and (a.get("incident") in incidents
-                 or (a.get("source") == "supervisor" and ":exit:" in a.get("incident", "")
-                     and since <= a["ts"] < until))]
+                 or (a.get("source") == "supervisor" and ":exit:" in a.get("incident", "")))]
+
+
+def _next_fault_ts(faults: list[dict], index: int, default: float,
+                   together_s: float = 1.0) -> float:
+    """When the next fault began: the first injected more than ``together_s`` after this
+    one (faults injected together, an Xid and the kill of its rank, share their actions)."""
+    this = faults[index]["injected_ts"]
+    return next((f["injected_ts"] for f in faults[index + 1:]
+                 if f["injected_ts"] > this + together_s), default)
 
 
 def _one_per_fault(injections: list[dict]) -> list[dict]:
