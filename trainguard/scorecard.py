@@ -68,6 +68,8 @@ DETECTED_AS = {
     "xid": ("gpu_fault",), "error": ("crash",),
 }
 DISRUPTIVE = ("hang", "crash", "xid", "error")
+#: faults injected within this many seconds of each other count as one problem
+TOGETHER_S = 1.0
 
 
 def outcomes(injections: list[dict], anomalies: list[dict], actions: list[dict],
@@ -77,16 +79,24 @@ def outcomes(injections: list[dict], anomalies: list[dict], actions: list[dict],
     ended after the recovery action (for disruptive faults) or the detection (others)."""
     result = []
     faults = _one_per_fault(injections)
+    founds = []
+    for record in faults:
+        kinds = DETECTED_AS.get(record["kind"], (record["kind"],))
+        founds.append([a for a in anomalies if a["kind"] in kinds
+                       and record["injected_ts"] - 1.0 <= a.get("ts", a["detected_ts"])
+                       <= record["injected_ts"] + window_s])
     for index, record in enumerate(faults):
         outcome = FaultOutcome(kind=record["kind"], ranks=record.get("ranks") or [],
                                injected_ts=record["injected_ts"], step=record.get("step"),
                                node=record.get("node"))
         until = _next_fault_ts(faults, index, outcome.injected_ts + window_s)
-        kinds = DETECTED_AS.get(outcome.kind, (outcome.kind,))
-        found = [a for a in anomalies if a["kind"] in kinds
-                 and outcome.injected_ts - 1.0 <= a.get("ts", a["detected_ts"])
-                 <= outcome.injected_ts + window_s]
-        taken = _actions_for(actions, {a["id"] for a in found}, outcome.injected_ts, until)
+        found = founds[index]
+        # faults injected together (an Xid and the kill of its rank) are one problem: the
+        # action service acts on the incident of whichever was found first
+        together = {a["id"] for i, f in enumerate(faults)
+                    if abs(f["injected_ts"] - outcome.injected_ts) <= TOGETHER_S
+                    for a in founds[i]}
+        taken = _actions_for(actions, together, outcome.injected_ts, until)
         outcome.actions = _unique(a["action"] for a in taken if a["action"] != "none")
         restarts = [a["ts"] for a in taken if a["action"] in ("restart", "rollback")
                     and a.get("status") == "done"]
@@ -117,13 +127,12 @@ def _actions_for(actions: list[dict], anomaly_ids: set, since: float, until: flo
                  or (a.get("source") == "supervisor" and ":exit:" in a.get("incident", "")))]
 
 
-def _next_fault_ts(faults: list[dict], index: int, default: float,
-                   together_s: float = 1.0) -> float:
-    """When the next fault began: the first injected more than ``together_s`` after this
-    one (faults injected together, an Xid and the kill of its rank, share their actions)."""
+def _next_fault_ts(faults: list[dict], index: int, default: float) -> float:
+    """When the next fault began: the first injected more than ``TOGETHER_S`` after this
+    one (faults injected together share their actions)."""
     this = faults[index]["injected_ts"]
     return next((f["injected_ts"] for f in faults[index + 1:]
-                 if f["injected_ts"] > this + together_s), default)
+                 if f["injected_ts"] > this + TOGETHER_S), default)
 
 
 def _one_per_fault(injections: list[dict]) -> list[dict]:
