@@ -20,6 +20,12 @@ STEPS - 10, so detection is checked at scale), all detectors on. Protocol, in on
 6. ``faust_take_events_per_s``: a bare Faust agent (``stream.take_events(10000, 0.2)``,
    no processing) on the same events: Faust's per-message ceiling on this machine.
 
+``side_cpu_s`` splits the one worker's CPU seconds of the burst into its rank side and its
+job side (the worker's own metrics); the rest is Kafka clients, Faust and the event loop.
+``job_side_share`` is the job side's share of the worker's CPU: one job's job side runs on
+one worker, so N workers can do at most ``1 / (share + (1 - share) / N)`` times what one does
+for this one large job (``bound_scaling_2_workers``, Amdahl's law).
+
 ``events_per_worker_cpu_s`` divides by the CPU time the workers used: on this shared
 2-core machine, with the broker and the load generator on the same cores, it moves far
 less from run to run than the wall-clock rates (see ``load_average_at_start``). Two
@@ -210,15 +216,29 @@ def _drain(workers, n: int) -> float:
                        f"events in, summaries out {out:.0f} / in {inn:.0f}, lag {lag:.0f}")
 
 
-class Burst:
-    """What one burst measured: ``rate`` events/s, ``lost``, CPU seconds of each worker,
-    the wall seconds it took, and how many scheduled garbage collections it held."""
+SIDES = ("rank", "job")
 
-    def __init__(self, n, seconds, lost, cpu, gc_runs):
+
+class Burst:
+    """What one burst measured: ``rate`` events/s, ``lost``, CPU seconds of each worker
+    (``cpu``, the process; ``sides``, each worker's ``{"rank": s, "job": s}`` from its
+    metrics), the wall seconds it took, and how many scheduled garbage collections it held."""
+
+    def __init__(self, n, seconds, lost, cpu, gc_runs, sides):
         self.n, self.seconds, self.lost, self.cpu = n, seconds, lost, cpu
         self.gc_runs = gc_runs
+        self.sides = sides
         self.rate = n / seconds
         self.per_cpu = n / sum(cpu)
+
+    def job_side_share(self) -> float:
+        """The job side's share of the workers' CPU: what one job cannot spread."""
+        return sum(s["job"] for s in self.sides) / sum(self.cpu)
+
+
+def _sides(worker) -> dict:
+    m = worker.metrics()
+    return {side: m.get(f"trainguard_{side}_side_cpu_seconds_total", 0.0) for side in SIDES}
 
 
 def _burst(config, workers, messages) -> Burst:
@@ -226,14 +246,16 @@ def _burst(config, workers, messages) -> Burst:
     produce call until everything went through both sides."""
     before = _sum(workers, "trainguard_events_in_total")
     gc_before = _sum(workers, "trainguard_gc_collections_total")
+    sides = [_sides(w) for w in workers]
     cpu = [w.cpu_s() for w in workers]
     began = time.monotonic()
     _produce(config, messages)
     done = _drain(workers, before + len(messages))
     cpu = [w.cpu_s() - c for w, c in zip(workers, cpu)]
+    sides = [{k: v - s[k] for k, v in _sides(w).items()} for w, s in zip(workers, sides)]
     lost = int(before + len(messages) - _sum(workers, "trainguard_events_in_total"))
     return Burst(len(messages), done - began, lost, cpu,
-                 _sum(workers, "trainguard_gc_collections_total") - gc_before)
+                 _sum(workers, "trainguard_gc_collections_total") - gc_before, sides)
 
 
 def _one_collection_s(worker) -> float | None:
@@ -446,6 +468,12 @@ def run() -> dict:
             "events_per_worker_cpu_s_2_workers": round(two.per_cpu),
             "worker_cpu_s_2_workers": [round(c, 2) for c in two.cpu],
             "projected_scaling_2_workers": round(sum(one.cpu) / max(two.cpu), 2),
+            "side_cpu_s": {side: round(one.sides[0][side], 2) for side in SIDES},
+            "side_cpu_s_2_workers": [{side: round(x[side], 2) for side in SIDES}
+                                     for x in two.sides],
+            "job_side_share": round(one.job_side_share(), 3),
+            "bound_scaling_2_workers": round(1 / (one.job_side_share()
+                                                  + (1 - one.job_side_share()) / 2), 2),
             "load_average_at_start": load_before,
             "faust_take_events_per_s": round(faust) if faust else None,
             "p99_lag_at_events_per_s": round(paced),

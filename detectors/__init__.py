@@ -18,17 +18,26 @@ analyze``):
     - ``{"k": "life", "job", "rank", "node", "ts", "event", "exit_code", "signal", "pid",
       "world_size", "local_rank", "step"}`` for lifecycle events (``step``: last step seen).
 
+``NodeStage(config)`` — one per (job, machine); partition key ``job/node``.
+    ``update(event) -> list[dict]`` takes that machine's ``ev.Gpu`` and ``ev.Xid`` events,
+    runs the GPU detectors and returns:
+
+    - ``{"k": "gpu", "job", "node", "ts"}`` for every GPU sample (machine-level silence);
+    - ``{"k": "finding", "job", "node", "ts", "finding": {...}}`` for each finding (the
+      :class:`Finding` fields; the JobStage names the rank on the GPU).
+
 ``JobStage(config)`` — one per job; partition key ``job``.
-    ``update(item) -> list[ev.Anomaly]`` takes the summaries above and the machines' node
-    events (``ev.Gpu``, ``ev.Xid``, or their SPEC dicts) directly. ``advance(now) ->
-    list[ev.Anomaly]`` runs the time-driven checks (hang, silent, step closing); call it with
-    the wall clock online (about every second) and with event time offline.
+    ``update(item) -> list[ev.Anomaly]`` takes the summaries above; node events (``ev.Gpu``,
+    ``ev.Xid``, or their SPEC dicts) given directly go through a NodeStage of its own.
+    ``advance(now) -> list[ev.Anomaly]`` runs the time-driven checks (hang, silent, step
+    closing); call it with the wall clock online (about every second) and with event time
+    offline.
     ``incidents() -> list[dict]`` gives the correlated incidents (SPEC §4 objects plus
     ``"anomalies": [ids]``). Anomalies carry stable ids (a sha1 prefix of job, kind,
     detector, first step or onset, ranks and nodes), so re-processing after a restart
     re-creates the same ids; a JobStage emits each id once.
 
-``Engine(config)`` — routes raw events through the two stages, per key:
+``Engine(config)`` — routes raw events through the three stages, per key:
     ``update(event)``, ``advance(now, force=False)``, ``incidents()``.
 
 ``DetectorConfig`` — every threshold (kw_only dataclass, validated). All state pickles.
@@ -51,7 +60,8 @@ from .config import DetectorConfig
 from .correlate import PRIORITY, Correlator
 from .gpu import FAULT_XIDS, XID_TABLE, GpuDegradedDetector, GpuFaultDetector, xid_info
 from .liveness import CrashDetector, HangDetector, SilentDetector
-from .stages import DETECTORS, Engine, JobStage, RankStage, StepAggregator
+from .stages import (DETECTORS, JOB_DETECTORS, NODE_DETECTORS, Engine, JobStage, NodeStage,
+                     RankStage, StepAggregator)
 from .timing import StragglerDetector, ThroughputDetector
 from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
 
@@ -60,5 +70,6 @@ __all__ = [
     "Correlator", "PRIORITY", "XID_TABLE", "FAULT_XIDS", "xid_info", "NanDetector",
     "LossSpikeDetector", "GradSpikeDetector", "StragglerDetector", "ThroughputDetector",
     "HangDetector", "SilentDetector", "CrashDetector", "GpuFaultDetector",
-    "GpuDegradedDetector", "RankStage", "JobStage", "Engine", "StepAggregator", "DETECTORS",
+    "GpuDegradedDetector", "RankStage", "NodeStage", "JobStage", "Engine", "StepAggregator",
+    "DETECTORS", "JOB_DETECTORS", "NODE_DETECTORS",
 ]

@@ -429,6 +429,8 @@ class SilentDetector(Detector):
             rank = item.get("rank")
             ts = item.get("ts")
             if rank is None or ts is None or item.get("k") not in ("step", "hb", "life"):
+                if item.get("k") == "gpu" and item.get("node") and ts is not None:
+                    self._gpu_sample(item["node"], ts)    # a NodeStage's gpu summary
                 return []
             if item.get("k") == "life":
                 if item.get("event") == "exit":
@@ -444,10 +446,13 @@ class SilentDetector(Detector):
             if rank in self._reported:
                 self._reported.discard(rank)
         elif getattr(item, "TYPE", "") == "gpu" and item.node:
-            prev = self._gpu_seen.get(item.node)
-            if prev is None or item.ts > prev:
-                self._gpu_seen[item.node] = item.ts
+            self._gpu_sample(item.node, item.ts)
         return []
+
+    def _gpu_sample(self, node, ts) -> None:
+        prev = self._gpu_seen.get(node)
+        if prev is None or ts > prev:
+            self._gpu_seen[node] = ts
 
     def advance(self, now: float) -> list[Finding]:
         if self._next is not None and now < self._next:

@@ -1,9 +1,12 @@
-"""The two-stage engine: per-rank compaction, per-job detection and correlation.
+"""The two-stage engine: per-rank compaction and per-machine GPU checks, then per-job
+detection and correlation.
 
 ``RankStage`` (one per job and rank) turns a rank's ``step``, ``heartbeat`` and ``lifecycle``
-events into compact summary dicts; ``JobStage`` (one per job) takes those summaries plus the
-machines' ``gpu`` and ``xid`` events, runs every detector and the correlation and returns
-``ev.Anomaly`` objects. ``Engine`` routes raw events through both, for offline analysis.
+events into compact summary dicts; ``NodeStage`` (one per job and machine) runs the GPU checks
+on the machine's ``gpu`` and ``xid`` events and passes on small summaries and its findings;
+``JobStage`` (one per job) takes all those summaries, runs the cross-rank detectors, names the
+rank of a faulty GPU, correlates, and returns ``ev.Anomaly`` objects. ``Engine`` routes raw
+events through all three, for offline analysis, as the worker does across Kafka.
 
 >>> from trainguard import events as ev
 >>> engine = Engine()
@@ -21,23 +24,28 @@ machines' ``gpu`` and ``xid`` events, runs every detector and the correlation an
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import asdict
 
 from trainguard import events as ev
 
-from .base import json_number, to_anomaly
+from .base import Finding, json_number, to_anomaly
 from .config import DetectorConfig
 from .correlate import Correlator
-from .gpu import GpuDegradedDetector, GpuFaultDetector
+from .gpu import GpuDegradedDetector, GpuFaultDetector, Placement
 from .liveness import CrashDetector, HangDetector, SilentDetector
 from .timing import StragglerDetector, ThroughputDetector
 from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
 
-__all__ = ["RankStage", "JobStage", "Engine", "StepAggregator", "DETECTORS"]
+__all__ = ["RankStage", "NodeStage", "JobStage", "Engine", "StepAggregator", "DETECTORS",
+           "JOB_DETECTORS", "NODE_DETECTORS"]
 
-#: Every detector class a JobStage runs, in the order it runs them.
+#: Every detector class, in the order they run.
 DETECTORS = (NanDetector, LossSpikeDetector, GradSpikeDetector, StragglerDetector,
              ThroughputDetector, HangDetector, SilentDetector, CrashDetector, GpuFaultDetector,
              GpuDegradedDetector)
+#: The per-machine ones, which a NodeStage runs; a JobStage runs the others.
+NODE_DETECTORS = (GpuFaultDetector, GpuDegradedDetector)
+JOB_DETECTORS = tuple(cls for cls in DETECTORS if cls not in NODE_DETECTORS)
 
 
 _SPECIAL_PHASES = frozenset(("checkpoint", "eval", "init"))
@@ -101,6 +109,46 @@ class RankStage:
                      "signal": event.signal, "pid": event.pid, "world_size": event.world_size,
                      "local_rank": event.local_rank, "step": self._last_step}]
         return []
+
+
+class NodeStage:
+    """The GPU checks of one machine of one job (:data:`NODE_DETECTORS`): its ``gpu`` and
+    ``xid`` events in, summary dicts out (plain JSON), repartitioned by job with the ranks':
+
+    - ``{"k": "gpu", "job", "node", "ts"}`` for every GPU sample (the machine is alive);
+    - ``{"k": "finding", "job", "node", "ts", "finding": {...}}`` for each finding, the fields
+      of :class:`Finding` with no ranks yet: the JobStage knows which rank runs on the GPU.
+
+    Run per machine, the GPU checks of a job of thousands of machines spread over the
+    workers with the ranks' compaction, instead of all weighing on the job's one JobStage.
+
+    >>> from trainguard import events as ev
+    >>> ns = NodeStage()
+    >>> sample = lambda t, dbe: ev.Gpu(job="j", ts=t, node="n1",
+    ...                                gpus=[{"index": 0, "uuid": "GPU-0", "ecc_dbe": dbe}])
+    >>> ns.update(sample(1.0, 0))
+    [{'k': 'gpu', 'job': 'j', 'node': 'n1', 'ts': 1.0}]
+    >>> [(s["k"], s.get("finding", {}).get("summary")) for s in ns.update(sample(2.0, 1))]
+    [('gpu', None), ('finding', 'uncorrectable ECC errors on GPU 0 of n1: ecc_dbe rose 0 -> 1')]
+    """
+
+    def __init__(self, config: DetectorConfig | None = None):
+        c = config if config is not None else DetectorConfig()
+        self.detectors = [cls(**c.params_for(cls)) for cls in NODE_DETECTORS]
+
+    def update(self, event) -> list[dict]:
+        kind = event.TYPE
+        if kind == "gpu":
+            out = [{"k": "gpu", "job": event.job, "node": event.node, "ts": event.ts}]
+        elif kind == "xid":
+            out = []
+        else:
+            return []
+        for detector in self.detectors:
+            for finding in detector.update(event):
+                out.append({"k": "finding", "job": event.job, "node": event.node,
+                            "ts": finding.detected_ts, "finding": asdict(finding)})
+        return out
 
 
 class StepAggregator:
@@ -199,26 +247,28 @@ class StepAggregator:
 class JobStage:
     """All cross-rank detection of one job, and its incident correlation.
 
-    ``update(item)`` takes a RankStage summary dict, an ``ev.Gpu`` / ``ev.Xid`` event (or its
-    SPEC dict); ``advance(now)`` runs the time-driven checks (``final=True`` once the input
-    ended, to decide what waits for more evidence). Both return new ``ev.Anomaly``
-    objects; an anomaly id is emitted once. The whole object pickles (for snapshots).
+    ``update(item)`` takes a RankStage or NodeStage summary dict, or an ``ev.Gpu`` /
+    ``ev.Xid`` event (or its SPEC dict), which goes through a NodeStage of its own;
+    ``advance(now)`` runs the time-driven checks (``final=True`` once the input ended, to
+    decide what waits for more evidence). Both return new ``ev.Anomaly`` objects; an
+    anomaly id is emitted once. The whole object pickles (for snapshots).
     """
 
     def __init__(self, config: DetectorConfig | None = None):
         self.config = config if config is not None else DetectorConfig()
         c = self.config
-        self.detectors = {cls.PREFIX: cls(**c.params_for(cls)) for cls in DETECTORS}
+        self.detectors = {cls.PREFIX: cls(**c.params_for(cls)) for cls in JOB_DETECTORS}
         d = self.detectors
         self._on_jobstep = [d[n] for n in ("nan", "loss_spike", "grad_spike", "straggler",
-                                           "throughput", "gpu_fault", "gpu_degraded")]
+                                           "throughput")]
         self._on_late = [d["nan"]]     # a record that came after its step was closed
         self._on_step = [d["hang"], d["silent"], d["crash"]]
         self._on_hb = [d["hang"], d["silent"], d["crash"]]
-        self._on_life = [d["crash"], d["hang"], d["silent"], d["gpu_fault"], d["gpu_degraded"]]
-        self._on_gpu = [d["silent"], d["gpu_fault"], d["gpu_degraded"]]
-        self._on_xid = [d["gpu_fault"]]
+        self._on_life = [d["crash"], d["hang"], d["silent"]]
+        self._on_gpu = [d["silent"]]
         self._timed = [d["hang"], d["silent"], d["crash"]]
+        self.placement = Placement()   # names the rank of a GPU in NodeStage findings
+        self._nodes: dict = {}         # node -> NodeStage, for node events given directly
         self.steps = StepAggregator(close_lag=c.step_close_lag, close_s=c.step_close_s)
         self.correlator = Correlator(window_s=c.correlate_window_s,
                                      root_slack_s=c.correlate_root_slack_s)
@@ -238,27 +288,56 @@ class JobStage:
                 for d in self._on_step:
                     findings += d.update(item)
                 for jobstep in self.steps.add(item):
-                    for d in self._on_late if "late" in jobstep else self._on_jobstep:
-                        findings += d.update(jobstep)
+                    findings += self._jobstep(jobstep)
                 return self._emit(findings) if findings else []
-            targets = self._on_hb if k == "hb" else self._on_life if k == "life" else ()
+            if k == "finding":
+                return self._emit([self._named(Finding(**item["finding"]))])
+            targets = self._on_hb if k == "hb" else self._on_life if k == "life" else \
+                self._on_gpu if k == "gpu" else ()
             if k == "life":
                 self.steps.life(item)
+                self.placement.learn(item)
         else:
             if self.job is None:
                 self.job = item.job
-            kind = item.TYPE
-            targets = self._on_gpu if kind == "gpu" else self._on_xid if kind == "xid" else ()
+            if item.TYPE not in ("gpu", "xid"):
+                return []
+            node = self._nodes.get(item.node)
+            if node is None:
+                node = self._nodes[item.node] = NodeStage(self.config)
+            out = []
+            for summary in node.update(item):
+                out += self.update(summary)
+            return out
         findings = []
         for d in targets:
             findings += d.update(item)
         return self._emit(findings) if findings else []
 
+    def _jobstep(self, jobstep) -> list:
+        if "late" in jobstep:
+            detectors = self._on_late
+        else:
+            self.placement.learn(jobstep)
+            detectors = self._on_jobstep
+        findings = []
+        for d in detectors:
+            findings += d.update(jobstep)
+        return findings
+
+    def _named(self, finding: Finding) -> Finding:
+        """A NodeStage finding with the rank that runs on its GPU, when known."""
+        node = finding.nodes[0] if finding.nodes else None
+        rank = None if finding.ranks else self.placement.rank_of(node, finding.evidence.get("gpu"))
+        if rank is not None:
+            finding.ranks = [rank]
+            finding.evidence = {**finding.evidence, "rank_nodes": {str(rank): node}}
+        return finding
+
     def advance(self, now: float, final: bool = False) -> list[ev.Anomaly]:
         findings = []
         for jobstep in self.steps.expire(now):
-            for d in self._on_jobstep:
-                findings += d.update(jobstep)
+            findings += self._jobstep(jobstep)
         for d in self._timed:
             findings += d.advance(now)
         if final:      # the input ended: what waits for more evidence is decided now
@@ -284,7 +363,8 @@ class JobStage:
 
 
 class Engine:
-    """Routes raw events through one RankStage per (job, rank) and one JobStage per job.
+    """Routes raw events through one RankStage per (job, rank), one NodeStage per (job,
+    machine) and one JobStage per job.
 
     ``advance(now)`` does work at most every ``config.advance_interval_s`` of ``now``
     (pass ``force=True`` for the final sweep at the end of the input: it also decides what
@@ -295,6 +375,7 @@ class Engine:
     def __init__(self, config: DetectorConfig | None = None):
         self.config = config if config is not None else DetectorConfig()
         self._ranks: dict = {}
+        self._nodes: dict = {}
         self._jobs: dict = {}
         self.next_advance_ts = float("-inf")   # advance(now) before this does nothing
 
@@ -323,7 +404,15 @@ class Engine:
                 out += stage.update(summary)
             return out
         if kind in ("gpu", "xid"):
-            return self.job_stage(event.job).update(event)
+            key = (event.job, event.node)
+            node_stage = self._nodes.get(key)
+            if node_stage is None:
+                node_stage = self._nodes[key] = NodeStage(self.config)
+            stage = self._jobs.get(event.job) or self.job_stage(event.job)
+            out = []
+            for summary in node_stage.update(event):
+                out += stage.update(summary)
+            return out
         return []
 
     def advance(self, now: float, force: bool = False) -> list[ev.Anomaly]:

@@ -8,13 +8,14 @@ Topics (``<app>`` is the Faust app id ``<prefix>.<id>``; ``--id`` defaults to
 topic                              key        what
 =================================  =========  ===============================================
 ``<prefix>.telemetry``             job/rank   SPEC telemetry in (``job/node`` for gpu, xid)
-``<app>-summaries``                job        RankStage summaries and node events, batched
+``<app>-summaries``                job        RankStage and NodeStage summaries, batched
                                               per job (:mod:`.logic`); as many partitions
                                               as telemetry; retention one day
 ``<prefix>.anomalies``             job        ``ev.encode(anomaly)``
 ``<prefix>.deadletter``            original   invalid input (:mod:`.deadletter`)
-``<app>-rank-state``               job/rank   compacted; pickled rank slots (partition of
-                                              their telemetry)
+``<app>-rank-state``               job/rank   compacted; pickled rank and node slots
+                                              (partition of their telemetry; a node slot's
+                                              key is ``job NUL node``)
 ``<app>-job-state-changelog``      job        compacted; the Faust table ``job-state`` of
                                               pickled job slots (partition of the job's
                                               summaries)
@@ -23,7 +24,8 @@ topic                              key        what
 Two consumer groups: ``<app>-ranks`` (rank side, confluent-kafka batches, :mod:`.ranks`)
 and ``<app>`` (job side, a Faust agent with ``concurrency=1``, :mod:`.app`), both on the
 classic group protocol. One job's rank work spreads over all workers (by partition); its
-cross-rank work runs where its summaries partition is.
+cross-rank work runs where its summaries partition is. The GPU checks run per machine on
+the rank side (``NodeStage``), so that they spread too.
 
 State and restarts: each side snapshots the stages it changed (rank side every 2 s, job
 side every 5 s), flushes, and only then commits its input offsets, so a committed offset

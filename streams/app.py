@@ -95,6 +95,7 @@ class JobRuntime:
             self.sync({message.partition})
         proc = self.processor
         before = (proc.applied, proc.replayed, proc.errors)
+        cpu = time.thread_time()
         try:
             found = proc.apply(message.value, message.partition, self.clock())
         except InvalidSummaries as exc:
@@ -108,6 +109,7 @@ class JobRuntime:
             found = []
         self.pending.append(event)
         m = self.metrics
+        m.inc("job_side_cpu_seconds", time.thread_time() - cpu)
         m.inc("items_applied", proc.applied - before[0])
         m.inc("replayed", proc.replayed - before[1])
         m.inc("stage_errors", proc.errors - before[2])
@@ -122,11 +124,13 @@ class JobRuntime:
             return
         now = self.clock()
         self.sync(self.assigned())
+        cpu = time.thread_time()
         try:
             found = self.processor.advance(now)
         except Exception:
             log.exception("job stage failed in advance()")
             found = []
+        self.metrics.inc("job_side_cpu_seconds", time.thread_time() - cpu)
         if found:
             self.emit(found)
         self.refresh_gauges()

@@ -33,7 +33,7 @@ import orjson
 
 from trainguard import events as ev
 
-__all__ = ["RANK_TYPES", "NODE_TYPES", "TELEMETRY_TYPES", "classify", "stage_key",
+__all__ = ["RANK_TYPES", "NODE_TYPES", "TELEMETRY_TYPES", "classify", "stage_key", "node_key",
            "encode_summaries", "decode_summaries", "InvalidSummaries", "SourceMarks",
            "EventTimeAligner", "trusted_event"]
 
@@ -72,6 +72,15 @@ def stage_key(job: str, rank: int) -> bytes:
     b'llama/12'
     """
     return f"{job}/{rank}".encode()
+
+
+def node_key(job: str, node: str | None) -> bytes:
+    """Key of a machine's state (a NodeStage): never the key of a rank's, which has no NUL.
+
+    >>> node_key("llama", "n7")
+    b'llama\\x00n7'
+    """
+    return f"{job}\x00{node or ''}".encode()
 
 
 class InvalidSummaries(ValueError):

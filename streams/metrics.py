@@ -45,6 +45,11 @@ COUNTERS = {
     "restore_failures": "Snapshots that could not be loaded (state started afresh).",
     "gc_collections": "Scheduled garbage collections (one every gc_interval_s, 30 s).",
     "gc_seconds": "Seconds spent in scheduled garbage collections.",
+    "rank_side_cpu_seconds": "CPU seconds of the rank side: decoding, aligning, the rank and "
+                             "node stages, producing summaries.",
+    "job_side_cpu_seconds": "CPU seconds of the job side: the job stages (apply and advance). "
+                            "One job's job side runs on one worker: its share of the CPU "
+                            "bounds what more workers gain for that job.",
 }
 GAUGES = {
     "consumer_lag": "Messages not yet read on this worker's partitions.",

@@ -1,9 +1,10 @@
-"""The two stateful steps of the worker, without Kafka: per-rank compaction and per-job
-detection, with the bookkeeping that makes their state survive a restart.
+"""The two stateful steps of the worker, without Kafka: per-rank compaction (and per-machine
+GPU checks) and per-job detection, with the bookkeeping that makes their state survive a
+restart.
 
 :class:`RankProcessor` turns batches of raw telemetry records ``(partition, offset, key,
 value)`` into summary items per job and dead-letter records, through one ``RankStage`` per
-(job, rank). :class:`JobProcessor` applies summaries messages to one ``JobStage`` per job
+(job, rank) and one ``NodeStage`` per (job, machine). :class:`JobProcessor` applies summaries messages to one ``JobStage`` per job
 and runs ``advance(now)``. Both keep their stages in *slots* that remember where their
 input came from, so that after a restore from a snapshot, input the snapshot already
 covered is skipped instead of applied twice (the consumer's committed offset never passes a
@@ -37,7 +38,7 @@ from trainguard import events as ev
 
 from .deadletter import deadletter_record
 from .logic import (NODE_TYPES, InvalidSummaries, SourceMarks, classify, decode_summaries,
-                    encode_summaries, stage_key, trusted_event)
+                    encode_summaries, node_key, stage_key, trusted_event)
 
 __all__ = ["RankProcessor", "JobProcessor", "RankOutput", "dump_state", "load_state",
            "state_partition"]
@@ -52,7 +53,7 @@ FUTURE_SLACK_S = 5.0
 #: the stages' pickled layout; a snapshot of another layout is a restore failure (the stage
 #: starts afresh) rather than a stage whose detectors miss attributes. Raise it whenever a
 #: stage or detector changes what it keeps.
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 def dump_state(obj, partition: int) -> bytes:
@@ -216,11 +217,15 @@ class _SlotsProcessor:
 
 
 class RankProcessor(_SlotsProcessor):
-    """One ``make_stage()`` per (job, rank); ``process`` a batch of raw telemetry."""
+    """One ``make_stage()`` per (job, rank) and one ``make_node_stage()`` per (job, machine)
+    for the machines' ``gpu`` and ``xid`` events; ``process`` a batch of raw telemetry.
+    Without ``make_node_stage`` node events go on as they are, as SPEC dicts."""
 
-    def __init__(self, make_stage: Callable[[], Any], *, telemetry_topic: str = "telemetry",
-                 idle_ttl_s: float = DEFAULT_IDLE_TTL_S):
+    def __init__(self, make_stage: Callable[[], Any], *,
+                 make_node_stage: Callable[[], Any] | None = None,
+                 telemetry_topic: str = "telemetry", idle_ttl_s: float = DEFAULT_IDLE_TTL_S):
         self.make_stage = make_stage
+        self.make_node_stage = make_node_stage
         self.telemetry_topic = telemetry_topic
         self.idle_ttl_s = idle_ttl_s
         self.state = _Slots(idle_ttl_s)
@@ -262,16 +267,19 @@ class RankProcessor(_SlotsProcessor):
                     offset=offset, key=key, raw=value, ts=now)))
                 continue
             if event.TYPE in NODE_TYPES:
-                items.setdefault(event.job, []).append(
-                    (partition, offset, 0, ev.to_dict(event)))
-                continue
-            if event.rank is None:
+                if self.make_node_stage is None:
+                    items.setdefault(event.job, []).append(
+                        (partition, offset, 0, ev.to_dict(event)))
+                    continue
+                skey, make = node_key(event.job, event.node), self.make_node_stage
+            elif event.rank is None:
                 out.ignored += 1
                 continue
-            skey = stage_key(event.job, event.rank)
+            else:
+                skey, make = stage_key(event.job, event.rank), self.make_stage
             slot = slots.get(skey) or self.state.load(skey)
             if slot is None:
-                slot = slots[skey] = RankSlot(self.make_stage(), partition, -1)
+                slot = slots[skey] = RankSlot(make(), partition, -1)
             elif slot.partition == partition and offset <= slot.offset:
                 out.replayed += 1
                 continue

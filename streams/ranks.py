@@ -140,8 +140,10 @@ class RankService(Service):
             messages, failed = [], True
         if self.reassigned:
             self._resume_reassigned()
+        cpu = time.thread_time()
         self._process(messages)        # also releases held records when nothing came
         self.producer.poll(0)
+        self.metrics.inc("rank_side_cpu_seconds", time.thread_time() - cpu)
         return None if failed else messages
 
     def _resume_reassigned(self) -> None:

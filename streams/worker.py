@@ -3,7 +3,8 @@
 ::
 
     telemetry (key job/rank) ──▶ rank side: RankStage per (job, rank) ──▶ <app>-summaries
-        │ invalid: <prefix>.deadletter          (batches; ranks.py)         (key job)
+      and (key job/node)         and NodeStage per (job, machine)           (key job)
+        │ invalid: <prefix>.deadletter          (batches; ranks.py)           │
         ▼                                                                     │
     <prefix>.anomalies (key job) ◀── job side: JobStage per job (Faust agent, table, timer)
 
@@ -51,7 +52,7 @@ def settings_from_args(args, config: Config) -> WorkerSettings:
 
 def build(settings: WorkerSettings, config: Config, detector_config=None):
     """Create topics and wire the worker: ``(app, rank_service, runtime)``."""
-    from trainguard.detectors import DetectorConfig, JobStage, RankStage
+    from trainguard.detectors import DetectorConfig, JobStage, NodeStage, RankStage
 
     from .app import JobRuntime, make_app
     from .gc_schedule import ScheduledCollection
@@ -67,8 +68,9 @@ def build(settings: WorkerSettings, config: Config, detector_config=None):
                           rank_state=settings.rank_state_topic)
     detector_config = detector_config or DetectorConfig()
     metrics = Metrics()
-    ranks = RankProcessor(partial(RankStage, detector_config), telemetry_topic=topics.telemetry,
-                          idle_ttl_s=settings.idle_ttl_s)
+    ranks = RankProcessor(partial(RankStage, detector_config),
+                          make_node_stage=partial(NodeStage, detector_config),
+                          telemetry_topic=topics.telemetry, idle_ttl_s=settings.idle_ttl_s)
     jobs = JobProcessor(partial(JobStage, detector_config), idle_ttl_s=settings.idle_ttl_s,
                         observe_lag=metrics.observe_lag,
                         advance_every_s=detector_config.advance_interval_s)

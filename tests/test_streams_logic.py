@@ -8,10 +8,10 @@ import random
 import pytest
 
 from trainguard import events as ev
-from trainguard.detectors import DetectorConfig, Engine, JobStage, RankStage
+from trainguard.detectors import DetectorConfig, Engine, JobStage, NodeStage, RankStage
 from trainguard.streams.deadletter import original_value, parse_deadletter
 from trainguard.streams.logic import (EventTimeAligner, InvalidSummaries, SourceMarks, classify,
-                                      decode_summaries, encode_summaries)
+                                      decode_summaries, encode_summaries, node_key)
 from trainguard.streams.metrics import Metrics, parse_exposition
 from trainguard.streams.processors import (JobProcessor, RankOutput, RankProcessor, dump_state,
                                            load_state, state_partition)
@@ -71,7 +71,7 @@ def test_invalid_messages_become_deadletter_records_with_reason_and_raw_bytes():
         assert set(rec) == {"reason", "topic", "partition", "offset", "key_b64", "raw_b64", "ts"}
 
 
-def test_node_events_pass_through_and_rankless_rank_events_are_ignored():
+def test_node_events_pass_through_without_node_stages_and_rankless_rank_events_are_ignored():
     proc = RankProcessor(RankStage)
     xid = ev.Xid(job="j1", ts=T0, node="n1", gpu=0, xid=79, source="kmsg", message="off the bus")
     rankless = ev.Step(job="j1", ts=T0, node="n1", step=1, step_time=1.0)
@@ -199,6 +199,43 @@ def test_worker_logic_finds_what_the_offline_engine_finds():
     _, online = _run(ranks, jobs, records(events))
     assert [(a.id, a.kind, a.ranks) for a in online] == [(a.id, a.kind, a.ranks) for a in offline]
     assert online[0].kind == "nan" and online[0].ranks == [2]
+
+
+def _gpu_scenario(job="j1"):
+    """Two machines of two ranks; ECC errors on GPU 1 of n1 at step 6, an Xid 79 on n0."""
+    out = [ev.Lifecycle(job=job, ts=T0 - 1, node=f"n{r // 2}", rank=r, event="start", pid=r,
+                        world_size=4, local_rank=r % 2) for r in range(4)]
+    for s in range(10):
+        out += [step(job, r, s) for r in range(4)]
+        for n in range(2):
+            gpus = [{"index": i, "uuid": f"GPU-{n}-{i}", "ecc_dbe": 3 if (n, i, s > 5) ==
+                     (1, 1, True) else 0, "util": 90.0 + s} for i in range(2)]
+            out.append(ev.Gpu(job=job, ts=T0 + s + 0.5, node=f"n{n}", gpus=gpus))
+    out.append(ev.Xid(job=job, ts=T0 + 9.7, node="n0", gpu=0, xid=79, source="kmsg",
+                      message="GPU has fallen off the bus"))
+    return out
+
+
+def test_node_stages_on_the_rank_side_find_what_the_offline_engine_finds():
+    events = _gpu_scenario()
+    engine = Engine()
+    offline = [a for e in events for a in engine.update(e)]
+    config = DetectorConfig()
+    ranks = RankProcessor(lambda: RankStage(config), make_node_stage=lambda: NodeStage(config))
+    jobs = JobProcessor(lambda: JobStage(config))
+    out, online = _run(ranks, jobs, records(events))
+    assert [(a.id, a.kind, a.ranks, a.nodes) for a in online] == \
+        [(a.id, a.kind, a.ranks, a.nodes) for a in offline]
+    assert [(a.kind, a.ranks, a.nodes) for a in online] == [
+        ("gpu_fault", [3], ["n1"]), ("gpu_fault", [0], ["n0"])]
+    # the job side gets one small item per sample, not the sample
+    items = [item for value in (v for _, v in out.messages())
+             for *_, item in decode_summaries(value)[1]]
+    assert {tuple(sorted(i)) for i in items if i.get("k") == "gpu"} == {
+        ("job", "k", "node", "ts")}
+    assert not any("type" in i for i in items)
+    assert {key for key, _, _ in ranks.snapshot()} >= {node_key("j1", "n0"), node_key("j1", "n1")}
+    assert ranks.process(records(events), now=T0 + 200).replayed == len(events)
 
 
 @pytest.mark.parametrize("rank_snap,job_snap,crash", [
