@@ -126,7 +126,9 @@ class JobInfo:
 
 class JobDirectory:
     """Learns each job's world size, topology and rank-to-machine map from ``lifecycle``
-    starts, heartbeats and ``stack`` events. Thread-safe: fed by one thread, read by another.
+    starts, heartbeats and ``stack`` events, when ``trainguard run`` launched it, and which
+    restart orders it answered ``already_satisfied`` (``action`` records). Thread-safe: fed
+    by one thread, read by another.
 
     >>> d = JobDirectory()
     >>> d.observe(ev.Lifecycle(job="j1", ts=1.0, node="n3", rank=5, event="start", pid=9,
@@ -139,9 +141,16 @@ class JobDirectory:
     def __init__(self):
         self._jobs: dict[str, JobInfo] = {}
         self._launches: dict[str, list] = {}
+        self._satisfied: dict[str, list] = {}
         self._lock = threading.Lock()
 
     def observe(self, event: ev.Event) -> None:
+        if isinstance(event, ev.Action):
+            if event.status == "done" and (event.reason or "").startswith("already_satisfied"):
+                with self._lock:  # trainguard run had relaunched the job on its own
+                    self._satisfied.setdefault(event.job, []).append(event.incident)
+                    del self._satisfied[event.job][:-100]
+            return
         if isinstance(event, ev.Lifecycle) and event.event == "start" and event.rank is None:
             with self._lock:  # a launch of the whole job by `trainguard run`
                 self._launches.setdefault(event.job, []).append(event.ts)
@@ -162,6 +171,11 @@ class JobDirectory:
         """When ``trainguard run`` (re)launched the job, oldest first."""
         with self._lock:
             return sorted(self._launches.get(job, []))
+
+    def satisfied(self, job: str) -> frozenset:
+        """Incidents whose restart ``trainguard run`` answered ``already_satisfied``."""
+        with self._lock:
+            return frozenset(self._satisfied.get(job, ()))
 
     def info(self, job: str) -> JobInfo:
         with self._lock:

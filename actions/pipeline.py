@@ -157,13 +157,15 @@ class Correlate:
             work.incident = incident_of(a)
             return True
         launches = self.directory.launches(a.job) if self.directory else ()
+        satisfied = self.directory.satisfied(a.job) if self.directory else frozenset()
         self.kinds[a.id] = a.kind
         while len(self.kinds) > self.keep_kinds:
             del self.kinds[next(iter(self.kinds))]  # the oldest
         for n in range(64):
             incident = incident_from(self._generation(n).add(a), a, self.kinds)
             settled = self.state.settled_ts(incident.id) if self.state else None
-            if settled is None or a.onset_ts <= restart_over(settled, launches, self.settle_s):
+            if settled is None or a.onset_ts <= restart_over(settled, launches, self.settle_s,
+                                                             incident.id in satisfied):
                 break
         known_kind = self.state.incident_kind(incident.id) if self.state else None
         if known_kind and known_kind != incident.kind and (settled is None
@@ -281,9 +283,11 @@ class Limit:
         self.directory = directory
 
     def __call__(self, work: Work) -> bool:
-        launches = self.directory.launches(work.incident.job) if self.directory else ()
+        job = work.incident.job
+        launches = self.directory.launches(job) if self.directory else ()
+        satisfied = self.directory.satisfied(job) if self.directory else frozenset()
         work.decisions = apply_limits(work.decisions, work.incident, self.policy, self.state,
-                                      work.now, launches)
+                                      work.now, launches, satisfied)
         return True
 
 

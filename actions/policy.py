@@ -419,28 +419,30 @@ def decide(policy: Policy, incident: Incident, history: History,
 
 
 def restart_over(ordered_ts: float, launches=(), settle_s: float = 120.0,
-                 onset_ts: float | None = None) -> float:
+                 satisfied: bool = False) -> float:
     """When a restart ordered at ``ordered_ts`` is over: the next launch by ``trainguard run``
     after it, at most ``settle_s`` later. Until then, ranks exiting "by signal" are our own
-    doing; a problem beginning later is a new one. With the ``onset_ts`` of the incident it
-    was ordered for, a launch between that onset and the order counts: ``trainguard run``
-    had relaunched the job already (the order was satisfied, nothing was torn down), and the
-    restart was over before it was ordered.
+    doing; a problem beginning later is a new one. A restart that ``trainguard run``
+    answered ``already_satisfied`` (it had relaunched the job on its own after the incident
+    began) tore nothing down: it was over when it was ordered.
 
     >>> restart_over(100.0, launches=[50.0, 104.5]), restart_over(100.0, settle_s=30)
     (104.5, 130.0)
-    >>> restart_over(100.0, launches=[96.0, 150.0], onset_ts=95.0)
-    96.0
+    >>> restart_over(100.0, launches=[150.0], satisfied=True)
+    100.0
     """
-    since = ordered_ts if onset_ts is None else min(onset_ts, ordered_ts)
-    after = sorted(t for t in launches if t >= since)
+    if satisfied:
+        return ordered_ts
+    after = sorted(t for t in launches if t >= ordered_ts)
     return min(after[0], ordered_ts + settle_s) if after else ordered_ts + settle_s
 
 
-def covering_restart(state, incident: Incident, launches=(), settle_s: float = 120.0):
+def covering_restart(state, incident: Incident, launches=(), settle_s: float = 120.0,
+                     satisfied=frozenset()):
     """``(restart entry, reason)`` of a restart of the job that already deals with this
     incident, or None: one ordered for another incident after this one began, or one under
-    way when this one began (see :func:`restart_over`)."""
+    way when this one began (see :func:`restart_over`; ``satisfied``: the incidents whose
+    restart ``trainguard run`` answered ``already_satisfied``)."""
     for r in state.restarts_since(incident.job, incident.onset_ts):
         if r["incident"] != incident.id:
             return r, (f"covered: job {incident.job} was already restarted for incident "
@@ -448,14 +450,14 @@ def covering_restart(state, incident: Incident, launches=(), settle_s: float = 1
     for r in state.restarts_since(incident.job, incident.onset_ts - settle_s):
         if r["incident"] != incident.id and \
                 r["ts"] <= incident.onset_ts <= restart_over(r["ts"], launches, settle_s,
-                                                             r.get("onset_ts")):
+                                                             r["incident"] in satisfied):
             return r, (f"expected: began while job {incident.job} was being restarted for "
                        f"incident {r['incident']}")
     return None
 
 
 def apply_limits(decisions: list, incident: Incident, policy: Policy, state,
-                 now: float, launches=()) -> list:
+                 now: float, launches=(), satisfied=frozenset()) -> list:
     """Safety caps, approval and dry-run, in this order, on the planned decisions:
 
     - restart/rollback: ``covered``/``expected`` (see :func:`covering_restart`; unless
@@ -472,7 +474,7 @@ def apply_limits(decisions: list, incident: Incident, policy: Policy, state,
     evicting = any(d.action == "evict" and d.status == "planned"
                    and not d.reason.startswith("repeated_failure") for d in decisions)
     cover = None if evicting else covering_restart(state, incident, launches,
-                                                   lim.restart_settle_s)
+                                                   lim.restart_settle_s, satisfied)
     for d in decisions:
         if d.status != "planned" or d.action not in JOB_ACTIONS:
             out.append(d)

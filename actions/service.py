@@ -189,9 +189,11 @@ class KafkaRecorder:
                  f"{self.flush_timeout:g}s")
 
 
-class _LifecycleWatcher(threading.Thread):
+class _DirectoryWatcher(threading.Thread):
+    """Feeds one topic's events to the job directory, until ``stop``."""
+
     def __init__(self, source: KafkaSource, directory: JobDirectory, stop: threading.Event):
-        super().__init__(name="trainguard-lifecycle", daemon=True)
+        super().__init__(name=f"trainguard-watch-{source.topic}", daemon=True)
         self.source, self.directory, self.stop = source, directory, stop
 
     def run(self) -> None:
@@ -199,7 +201,7 @@ class _LifecycleWatcher(threading.Thread):
             try:
                 event = self.source.poll(0.5)
             except Exception as exc:  # keep the service up; the directory is best-effort
-                _log(f"lifecycle watcher: {type(exc).__name__}: {exc}")
+                _log(f"watching {self.source.topic}: {type(exc).__name__}: {exc}")
                 time.sleep(1.0)
                 continue
             if event is not None:
@@ -329,10 +331,15 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
     topics = config.topics
     directory = JobDirectory()
     stop = stop or threading.Event()
-    watcher = _LifecycleWatcher(KafkaSource(config, topics.telemetry,
-                                            since=time.time() - LIFECYCLE_LOOKBACK_S,
-                                            want=(b'"lifecycle"',)), directory, stop)
-    watcher.start()
+    since = time.time() - LIFECYCLE_LOOKBACK_S
+    watchers = [
+        _DirectoryWatcher(KafkaSource(config, topics.telemetry, since=since,
+                                      want=(b'"lifecycle"',)), directory, stop),
+        # trainguard run's answers to restart orders it had carried out already
+        _DirectoryWatcher(KafkaSource(config, topics.actions, since=since,
+                                      want=(b"already_satisfied",)), directory, stop)]
+    for watcher in watchers:
+        watcher.start()
     stacks = KafkaSource(config, topics.stacks)
     commands = KafkaRecorder(producer, topics.commands)
 
@@ -359,7 +366,8 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
 
     def close() -> None:
         stop.set()
-        watcher.join(timeout=5)
+        for watcher in watchers:
+            watcher.join(timeout=5)
         stacks.close()
         producer.flush(10)
 

@@ -194,13 +194,8 @@ class ServiceState:
         if old in COUNTED:
             return  # the ledgers below already count this action of this incident
         if status in COUNTED and action in ("restart", "rollback"):
-            restart = {"job": job, "ts": ts, "incident": incident_id, "status": status}
-            if isinstance(targets.get("onset_ts"), (int, float)) and \
-                    entry["actions"].get("evict") not in COUNTED:
-                # a restart that evicts nothing was satisfied by any relaunch after the
-                # onset (see policy.restart_over); one that evicts needs its own
-                restart["onset_ts"] = targets["onset_ts"]
-            self.restarts.append(restart)
+            self.restarts.append({"job": job, "ts": ts, "incident": incident_id,
+                                  "status": status})
         if status in COUNTED and action == "evict":
             for node in targets.get("nodes", []):
                 self.evictions.append({"job": job, "node": node, "ts": ts,

@@ -2,7 +2,9 @@
 
 Inputs are ``ev.Xid`` and ``ev.Gpu`` events. The GPU of a rank is found from lifecycle
 ``start`` summaries (``local_rank`` = GPU index, as torchrun sets ``CUDA_VISIBLE_DEVICES``
-defaults) or, failing that, from the order of the ranks seen on a machine.
+defaults) or, failing that, from the order of the ranks seen on a machine. In the engine the
+detectors run per machine in a ``NodeStage``, which sees no rank summaries: there the
+``JobStage`` names the rank, with the same :class:`Placement`.
 
 >>> from trainguard import events as ev
 >>> d = GpuFaultDetector()

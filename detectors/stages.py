@@ -1,4 +1,4 @@
-"""The two-stage engine: per-rank compaction and per-machine GPU checks, then per-job
+"""The staged engine: per-rank compaction and per-machine GPU checks, then per-job
 detection and correlation.
 
 ``RankStage`` (one per job and rank) turns a rank's ``step``, ``heartbeat`` and ``lifecycle``

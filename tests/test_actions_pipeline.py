@@ -501,11 +501,19 @@ def test_a_straggler_that_hangs_escalates_to_one_restart():
             and r.status == "planned"] == ["planned"]
 
 
+def _satisfied(incident, ts, job="j1"):
+    """trainguard run's answer to a restart order it had carried out already."""
+    return ev.Action(job=job, ts=ts, node="vm", incident=incident, action="restart",
+                     targets={"job": job}, status="done",
+                     reason="already_satisfied: launch 2 started 1.0s after the incident "
+                            "began, with the exclusions asked for; not restarted again")
+
+
 def test_a_restart_already_satisfied_expects_nothing_later():
     """The demo's sequence: rank 3 is killed, ``trainguard run`` relaunches the job on its
-    own, then the crash's restart is ordered (already satisfied); 13 s later an Xid 79
-    takes a GPU of the machine the hang before had the job exclude. That fault is not an
-    effect of our restart: it is restarted for and alerted."""
+    own, then the crash's restart is ordered and answered ``already_satisfied``; 13 s later
+    an Xid 79 takes a GPU of the machine a hang before had the job exclude. That fault is
+    not an effect of our restart: it is restarted for and alerted."""
     directory = JobDirectory()
     state = ServiceState()
     state.excluded["j1"] = ["vm"]
@@ -514,11 +522,28 @@ def test_a_restart_already_satisfied_expects_nothing_later():
                                    world_size=4))
     p.process(anomaly(id="c3", ranks=[3], nodes=["vm"], onset=T0, detected=T0 + 4),
               now=T0 + 4.5)
-    assert state.restarts[-1]["onset_ts"] == T0
+    directory.observe(_satisfied("inc-c3", T0 + 4.6))
     work = p.process(anomaly(kind="gpu_fault", id="x79", ranks=[], nodes=["vm"],
                              onset=T0 + 17.5, detected=T0 + 17.6), now=T0 + 18)
     assert summary(r for r in rec.events if r.incident == work.incident.id) == [
         ("restart", "planned"), ("alert", "done")]
+
+
+def test_a_fault_after_a_satisfied_restart_is_a_new_incident():
+    """An Xid 79 six seconds after the crash's restart was answered ``already_satisfied``:
+    not a part of the crash's incident (which has its restart), a new one that evicts."""
+    directory = JobDirectory()
+    p, rec, _ = pipe(correlator=Correlator(), directory=directory)
+    directory.observe(ev.Lifecycle(job="j1", ts=T0 + 1, node="vm", event="start", pid=1,
+                                   world_size=4))
+    p.process(anomaly(id="c3", ranks=[3], nodes=["vm"], onset=T0, detected=T0 + 4),
+              now=T0 + 4.5)
+    directory.observe(_satisfied("inc-c3", T0 + 4.6))
+    work = p.process(anomaly(kind="gpu_fault", id="x79", ranks=[], nodes=["vm"],
+                             onset=T0 + 6, detected=T0 + 6.1), now=T0 + 7)
+    assert not work.dropped and work.incident.id == "inc-x79"
+    assert summary(r for r in rec.events if r.incident == "inc-x79") == [
+        ("evict", "planned"), ("restart", "planned"), ("alert", "done")]
 
 
 def test_a_hardware_fault_covered_by_another_restart_is_still_alerted():
@@ -531,8 +556,17 @@ def test_a_hardware_fault_covered_by_another_restart_is_still_alerted():
     assert late[0].reason.startswith("expected: began while job j1 was being restarted")
 
 
-def test_a_restart_that_evicts_is_not_satisfied_by_an_earlier_relaunch():
-    p, rec, state = pipe()
-    p.process(anomaly(kind="gpu_fault", id="x1", nodes=["n7"]), now=T0 + 2)
-    assert [r.action for r in rec.events][:2] == ["evict", "restart"]
-    assert "onset_ts" not in state.restarts[-1]
+def test_the_teardown_of_a_rollback_after_a_relaunch_is_still_expected():
+    """trainguard run relaunched the job on its own, then a rollback is ordered: it is not
+    satisfied by that launch (it tears the job down again), so the exits of that teardown
+    are its own doing and start no new incident."""
+    directory = JobDirectory()
+    policy = Policy.from_dict({"ladder": {"nan": ["rollback", "alert"]}})
+    p, rec, _ = pipe(policy=policy, directory=directory)
+    directory.observe(ev.Lifecycle(job="j1", ts=T0 + 2, node="n1", event="start", pid=1,
+                                   world_size=2))
+    p.process(anomaly(kind="nan", id="n1", nodes=[]), now=T0 + 3)
+    p.process(anomaly(id="c1", nodes=[], onset=T0 + 5, detected=T0 + 5.5), now=T0 + 6)
+    late = [r for r in rec.events if r.incident == "c1"]
+    assert summary(late) == [("restart", "rate_limited")]
+    assert late[0].reason.startswith("expected: began while job j1 was being restarted")

@@ -74,3 +74,19 @@ def test_a_later_fault_joining_the_incident_keeps_its_own_actions():
     assert straggler.actions == ["capture_stacks", "alert"]
     assert hang.actions == ["evict", "restart"]
     assert xid.actions == crash.actions == ["restart", "alert"]
+
+
+def test_actions_after_the_next_fault_began_still_count_for_their_own():
+    injections = [{"id": "f1", "kind": "hang", "ranks": [2], "injected_ts": 100.0},
+                  {"id": "f2", "kind": "nan", "ranks": [1], "injected_ts": 110.0}]
+    anomalies = [{"id": "h", "kind": "hang", "ts": 121.0, "detected_ts": 121.0},
+                 {"id": "n", "kind": "nan", "ts": 112.0, "detected_ts": 112.0}]
+    actions = [{"incident": "inc-h", "action": "capture_stacks", "status": "done", "ts": 123.0,
+                "anomalies": ["h"]},
+               {"incident": "inc-h", "action": "restart", "status": "done", "ts": 125.0,
+                "source": "supervisor"},
+               {"incident": "inc-n", "action": "alert", "status": "done", "ts": 112.5,
+                "anomalies": ["n"]}]
+    hang, nan = outcomes(injections, anomalies, actions, [(9, 130.0, 131.0)])
+    assert hang.actions == ["capture_stacks", "restart"] and hang.recovered_ts == 131.0
+    assert nan.actions == ["alert"]

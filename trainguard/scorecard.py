@@ -96,7 +96,10 @@ def outcomes(injections: list[dict], anomalies: list[dict], actions: list[dict],
         together = {a["id"] for i, f in enumerate(faults)
                     if abs(f["injected_ts"] - outcome.injected_ts) <= TOGETHER_S
                     for a in founds[i]}
-        taken = _actions_for(actions, together, outcome.injected_ts, until)
+        later = {a["id"] for i, f in enumerate(faults)
+                 if f["injected_ts"] > outcome.injected_ts + TOGETHER_S
+                 for a in founds[i]} - together
+        taken = _actions_for(actions, together, later, outcome.injected_ts, until)
         outcome.actions = _unique(a["action"] for a in taken if a["action"] != "none")
         restarts = [a["ts"] for a in taken if a["action"] in ("restart", "rollback")
                     and a.get("status") == "done"]
@@ -113,18 +116,24 @@ def outcomes(injections: list[dict], anomalies: list[dict], actions: list[dict],
     return result
 
 
-def _actions_for(actions: list[dict], anomaly_ids: set, since: float, until: float) -> list:
-    """The actions taken for these anomalies' incidents (the action service names the
-    anomalies of each decision; the supervisor's records name the incident only), plus the
-    supervisor's own restarts of a failed command between this fault and the next."""
+def _actions_for(actions: list[dict], anomaly_ids: set, later_ids: set, since: float,
+                 until: float) -> list:
+    """The actions taken for these anomalies' incidents since the fault (the action service
+    names the anomalies of each decision; the supervisor's records name the incident only),
+    plus the supervisor's own restarts of a failed command between this fault and the next.
+
+    An incident that a later fault's anomaly joined (a straggler, then a hang of the same
+    rank) runs the later fault's ladder from the first decision naming that anomaly on:
+    what follows belongs to the later fault."""
     incidents = {a["incident"] for a in actions if set(a.get("anomalies") or []) & anomaly_ids}
     incidents |= {f"inc-{i}" for i in anomaly_ids}
-    # an incident that a later fault joined (a straggler, then a hang of the same rank) ran
-    # the later fault's ladder too: each fault gets what was done between it and the next
+    cut = min((a["ts"] for a in actions if a.get("incident") in incidents
+               and set(a.get("anomalies") or []) & later_ids), default=math.inf)
     return [a for a in actions
-            if a.get("status") in ("done", "planned", "dry_run") and since <= a["ts"] < until
-            and (a.get("incident") in incidents
-                 or (a.get("source") == "supervisor" and ":exit:" in a.get("incident", "")))]
+            if a.get("status") in ("done", "planned", "dry_run") and since <= a["ts"]
+            and ((a.get("incident") in incidents and a["ts"] < cut)
+                 or (a.get("source") == "supervisor" and ":exit:" in a.get("incident", "")
+                     and a["ts"] < until))]
 
 
 def _next_fault_ts(faults: list[dict], index: int, default: float) -> float:
