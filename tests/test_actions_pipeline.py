@@ -501,28 +501,30 @@ def test_a_straggler_that_hangs_escalates_to_one_restart():
             and r.status == "planned"] == ["planned"]
 
 
-def _satisfied(incident, ts, job="j1"):
-    """trainguard run's answer to a restart order it had carried out already."""
-    return ev.Action(job=job, ts=ts, node="vm", incident=incident, action="restart",
-                     targets={"job": job}, status="done",
-                     reason="already_satisfied: launch 2 started 1.0s after the incident "
-                            "began, with the exclusions asked for; not restarted again")
-
-
-def test_a_restart_already_satisfied_expects_nothing_later():
-    """The demo's sequence: rank 3 is killed, ``trainguard run`` relaunches the job on its
-    own, then the crash's restart is ordered and answered ``already_satisfied``; 13 s later
-    an Xid 79 takes a GPU of the machine a hang before had the job exclude. That fault is
-    not an effect of our restart: it is restarted for and alerted."""
+def _crash_restart_satisfied(state=None):
+    """Rank 3 of j1 is killed at T0, ``trainguard run`` relaunches the job on its own at
+    T0+1, then the crash's restart is ordered and answered ``already_satisfied``."""
     directory = JobDirectory()
-    state = ServiceState()
-    state.excluded["j1"] = ["vm"]
     p, rec, _ = pipe(correlator=Correlator(), directory=directory, state=state)
     directory.observe(ev.Lifecycle(job="j1", ts=T0 + 1, node="vm", event="start", pid=1,
                                    world_size=4))
     p.process(anomaly(id="c3", ranks=[3], nodes=["vm"], onset=T0, detected=T0 + 4),
               now=T0 + 4.5)
-    directory.observe(_satisfied("inc-c3", T0 + 4.6))
+    directory.observe(ev.Action(
+        job="j1", ts=T0 + 4.6, node="vm", incident="inc-c3", action="restart",
+        targets={"job": "j1"}, status="done",
+        reason="already_satisfied: launch 2 started 1.0s after the incident began, with the "
+               "exclusions asked for; not restarted again"))
+    return p, rec
+
+
+def test_a_restart_already_satisfied_expects_nothing_later():
+    """The demo's sequence: 13 s after the crash's satisfied restart an Xid 79 takes a GPU
+    of the machine a hang before had the job exclude. That fault is not an effect of our
+    restart: it is restarted for and alerted."""
+    state = ServiceState()
+    state.excluded["j1"] = ["vm"]
+    p, rec = _crash_restart_satisfied(state)
     work = p.process(anomaly(kind="gpu_fault", id="x79", ranks=[], nodes=["vm"],
                              onset=T0 + 17.5, detected=T0 + 17.6), now=T0 + 18)
     assert summary(r for r in rec.events if r.incident == work.incident.id) == [
@@ -532,13 +534,7 @@ def test_a_restart_already_satisfied_expects_nothing_later():
 def test_a_fault_after_a_satisfied_restart_is_a_new_incident():
     """An Xid 79 six seconds after the crash's restart was answered ``already_satisfied``:
     not a part of the crash's incident (which has its restart), a new one that evicts."""
-    directory = JobDirectory()
-    p, rec, _ = pipe(correlator=Correlator(), directory=directory)
-    directory.observe(ev.Lifecycle(job="j1", ts=T0 + 1, node="vm", event="start", pid=1,
-                                   world_size=4))
-    p.process(anomaly(id="c3", ranks=[3], nodes=["vm"], onset=T0, detected=T0 + 4),
-              now=T0 + 4.5)
-    directory.observe(_satisfied("inc-c3", T0 + 4.6))
+    p, rec = _crash_restart_satisfied()
     work = p.process(anomaly(kind="gpu_fault", id="x79", ranks=[], nodes=["vm"],
                              onset=T0 + 6, detected=T0 + 6.1), now=T0 + 7)
     assert not work.dropped and work.incident.id == "inc-x79"
