@@ -122,6 +122,14 @@ def _fresh(obj):
 
 
 # ---------------------------------------------------------------------------- stages
+def _restarts_seen(directory, job: str) -> tuple:
+    """``(launches, satisfied)``: when ``trainguard run`` launched the job, and which
+    incidents' restarts it answered ``already_satisfied`` (none without a directory)."""
+    if directory is None:
+        return (), frozenset()
+    return directory.launches(job), directory.satisfied(job)
+
+
 class Correlate:
     """Anomaly -> incident. With a ``correlator`` (``add(anomaly) -> incident dict``, as
     :class:`trainguard.detectors.correlate.Correlator`) anomalies of one problem share an
@@ -156,8 +164,7 @@ class Correlate:
         if self.correlator is None or (self.state and self.state.seen_anomaly(a.id)):
             work.incident = incident_of(a)
             return True
-        launches = self.directory.launches(a.job) if self.directory else ()
-        satisfied = self.directory.satisfied(a.job) if self.directory else frozenset()
+        launches, satisfied = _restarts_seen(self.directory, a.job)
         self.kinds[a.id] = a.kind
         while len(self.kinds) > self.keep_kinds:
             del self.kinds[next(iter(self.kinds))]  # the oldest
@@ -283,9 +290,7 @@ class Limit:
         self.directory = directory
 
     def __call__(self, work: Work) -> bool:
-        job = work.incident.job
-        launches = self.directory.launches(job) if self.directory else ()
-        satisfied = self.directory.satisfied(job) if self.directory else frozenset()
+        launches, satisfied = _restarts_seen(self.directory, work.incident.job)
         work.decisions = apply_limits(work.decisions, work.incident, self.policy, self.state,
                                       work.now, launches, satisfied)
         return True

@@ -454,6 +454,7 @@ def run() -> dict:
         for w in workers:
             w.stop()
         nan = [a for a in found if a.kind == "nan"]
+        share = one.job_side_share()
         return {
             "events_per_s": round(rate1), "ceiling_events_per_s": round(ceiling),
             "lost": max(0, lost1) + max(0, lost_b) + max(0, lost2), "p99_lag_s": p99,
@@ -471,9 +472,8 @@ def run() -> dict:
             "side_cpu_s": {side: round(one.sides[0][side], 2) for side in SIDES},
             "side_cpu_s_2_workers": [{side: round(x[side], 2) for side in SIDES}
                                      for x in two.sides],
-            "job_side_share": round(one.job_side_share(), 3),
-            "bound_scaling_2_workers": round(1 / (one.job_side_share()
-                                                  + (1 - one.job_side_share()) / 2), 2),
+            "job_side_share": round(share, 3),
+            "bound_scaling_2_workers": round(1 / (share + (1 - share) / 2), 2),
             "load_average_at_start": load_before,
             "faust_take_events_per_s": round(faust) if faust else None,
             "p99_lag_at_events_per_s": round(paced),

@@ -363,8 +363,8 @@ class JobStage:
 
 
 class Engine:
-    """Routes raw events through one RankStage per (job, rank), one NodeStage per (job,
-    machine) and one JobStage per job.
+    """Routes raw events through one RankStage per (job, rank) and one JobStage per job,
+    which passes a machine's gpu and xid events through its NodeStage for that machine.
 
     ``advance(now)`` does work at most every ``config.advance_interval_s`` of ``now``
     (pass ``force=True`` for the final sweep at the end of the input: it also decides what
@@ -375,7 +375,6 @@ class Engine:
     def __init__(self, config: DetectorConfig | None = None):
         self.config = config if config is not None else DetectorConfig()
         self._ranks: dict = {}
-        self._nodes: dict = {}
         self._jobs: dict = {}
         self.next_advance_ts = float("-inf")   # advance(now) before this does nothing
 
@@ -403,16 +402,8 @@ class Engine:
             for summary in summaries:
                 out += stage.update(summary)
             return out
-        if kind in ("gpu", "xid"):
-            key = (event.job, event.node)
-            node_stage = self._nodes.get(key)
-            if node_stage is None:
-                node_stage = self._nodes[key] = NodeStage(self.config)
-            stage = self._jobs.get(event.job) or self.job_stage(event.job)
-            out = []
-            for summary in node_stage.update(event):
-                out += stage.update(summary)
-            return out
+        if kind in ("gpu", "xid"):     # through the job's NodeStage of that machine
+            return self.job_stage(event.job).update(event)
         return []
 
     def advance(self, now: float, force: bool = False) -> list[ev.Anomaly]:
