@@ -24,7 +24,8 @@ from pathlib import Path
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_PREFIX = "tg"
-TOPIC_SUFFIXES = ("telemetry", "commands", "stacks", "anomalies", "actions", "deadletter")
+TOPIC_SUFFIXES = ("telemetry", "commands", "stacks", "anomalies", "actions", "deadletter",
+                  "orders")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,100}")
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -64,6 +65,11 @@ class Topics:
     @property
     def deadletter(self) -> str:
         return f"{self.prefix}.deadletter"
+
+    @property
+    def orders(self) -> str:
+        """SPEC §6: orders to ``trainguard run`` and drivers, and their acks."""
+        return f"{self.prefix}.orders"
 
     def all(self) -> list[str]:
         return [f"{self.prefix}.{suffix}" for suffix in TOPIC_SUFFIXES]
