@@ -10,7 +10,10 @@ One per machine. Its duties, each in a thread of its own:
   plus one per ``--kmsg-extra`` file; PCI bus ids mapped to GPU indices through NVML), each
   published at once as a SPEC ``xid`` event to the telemetry topic.
 - **Stack capture**: ``capture_stacks`` commands on the commands topic, answered with one
-  ``stack`` event per local rank on the stacks topic (:mod:`.agent_commands`).
+  ``stack`` event per local rank on the stacks topic (:mod:`.agent_commands`). With a
+  signing key (``TRAINGUARD_SIGNING_KEY``) only commands signed with it are obeyed; refused
+  ones go to the dead-letter topic. Captures are rate-limited per job and machine
+  (``capture_limits``).
 
 Choices:
 
@@ -49,8 +52,11 @@ from typing import Any, Callable, Iterable, Optional
 
 from trainguard import events as ev
 from trainguard.errors import UserError
+from trainguard.signing import Freshness, Verifier
 
-from .agent_commands import CaptureRunner, CommandHandler, CommandListener, KafkaLog, QuietLog
+from .agent_commands import (MAX_COMMAND_AGE, CaptureRunner, CommandHandler, CommandListener,
+                             KafkaLog, QuietLog)
+from .capture_limits import CaptureLimiter, CaptureLimits
 from .kmsg import KmsgFollower
 from .nvml import NvmlUnavailable, PynvmlSource, gpu_event_payload
 from .registry import Registry, default_runtime_dir
@@ -237,6 +243,15 @@ class Publisher:
         self._quiet.warn("full", "Kafka producer queue full: dropping %s events", event.type)
         return False
 
+    def send_record(self, topic: str, value: bytes, key: Optional[bytes]) -> bool:
+        """A value that is not an event (a dead-letter record)."""
+        try:
+            self._client.produce(topic, value, key)
+            return True
+        except Exception as exc:
+            self._quiet.warn(("produce", type(exc).__name__), "cannot send to %s: %s", topic, exc)
+            return False
+
     def close(self, timeout: float = 5.0) -> int:
         """Stop polling and flush for at most ``timeout`` s; returns how many were left."""
         self._stop.set()
@@ -273,7 +288,8 @@ class Agent:
                  source: Any = None, kmsg_path: Optional[str] = "/dev/kmsg",
                  dmesg_argv: Optional[list] = None, unavailable_interval: float = 60.0,
                  capture_timeout: float = 10.0, flush_timeout: float = 5.0,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, keys=None,
+                 capture_limits: CaptureLimits = CaptureLimits()):
         self.config = config
         self.node = node
         self.job = job
@@ -288,6 +304,8 @@ class Agent:
         self.capture_timeout = capture_timeout
         self.flush_timeout = flush_timeout
         self.clock = clock
+        self.keys = keys
+        self.capture_limits = capture_limits
         self.registry = Registry(self.runtime_dir)
         self.topics = config.topics
         self.publisher: Optional[Publisher] = None
@@ -311,6 +329,17 @@ class Agent:
             log.info("Xid %d on GPU %s (%s): %s", event.xid, event.gpu, event.source,
                      event.message[:120])
             self.publisher.send(self.topics.telemetry, event, f"{event.job}/{self.node}".encode())
+
+    def deadletter(self, value, reason: str, msg=None) -> None:
+        from trainguard.streams.deadletter import deadletter_record
+
+        key = msg.key() if msg is not None else None
+        record = deadletter_record(
+            reason=reason, topic=msg.topic() if msg is not None else self.topics.commands,
+            partition=msg.partition() if msg is not None else -1,
+            offset=msg.offset() if msg is not None else -1, key=key, raw=value,
+            ts=self.clock())
+        self.publisher.send_record(self.topics.deadletter, record, key)
 
     def publish_stack(self, event: ev.Stack) -> None:
         self.publisher.send(self.topics.stacks, event, f"{event.job}/{event.rank}".encode())
@@ -372,8 +401,11 @@ class Agent:
                                native=self.native, timeout=self.capture_timeout,
                                clock=self.clock).start()
         self._runner = runner
-        handler = CommandHandler(node=self.node, entries=self.entries, runner=runner,
-                                 clock=self.clock)
+        handler = CommandHandler(
+            node=self.node, entries=self.entries, runner=runner, clock=self.clock,
+            verifier=Verifier(self.keys, freshness=Freshness(max_age_s=MAX_COMMAND_AGE),
+                              clock=self.clock),
+            limiter=CaptureLimiter(self.capture_limits), deadletter=self.deadletter)
         settings = self.config.kafka(**{
             "group.id": f"trainguard-agent-{self.topics.prefix}-{self.node}",
             "client.id": f"trainguard-agent-{self.node}"})
@@ -468,10 +500,15 @@ def _check_args(args, node: str) -> None:
             raise UserError(f"--kmsg-extra {path}: folder {parent} does not exist")
 
 
-def main(args, config) -> int:
-    """``trainguard agent``: runs until SIGTERM or SIGINT."""
+def main(args, config, keys=None) -> int:
+    """``trainguard agent``: runs until SIGTERM or SIGINT. ``keys`` (default: from the
+    environment, :func:`~trainguard.signing.signing_key_from_env`) check the commands."""
+    from trainguard.signing import signing_key_from_env, warn_if_unsigned
+
     node = args.node or socket.gethostname()
     _check_args(args, node)
+    keys = keys if keys is not None else signing_key_from_env()
+    warn_if_unsigned(keys, "agent", f"capture_stacks commands on {config.topics.commands}")
     runtime_dir = (Path(args.runtime_dir).expanduser() if args.runtime_dir
                    else default_runtime_dir(os.environ))
     _setup_logging()
@@ -487,7 +524,7 @@ def main(args, config) -> int:
     try:
         agent = Agent(config=config, node=node, job=args.job, interval=args.interval,
                       runtime_dir=runtime_dir, kmsg_extra=args.kmsg_extra,
-                      native=bool(args.native))
+                      native=bool(args.native), keys=keys)
         return agent.run(stop)
     finally:
         for s, handler in old.items():
