@@ -39,8 +39,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import orjson
-
 from .errors import UserError
 
 __all__ = ["KEY_ENV", "SigningKeys", "SigningError", "Freshness", "Refusal", "Verifier",
@@ -253,9 +251,13 @@ class Verifier:
 
 
 def _parsed(raw):
+    """The JSON object of a message, parsed with the standard library: it keeps integers of
+    any size exactly, as the sender's canonical form has them."""
     try:
-        obj = orjson.loads(raw) if isinstance(raw, (bytes, bytearray, memoryview, str)) else raw
-    except orjson.JSONDecodeError:
+        if isinstance(raw, (bytes, bytearray, memoryview)):
+            raw = bytes(raw).decode("utf-8")
+        obj = json.loads(raw) if isinstance(raw, str) else raw
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return Refusal("malformed", "not valid JSON")
     return obj if type(obj) is dict else Refusal("malformed", "not a JSON object")
 
