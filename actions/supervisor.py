@@ -163,6 +163,11 @@ class OrderFeed(threading.Thread):
             if source is None:
                 try:
                     source = KafkaSource(self.config, topic, since=self.since)
+                    if not source.consumer.assignment():
+                        source.close()
+                        source = None
+                        raise LookupError(f"topic {topic} does not exist; create it with "
+                                          "`trainguard topics create`")
                     self.ready.set()
                 except Exception as exc:
                     if not warned:

@@ -213,3 +213,18 @@ def test_an_earlier_runs_orders_are_filed_once_after_a_restart_of_the_service():
     ("rejected", "bad_signature", "failed"), ("not_applicable", "unsupported_op", "failed")])
 def test_outcome_statuses(status, code, recorded):
     assert outcome_status(ack_of(order(), status, code, "r", ts=T0)) == recorded
+
+
+def test_up_generates_a_key_for_its_services_unless_one_is_set(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from trainguard.up import own_signing_key
+
+    monkeypatch.delenv("TRAINGUARD_SIGNING_KEY", raising=False)
+    env, path = own_signing_key(tmp_path / "up")
+    assert path.read_text().strip() == env["TRAINGUARD_SIGNING_KEY"]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert SigningKeys.parse(env["TRAINGUARD_SIGNING_KEY"])  # long enough
+    monkeypatch.setenv("TRAINGUARD_SIGNING_KEY", "the-operators-own-key-0123")
+    assert own_signing_key(tmp_path / "other") == ({}, None)

@@ -106,24 +106,16 @@ def generate_key() -> str:
     return secrets.token_hex(32)
 
 
-def _plain(value):
-    if type(value) is float and not math.isfinite(value):
-        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
-    if type(value) is dict:
-        return {k: _plain(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
 def canonical(obj: dict) -> bytes:
     """What is signed: the message without ``sig``, as canonical JSON.
 
     >>> canonical({"b": 1, "a": [1.5, "é"], "sig": "x"})
     b'{"a":[1.5,"\\\\u00e9"],"b":1}'
     """
+    from .events import _nonfinite_as_strings
+
     body = {k: v for k, v in obj.items() if k != "sig"}
-    return json.dumps(_plain(body), sort_keys=True, separators=(",", ":"),
+    return json.dumps(_nonfinite_as_strings(body), sort_keys=True, separators=(",", ":"),
                       ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
