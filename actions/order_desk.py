@@ -1,13 +1,15 @@
 """The action service's end of the control channel: it sends the orders and files the acks.
 
-:meth:`OrderDesk.send` turns a planned job decision into a signed
-:class:`~trainguard.events.Order` on the orders topic. :meth:`OrderDesk.receive` takes every
+:meth:`OrderDesk.prepare` turns a planned job decision into a signed
+:class:`~trainguard.events.Order` and gives the decision its ``order_id``;
+:meth:`OrderDesk.dispatch` sends it to the orders topic once the decision is on the audit
+log, so that an outcome is never recorded before its decision. :meth:`OrderDesk.receive` takes every
 message of that topic: an ack of an order it sent is checked (with a signing key: signed by
 it), its outcome recorded on the audit log (an ``action`` record with extra ``order_id``,
 ``ack_status`` and ``code``), and an ``already_satisfied`` restart is told to the
 :class:`~trainguard.actions.capture.JobDirectory`. :meth:`OrderDesk.expire` records
-orders nobody acked in time as ``failed`` (code ``no_ack``). Thread-safe: ``send`` runs in
-the pipeline's thread, ``receive`` and ``expire`` in the watcher's.
+orders nobody acked in time as ``failed`` (code ``no_ack``). Thread-safe: ``prepare`` and
+``dispatch`` run in the pipeline's thread, ``receive`` and ``expire`` in the watcher's.
 
 >>> from trainguard.actions.pipeline import ListRecorder
 >>> from trainguard.actions.policy import Decision, Incident
@@ -15,8 +17,10 @@ the pipeline's thread, ``receive`` and ``expire`` in the watcher's.
 >>> desk = OrderDesk(send=sent.append, recorder=audit, clock=lambda: 100.0)
 >>> inc = Incident(id="inc-a1", job="j1", kind="crash", severity="critical", ranks=[1],
 ...                nodes=["n1"], onset_ts=90.0, detected_ts=95.0, summary="rank 1 exited")
->>> d = desk.send(Decision(action="restart", reason="crash", targets={"job": "j1",
-...               "onset_ts": 90.0, "exclude_nodes": []}), inc)
+>>> d = desk.prepare(Decision(action="restart", reason="crash", targets={"job": "j1",
+...                  "onset_ts": 90.0, "exclude_nodes": []}), inc)
+>>> desk.dispatch([d])
+1
 >>> d.status, d.order_id == sent[0].order_id, sent[0].op, sent[0].targets
 ('planned', True, 'restart', {'exclude_nodes': [], 'onset_ts': 90.0})
 >>> from trainguard.actions.orders import ack_of
@@ -63,27 +67,44 @@ class OrderDesk:
         self.log = log or (lambda message: None)
         self.remember = remember
         self._orders: OrderedDict = OrderedDict()  # order_id -> {"order", "sent", "acked"}
+        self._outbox: dict = {}  # order_id -> order, prepared and not sent yet
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ sending
-    def send(self, decision, incident):
-        """Send the order of a planned decision; returns the decision with its ``order_id``
-        (still ``planned``), or ``failed`` when the order could not be made or sent."""
-        now = self.clock()
+    def prepare(self, decision, incident):
+        """The order of a planned decision, kept until :meth:`dispatch`; returns the decision
+        with its ``order_id`` (still ``planned``), or ``failed`` when its targets would be
+        refused."""
         try:
-            order = sign(order_of(decision, incident, ts=now), self.keys)
+            order = order_of(decision, incident, ts=self.clock())
         except InvalidTarget as exc:
             return decision.with_status("failed", f"invalid_target: not ordered: {exc}",
                                         "invalid_target")
-        self._track(order, now)
-        try:
-            self._send(order)
-        except Exception as exc:  # Kafka trouble: say so, and expect no ack
-            with self._lock:
-                self._orders.pop(order.order_id, None)
-            return decision.with_status("failed", f"order_error: {type(exc).__name__}: {exc}",
-                                        "order_error")
+        with self._lock:
+            self._outbox[order.order_id] = order
         return replace(decision, order_id=order.order_id)
+
+    def dispatch(self, decisions) -> int:
+        """Sign and send the prepared orders of ``decisions`` (stamped now); returns how many
+        went out. One that cannot be sent is recorded ``failed`` (``order_error``)."""
+        count = 0
+        for decision in decisions:
+            with self._lock:
+                order = self._outbox.pop(decision.order_id, None) if decision.order_id else None
+            if order is None:
+                continue
+            now = self.clock()
+            order = sign(order.replace(ts=now), self.keys)
+            self._track(order, now)
+            try:
+                self._send(order)
+                count += 1
+            except Exception as exc:  # Kafka trouble: say so, and expect no ack
+                with self._lock:
+                    self._orders[order.order_id]["acked"] = True
+                self._record(order, "failed", f"order_error: {type(exc).__name__}: {exc}",
+                             "order_error", None)
+        return count
 
     def _track(self, order: ev.Order, sent: float, acked: bool = False) -> None:
         with self._lock:

@@ -4,7 +4,7 @@ Every stage is a small object called with the :class:`Work` of one anomaly; it a
 and returns True to go on, or sets ``work.dropped`` and returns False to stop. The chain is
 assembled in one place, :func:`build_pipeline`::
 
-    correlate -> dedup -> investigate -> decide -> limit -> act -> record -> notify
+    correlate -> dedup -> investigate -> decide -> limit -> act -> record -> dispatch -> notify
 
 ``investigate`` (capture and aggregate the stacks) sits before ``decide`` because the
 policy of a hang needs its suspects. The decisions themselves (``decide`` and
@@ -32,12 +32,14 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from trainguard import events as ev
+from trainguard.actions.orders import check_targets
 from trainguard.actions.policy import (JOB_ACTIONS, Decision, Incident, Policy, apply_limits,
                                        covering_restart, decide, ladder_kind, restart_over)
 
 __all__ = ["Work", "Pipeline", "build_pipeline", "apply_limits", "covering_restart",
            "incident_of", "incident_from", "driver_actions", "ListRecorder",
-           "Correlate", "Dedup", "Investigate", "Decide", "Limit", "Act", "Record", "Notify",
+           "Correlate", "Dedup", "Investigate", "Decide", "Limit", "Act", "Record", "Dispatch",
+           "Notify",
            "action_event"]
 
 
@@ -302,11 +304,10 @@ class Limit:
 
 class Act:
     """Carries out planned job actions through ``drivers`` (``{action: driver}``, a driver
-    being ``(decision, incident) -> (status, reason)``). Without a driver, ``orders``
-    (``send(decision, incident) -> decision``, an
-    :class:`~trainguard.actions.order_desk.OrderDesk`) sends an order to ``trainguard run``
-    on the orders topic; the decision stays ``planned`` with its ``order_id``, and the
-    outcome is recorded when the ack comes."""
+    being ``(decision, incident) -> (status, reason)``). Without a driver, ``orders`` (an
+    :class:`~trainguard.actions.order_desk.OrderDesk`) prepares an order to ``trainguard
+    run``: the decision stays ``planned`` with its ``order_id``; :class:`Dispatch` sends the
+    order once the decision is recorded, and the outcome is recorded when the ack comes."""
 
     name = "act"
 
@@ -326,7 +327,7 @@ class Act:
                 d = d.with_status(status, reason, "driver_error" if status == "failed"
                                   else None)
             elif d.status == "planned" and d.action in JOB_ACTIONS and self.orders is not None:
-                d = self.orders.send(d, work.incident)
+                d = self.orders.prepare(d, work.incident)
             out.append(d)
         work.decisions = out
         return True
@@ -349,10 +350,11 @@ def driver_actions(driver, job_refs: dict | None = None) -> dict:
 
     def restart(decision: Decision, incident: Incident):
         ref = refs.get(incident.job, incident.job)
-        return outcome(decision, driver.restart(ref, decision.targets.get("exclude_nodes", [])))
+        targets = check_targets(decision.action, decision.targets)  # as trainguard run does
+        return outcome(decision, driver.restart(ref, targets["exclude_nodes"]))
 
     def evict(decision: Decision, incident: Incident):
-        return outcome(decision, driver.evict(decision.targets.get("nodes", [])))
+        return outcome(decision, driver.evict(check_targets("evict", decision.targets)["nodes"]))
 
     return {"restart": restart, "rollback": restart, "evict": evict}
 
@@ -381,6 +383,20 @@ class Record:
             self.state.note(d, work.incident, ts)
         self.recorder.flush()
         self.state.save(work.now)
+        return True
+
+
+class Dispatch:
+    """Sends the orders prepared by :class:`Act`, now that their decisions are recorded."""
+
+    name = "dispatch"
+
+    def __init__(self, orders=None):
+        self.orders = orders
+
+    def __call__(self, work: Work) -> bool:
+        if self.orders is not None:
+            self.orders.dispatch(work.decisions)
         return True
 
 
@@ -479,6 +495,7 @@ def build_pipeline(*, policy: Policy, state, recorder, capturer=None, directory=
         Limit(policy, state, directory),
         Act(drivers, orders),
         Record(recorder, state, clock),
+        Dispatch(orders),
         Notify(recorder, state, notify, log=log or (lambda m: None), clock=clock),
     ])
 

@@ -39,7 +39,7 @@ def summary(records):
 def test_pipeline_is_assembled_in_order():
     p, _, _ = pipe()
     assert repr(p) == ("Pipeline(correlate -> dedup -> investigate -> decide -> limit -> act "
-                       "-> record -> notify)")
+                       "-> record -> dispatch -> notify)")
 
 
 def test_crash_becomes_planned_restart_records():

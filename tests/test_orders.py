@@ -138,9 +138,14 @@ def desk_with(now=T0, **kw):
     return desk, sent, audit, clock
 
 
-def test_the_pipeline_sends_signed_orders_and_records_their_ids():
-    desk, sent, _, _ = desk_with(keys=KEYS)
-    recorder = ListRecorder()
+def test_the_pipeline_sends_signed_orders_after_recording_their_decisions():
+    recorder, sent = ListRecorder(), []
+
+    def send(order):  # the planned record is on the audit log before its order leaves
+        assert [r for r in recorder.events if r.extra.get("order_id") == order.order_id]
+        sent.append(order)
+
+    desk = OrderDesk(send=send, recorder=ListRecorder(), keys=KEYS, clock=lambda: T0)
     pipe = build_pipeline(policy=Policy(), state=ServiceState(), recorder=recorder, orders=desk)
     anomaly = ev.Anomaly(job="j1", ts=T0, id="x1", kind="gpu_fault", severity="critical",
                          ranks=[1], nodes=["gpu-07"], onset_ts=T0 - 5, detected_ts=T0 - 4,
@@ -158,14 +163,16 @@ def test_the_pipeline_sends_signed_orders_and_records_their_ids():
 
 def test_an_order_with_an_invalid_target_is_not_sent():
     desk, sent, _, _ = desk_with()
-    d = desk.send(Decision(action="evict", reason="x", targets={"nodes": ["$(reboot)"]}),
-                  incident())
+    d = desk.prepare(Decision(action="evict", reason="x", targets={"nodes": ["$(reboot)"]}),
+                     incident())
+    assert desk.dispatch([d]) == 0
     assert (d.status, d.code, sent) == ("failed", "invalid_target", [])
 
 
 def test_unanswered_orders_are_recorded_failed_once():
     desk, sent, audit, clock = desk_with(ack_timeout_s=60)
-    desk.send(Decision(action="restart", reason="x", targets={}), incident())
+    desk.dispatch([desk.prepare(Decision(action="restart", reason="x", targets={}),
+                                incident())])
     clock["t"] += 30
     assert desk.expire() == 0
     clock["t"] += 31
@@ -179,7 +186,8 @@ def test_unanswered_orders_are_recorded_failed_once():
 
 def test_acks_of_unknown_orders_and_forged_acks_are_not_filed():
     desk, sent, audit, _ = desk_with(keys=KEYS)
-    desk.send(Decision(action="restart", reason="x", targets={}), incident())
+    desk.dispatch([desk.prepare(Decision(action="restart", reason="x", targets={}),
+                                incident())])
     stranger = ack_of(order(order_id="o-unknown"), "done", "relaunched", "?", ts=T0)
     assert desk.receive(stranger, ev.encode(stranger)) == ("unknown", None)
     forged = ack_of(sent[0], "already_satisfied", "relaunched_since_onset", "!", ts=T0)
