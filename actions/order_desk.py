@@ -127,8 +127,8 @@ class OrderDesk:
                 known["acked"] = True
             else:
                 self._track(self._order_from(action, order_id), action.ts, acked=True)
-        elif action.status == "planned" and known is None:
-            self._track(self._order_from(action, order_id), action.ts)
+        elif action.status == "planned" and known is None:  # its ack may be read back yet:
+            self._track(self._order_from(action, order_id), self.clock())  # time from now
 
     @staticmethod
     def _order_from(action: ev.Action, order_id: str) -> ev.Order:
