@@ -40,7 +40,7 @@ from trainguard.actions.pipeline import build_pipeline
 from trainguard.actions.policy import Policy, PolicyError, load_policy
 from trainguard.actions.state import ServiceState
 from trainguard.errors import UserError
-from trainguard.signing import sign, signing_key_from_env, warn_if_unsigned
+from trainguard.signing import Verifier, sign, signing_key_from_env, warn_if_unsigned
 
 __all__ = ["main", "ActionService", "KafkaSource", "KafkaRecorder", "read_back",
            "load_service_config", "default_state_path", "PRODUCER_SETTINGS"]
@@ -147,9 +147,10 @@ class KafkaSource:
         self.consumer.close()
 
 
-def read_back(config, topic: str, since: float, apply, timeout: float = 30.0) -> int:
-    """Feed every valid event of ``topic`` from ``since`` up to its current end to ``apply``;
-    returns how many."""
+def read_back(config, topic: str, since: float, apply, timeout: float = 30.0,
+              accept=None) -> int:
+    """Feed every valid event of ``topic`` from ``since`` up to its current end to ``apply``
+    (only those whose bytes ``accept`` approves, when given); returns how many."""
     from confluent_kafka import Consumer
 
     consumer = Consumer(config.kafka(**{"group.id": f"trainguard-readback-{os.getpid()}",
@@ -166,8 +167,9 @@ def read_back(config, topic: str, since: float, apply, timeout: float = 30.0) ->
             if msg is None or msg.error():
                 continue
             try:
-                apply(ev.decode(msg.value()))
-                count += 1
+                if accept is None or accept(msg.value()):
+                    apply(ev.decode(msg.value()))
+                    count += 1
             except ev.InvalidEvent:
                 pass
             if msg.offset() + 1 >= ends[msg.partition()]:
@@ -180,13 +182,16 @@ def read_back(config, topic: str, since: float, apply, timeout: float = 30.0) ->
 class KafkaRecorder:
     """Writes events to a topic, keyed by job (so one job's records stay in order)."""
 
-    def __init__(self, producer, topic: str, flush_timeout: float = 10.0):
+    def __init__(self, producer, topic: str, flush_timeout: float = 10.0, keys=None):
         self.producer = producer
         self.topic = topic
         self.flush_timeout = flush_timeout
+        self.keys = keys
 
     def write(self, event: ev.Event) -> None:
-        self.producer.produce(self.topic, key=event.job.encode(), value=ev.encode(event))
+        """Writes ``event``, signed with ``keys`` when given."""
+        self.producer.produce(self.topic, key=event.job.encode(),
+                              value=ev.encode(sign(event, self.keys)))
         self.producer.poll(0)
 
     def flush(self) -> None:
@@ -388,7 +393,7 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
     started = time.time()
     since = started - LIFECYCLE_LOOKBACK_S
     deadletter = _deadletter_writer(producer, topics.deadletter)
-    audit = KafkaRecorder(producer, topics.actions)
+    audit = KafkaRecorder(producer, topics.actions, keys=keys)
     orders = KafkaRecorder(producer, topics.orders)
 
     def send_order(order: ev.Order) -> None:
@@ -468,7 +473,19 @@ def main(args, config, keys=None) -> int:
                 LIFECYCLE_LOOKBACK_S:
             ordered.append(action)
 
-    restored = read_back(config, topics.actions, time.time() - state.horizon_s, absorb)
+    unsigned = []
+
+    def accept(raw) -> bool:  # with a key, only records signed with it rebuild the ledger
+        refusal = Verifier(keys).check_signature(raw) if keys is not None else None
+        if refusal is not None:
+            unsigned.append(refusal.code)
+        return refusal is None
+
+    restored = read_back(config, topics.actions, time.time() - state.horizon_s, absorb,
+                         accept=accept)
+    if unsigned:
+        _log(f"{len(unsigned)} record(s) of {topics.actions} not read back: not signed with "
+             "this service's key")
     state.save(time.time())
     _log(f"policy {'(dry-run) ' if policy.dry_run else ''}{args.policy or 'defaults'}; "
          f"state {state_path} ({len(state.incidents)} incidents, {restored} action records "

@@ -485,8 +485,8 @@ def _kill(pid: int, sig: int) -> None:
 
 
 class _Publisher:
-    """Lifecycle to the telemetry topic, action records to the actions topic, acks (signed
-    with ``keys``) to the orders topic, refused orders to the dead-letter topic."""
+    """Lifecycle to the telemetry topic, action records to the actions topic, acks to the
+    orders topic (those two signed with ``keys``), refused orders to the dead-letter topic."""
 
     def __init__(self, config, keys=None):
         from confluent_kafka import Producer
@@ -501,10 +501,10 @@ class _Publisher:
 
     def __call__(self, event: ev.Event) -> None:
         topics = self.config.topics
-        if isinstance(event, ev.Ack):
-            event, topic = sign(event, self.keys), topics.orders
-        else:
-            topic = topics.actions if isinstance(event, ev.Action) else topics.telemetry
+        if isinstance(event, (ev.Ack, ev.Action)):
+            event = sign(event, self.keys)
+        topic = topics.orders if isinstance(event, ev.Ack) else \
+            topics.actions if isinstance(event, ev.Action) else topics.telemetry
         self.producer.produce(topic, key=event.job.encode(), value=ev.encode(event))
         self.producer.poll(0)
         if isinstance(event, (ev.Action, ev.Ack)):

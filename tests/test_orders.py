@@ -236,3 +236,15 @@ def test_up_generates_a_key_for_its_services_unless_one_is_set(tmp_path, monkeyp
     assert SigningKeys.parse(env["TRAINGUARD_SIGNING_KEY"])  # long enough
     monkeypatch.setenv("TRAINGUARD_SIGNING_KEY", "the-operators-own-key-0123")
     assert own_signing_key(tmp_path / "other") == ({}, None)
+
+
+def test_audit_records_are_signed_in_their_extra_fields():
+    record = ev.Action(job="j1", ts=T0, incident="inc-1", action="restart", targets={"job": "j1"},
+                       status="planned", reason="crash", extra={"order_id": "o-1"})
+    signed = sign(record, KEYS)
+    assert signed.extra["key_id"] == KEYS.key_id and len(signed.extra["sig"]) == 64
+    v = Verifier(KEYS)
+    assert v.check_signature(ev.encode(signed)) is None
+    assert v.check_signature(ev.encode(record)).code == "unsigned"
+    assert v.check_signature(ev.encode(signed.replace(status="done"))).code == "bad_signature"
+    assert sign(signed, KEYS) == signed  # signing again gives the same record

@@ -88,8 +88,8 @@ def test_forged_replayed_and_stale_orders_to_a_real_supervisor(kafka_config, tmp
     log = tmp_path / "child.jsonl"
     env = {"TRAINGUARD_BOOTSTRAP": kafka_config.bootstrap,
            "TRAINGUARD_TOPIC_PREFIX": kafka_config.topics.prefix, KEY_ENV: KEY,
-           "CHILD_LOG": str(log), "CHILD_MODE": "hang@3", "CHILD_STEPS": "8",
-           "CHILD_STEP_S": "0.05"}
+           "CHILD_LOG": str(log), "CHILD_MODE": "hang@3", "CHILD_STEPS": "200",
+           "CHILD_STEP_S": "0.05"}  # after its relaunch, the child runs ~10 s more
     run = procs.trainguard("run", "run", "--job", "jo", "--max-restarts", "1",
                            "--checkpoint-dir", str(tmp_path / "ckpt"), "--grace", "1", "--",
                            PYTHON, str(script), env=env)
@@ -128,7 +128,7 @@ def test_forged_replayed_and_stale_orders_to_a_real_supervisor(kafka_config, tmp
     orders.wait(lambda es: acks(es, order_id="o-good", status="rejected"), timeout=30,
                 what="the replay's rejection")
     assert "replayed" in dead.wait(len(forged) + 1)[-1]["reason"]
-    assert run.wait(timeout=30) == 0, procs.log("run")[-2000:]
+    assert run.wait(timeout=90) == 0, procs.log("run")[-2000:]
     starts = [e for e in read_log(log) if e["event"] == "start"]
     assert len(starts) == 2 and starts[1]["exclude"] is None  # one relaunch, budget of 1 held
     assert "WARNING: no signing key" not in procs.log("run")
@@ -215,3 +215,20 @@ def test_a_command_flood_to_a_real_agent_gives_a_bounded_number_of_dumps(kafka_c
         rank.kill()
         rank.wait(5)
         stacks.close()
+
+
+def test_with_a_key_only_signed_audit_records_rebuild_the_ledger(kafka_config):
+    """A forged `restart planned` on the audit log would use up a job's restart cap when the
+    service reads the log back; with a key it is not read back."""
+    from trainguard.actions.service import read_back
+    from trainguard.signing import Verifier
+
+    now = time.time()
+    record = ev.Action(job="jo", ts=now, incident="inc-x", action="restart", targets={},
+                       status="planned", reason="x", extra={"source": "actions"})
+    produce(kafka_config, kafka_config.topics.actions, record.replace(incident="inc-forged"),
+            sign(record, KEYS))
+    state = ServiceState()
+    count = read_back(kafka_config, kafka_config.topics.actions, now - 60, state.absorb,
+                      accept=lambda raw: Verifier(KEYS).check_signature(raw) is None)
+    assert count == 1 and list(state.incidents) == ["inc-x"]

@@ -124,14 +124,20 @@ def _mac(key: bytes, body: bytes) -> str:
 
 
 def sign(event, keys: SigningKeys | None):
-    """``event`` (an order, ack or command) with ``key_id`` and ``sig`` set; unchanged
-    without keys."""
+    """``event`` with ``key_id`` and ``sig`` set (declared fields of orders, acks and
+    commands; extra fields of other types, such as the ``action`` records of the audit log);
+    unchanged without keys."""
     if keys is None:
         return event
     from .events import to_dict
 
-    unsigned = event.replace(key_id=keys.key_id, sig=None)
-    return unsigned.replace(sig=_mac(keys.keys[0], canonical(to_dict(unsigned))))
+    if "sig" in event.OPTIONAL:
+        unsigned = event.replace(key_id=keys.key_id, sig=None)
+        return unsigned.replace(sig=_mac(keys.keys[0], canonical(to_dict(unsigned))))
+    extra = {k: v for k, v in event.extra.items() if k != "sig"}
+    unsigned = event.replace(extra={**extra, "key_id": keys.key_id})
+    mac = _mac(keys.keys[0], canonical(to_dict(unsigned)))
+    return unsigned.replace(extra={**unsigned.extra, "sig": mac})
 
 
 @dataclass(kw_only=True, frozen=True)
