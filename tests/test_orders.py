@@ -248,3 +248,14 @@ def test_audit_records_are_signed_in_their_extra_fields():
     assert v.check_signature(ev.encode(record)).code == "unsigned"
     assert v.check_signature(ev.encode(signed.replace(status="done"))).code == "bad_signature"
     assert sign(signed, KEYS) == signed  # signing again gives the same record
+
+
+def test_every_event_type_has_a_topic_to_be_replayed_to():
+    from trainguard.streams.recorder import topic_for
+
+    from events_factory import examples
+
+    topics = Topics(prefix="tg")
+    assert {topic_for(e, topics) for e in examples() if e.type in ("order", "ack")} == {
+        "tg.orders"}
+    assert all(topic_for(e, topics) for e in examples())
