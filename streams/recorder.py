@@ -2,7 +2,7 @@
 back.
 
 ``record --out FILE [--job J] [--seconds S] [--from-beginning]`` reads the telemetry,
-commands, stacks, anomalies and actions topics (from now, or from the oldest retained
+commands, stacks, anomalies, actions and orders topics (from now, or from the oldest retained
 message) and writes every valid envelope, in the order received, as one line; with ``--job``
 only that job's. Invalid messages are counted, not written (they are the dead-letter topic's
 business). It stops after ``S`` seconds or on Ctrl-C / SIGTERM, and always closes the file.
@@ -45,7 +45,8 @@ PRODUCER_SETTINGS = {"linger.ms": 5, "partitioner": "murmur2_random",
 
 
 def recorded_topics(topics: Topics) -> list[str]:
-    return [topics.telemetry, topics.commands, topics.stacks, topics.anomalies, topics.actions]
+    return [topics.telemetry, topics.commands, topics.stacks, topics.anomalies, topics.actions,
+            topics.orders]
 
 
 def topic_for(event: ev.Event, topics: Topics) -> str:
