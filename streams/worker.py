@@ -68,12 +68,17 @@ def build(settings: WorkerSettings, config: Config, detector_config=None):
                           rank_state=settings.rank_state_topic)
     detector_config = detector_config or DetectorConfig()
     metrics = Metrics()
+    shared = {"detector_config": detector_config}    # not snapshotted: the running one
     ranks = RankProcessor(partial(RankStage, detector_config),
                           make_node_stage=partial(NodeStage, detector_config),
-                          telemetry_topic=topics.telemetry, idle_ttl_s=settings.idle_ttl_s)
+                          telemetry_topic=topics.telemetry, idle_ttl_s=settings.idle_ttl_s,
+                          evict_idle_s=settings.evict_idle_s,
+                          max_live=settings.max_live_ranks, shared=shared)
     jobs = JobProcessor(partial(JobStage, detector_config), idle_ttl_s=settings.idle_ttl_s,
                         observe_lag=metrics.observe_lag,
-                        advance_every_s=detector_config.advance_interval_s)
+                        advance_every_s=detector_config.advance_interval_s,
+                        evict_idle_s=settings.evict_idle_s,
+                        max_live=settings.max_live_jobs, shared=shared)
     collection = (ScheduledCollection(settings.gc_interval_s) if settings.gc_interval_s > 0
                   else None)
     runtime = JobRuntime(settings=settings, topics=topics, processor=jobs, metrics=metrics,
