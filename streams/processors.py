@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from trainguard import events as ev
+from trainguard.eventtime import EventTimeFilter
 
 from .deadletter import deadletter_record
 from .logic import (NODE_TYPES, InvalidSummaries, SourceMarks, classify, decode_summaries,
@@ -92,6 +93,7 @@ class RankOutput:
     ignored: int = 0
     replayed: int = 0
     errors: int = 0
+    time_rejected: int = 0         # of invalid: an implausible ts or step
 
     def messages(self) -> list[tuple[bytes, bytes]]:
         """Summaries messages ``(key, value)``, keyed by job."""
@@ -129,9 +131,10 @@ class RankProcessor(_SlotsProcessor):
                  make_node_stage: Callable[[], Any] | None = None,
                  telemetry_topic: str = "telemetry", idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
                  evict_idle_s: float | None = None, max_live: int | None = None,
-                 shared: dict | None = None):
+                 shared: dict | None = None, time_filter: EventTimeFilter | None = None):
         self.make_stage = make_stage
         self.make_node_stage = make_node_stage
+        self.time_filter = time_filter if time_filter is not None else EventTimeFilter()
         self.telemetry_topic = telemetry_topic
         self.idle_ttl_s = idle_ttl_s
         self.state = Slots(idle_ttl_s=idle_ttl_s, evict_idle_s=evict_idle_s,
@@ -149,11 +152,21 @@ class RankProcessor(_SlotsProcessor):
 
     def decode(self, records: Iterable, out: RankOutput) -> dict:
         """``{partition: [(ts, record), ...]}`` with ``record = (partition, offset, key,
-        value, event, reason)``: ``event`` None and ``reason`` set for an invalid one."""
+        value, event, reason)``: ``event`` None and ``reason`` set for an invalid one, or
+        one that :class:`~trainguard.eventtime.EventTimeFilter` refuses (judged by the
+        broker's timestamp of the message too, when a record carries it as a fifth item, in
+        seconds)."""
         decoded: dict = {}
-        for partition, offset, key, value in records:
+        check = self.time_filter.check
+        for rec in records:
+            partition, offset, key, value = rec[:4]
             out.events += 1
             event, reason = classify(value)
+            if event is not None:
+                reason = check(event, rec[4] if len(rec) > 4 else None)
+                if reason is not None:
+                    event = None
+                    out.time_rejected += 1
             bucket = decoded.get(partition)
             if bucket is None:
                 bucket = decoded[partition] = []

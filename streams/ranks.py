@@ -173,7 +173,8 @@ class RankService(Service):
                     log.warning("telemetry consume error: %s", m.error())
                 continue
             p, o = m.partition(), m.offset()
-            records.append((p, o, m.key(), m.value()))
+            kind, stamp = m.timestamp()
+            records.append((p, o, m.key(), m.value(), stamp / 1000.0 if kind else None))
             self.fetched[p] = o + 1
             self.last_seen[p] = now
         if records:
@@ -254,6 +255,7 @@ class RankService(Service):
         m = self.metrics
         m.inc("events_in", out.events)
         m.inc("invalid", out.invalid)
+        m.inc("time_rejected", out.time_rejected)
         m.inc("ignored", out.ignored)
         m.inc("replayed", out.replayed)
         m.inc("stage_errors", out.errors)
