@@ -75,12 +75,17 @@ class WorkerSettings:
             raise ConfigError(f"--loglevel {self.loglevel!r} must be one of {', '.join(LOGLEVELS)}")
         if not self.gc_interval_s >= 0:
             raise ValueError("gc_interval_s must be 0 (CPython's own collection) or positive")
-        for name in ("batch_max", "poll_ms", "max_live_jobs", "max_live_ranks"):
+        for name in ("max_live_jobs", "max_live_ranks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if not self.evict_idle_s > 0:
+            raise ConfigError("--evict-idle-s must be positive")
+        for name in ("batch_max", "poll_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("snapshot_interval_s", "job_snapshot_interval_s", "advance_interval_s",
                      "session_timeout_s",
-                     "grace_s", "idle_ttl_s", "align_hold_s", "evict_idle_s"):
+                     "grace_s", "idle_ttl_s", "align_hold_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
 

@@ -46,8 +46,12 @@ def settings_from_args(args, config: Config) -> WorkerSettings:
     from trainguard.broker import trainguard_home
 
     data_dir = args.data_dir or str(trainguard_home() / "worker")
+    memory = {name: getattr(args, name) for name in ("evict_idle_s", "max_live_jobs",
+                                                     "max_live_ranks")
+              if getattr(args, name, None) is not None}
     return WorkerSettings(prefix=config.topics.prefix, worker_id=args.id,
-                          web_port=args.web_port, data_dir=data_dir, loglevel=args.loglevel)
+                          web_port=args.web_port, data_dir=data_dir, loglevel=args.loglevel,
+                          **memory)
 
 
 def build(settings: WorkerSettings, config: Config, detector_config=None):
