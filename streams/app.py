@@ -102,22 +102,23 @@ class JobRuntime:
             self.unconfirmed.append((self.anomalies.send_soon(key=key, value=value),
                                      key, value))
 
-    def confirm(self) -> bool:
-        """After a flush: count the delivered anomalies, send the failed ones again; True
-        when every anomaly sent so far reached the topic."""
-        waiting = []
+    def confirm(self) -> tuple[bool, int]:
+        """After a flush: count the delivered anomalies, send the failed ones again;
+        ``(every anomaly sent so far reached the topic, how many failed)``."""
+        waiting, failed = [], 0
         for fut, key, value in self.unconfirmed:
             if fut.done() and fut.exception() is None:
                 self.metrics.inc("anomalies_out")
                 continue
             if fut.done():
+                failed += 1
                 self.metrics.inc("anomalies_failed")
                 log.warning("anomaly for job %r not delivered (%s); sending it again",
                             key[:100], fut.exception())
                 fut = self.anomalies.send_soon(key=key, value=value)
             waiting.append((fut, key, value))
         self.unconfirmed = waiting
-        return not waiting
+        return not waiting, failed
 
     async def on_event(self, event) -> None:
         message = event.message
@@ -169,8 +170,27 @@ class JobRuntime:
             await self.checkpoint()
 
     async def checkpoint(self) -> None:
+        """Confirm the anomalies sent so far, then snapshot, then commit. A snapshot records
+        which anomalies a job sent, so it is taken only once they are all delivered: while
+        one is not, nothing is snapshotted or committed (it is sent again), and a crash
+        meanwhile replays the input that found it, which finds it again."""
+        self.next_snapshot = self.clock() + self.settings.job_snapshot_interval_s
+        delivered = False
+        for _ in range(3):                 # anomalies found while flushing: flush again
+            try:
+                await self.app.producer.flush()
+                for _ in range(3):         # let the delivery callbacks run
+                    await asyncio.sleep(0)
+            except Exception as exc:
+                log.warning("job side flush failed: %s", exc)
+                break
+            delivered, failed = self.confirm()
+            if delivered or failed:
+                break
+        if not delivered:
+            self.metrics.inc("snapshot_failures")
+            return
         now = self.clock()
-        self.next_snapshot = now + self.settings.job_snapshot_interval_s
         for key, partition, blob in self.processor.evict(now) + self.processor.snapshot():
             if blob is None:
                 self.table.data.pop(key, None)
@@ -178,15 +198,6 @@ class JobRuntime:
                 self.table.data[key] = blob
             self.table.send_changelog(partition, key, blob)
         self.metrics.inc("snapshots")
-        try:
-            await self.app.producer.flush()
-            for _ in range(3):             # let the delivery callbacks run
-                await asyncio.sleep(0)
-        except Exception as exc:
-            log.warning("job side flush failed: %s", exc)
-        if not self.confirm():     # an anomaly not delivered: commit nothing it came from
-            self.metrics.inc("snapshot_failures")
-            return
         acks, self.pending = self.pending, []
         for event in acks:
             event.ack()

@@ -60,7 +60,7 @@ class WorkerSettings:
     idle_ttl_s: float = 6 * 3600.0   # stages without input this long are dropped
     evict_idle_s: float = 1800.0     # stages without input this long leave memory for their
                                      # snapshot, and come back when their key speaks again
-    max_live_jobs: int = 5000        # job stages in memory at most (least recently used go)
+    max_live_jobs: int = 2000        # job stages in memory at most (least recently used go)
     max_live_ranks: int = 200_000    # rank and node stages in memory at most
     partitions: int = 0              # of the summaries topic; 0: as many as telemetry
     gc_interval_s: float = 30.0      # full garbage collection this often; 0: CPython's own
