@@ -228,3 +228,61 @@ def test_an_evicted_job_is_restored_with_its_state_when_it_speaks_again(kafka_bo
     finally:
         reader.close()
         w.stop(grace=5)
+
+
+def set_max_message_bytes(config, topic: str, size: int) -> None:
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
+
+    resource = ConfigResource("topic", topic, incremental_configs=[ConfigEntry(
+        "max.message.bytes", str(size), incremental_operation=AlterConfigOpType.SET)])
+    admin = AdminClient(config.kafka())
+    for future in admin.incremental_alter_configs([resource]).values():
+        future.result(timeout=15)
+
+
+def committed(config, group: str, topic: str) -> int:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(config.kafka(**{"group.id": group, "enable.auto.commit": False}))
+    try:
+        parts = [TopicPartition(topic, p) for p in partitions_of(config, topic)]
+        return sum(max(0, tp.offset) for tp in consumer.committed(parts, timeout=10))
+    finally:
+        consumer.close()
+
+
+def test_failed_deliveries_hold_the_commits_until_they_go_through(kafka_bootstrap, tmp_path):
+    """The broker refuses the worker's summaries, then its anomaly (a topic limit far too
+    small): the offsets behind them are not committed, nothing is counted as sent, and
+    once the limits are lifted the same messages go through and the anomaly arrives."""
+    config = new_config(kafka_bootstrap)
+    worker_id = f"d{uuid.uuid4().hex[:8]}"
+    names = WorkerSettings(prefix=config.topics.prefix, worker_id=worker_id)
+    w = WorkerProcess(config, worker_id, tmp_path / "data", tmp_path / "worker.log")
+    reader = TopicReader(config, config.topics.anomalies)
+    job = f"held-{uuid.uuid4().hex[:6]}"
+    try:
+        w.start()
+        w.wait_ready()
+        set_max_message_bytes(config, names.summaries_topic, 64)
+        set_max_message_bytes(config, config.topics.anomalies, 64)
+        produce(config, steps(job, time.time(), 0, 9, nan_at=(6, 1)))
+        w.wait_until(lambda m: m["trainguard_deliveries_failed_total"] >= 2
+                     and m["trainguard_snapshot_failures_total"] >= 2, "refused summaries")
+        assert committed(config, names.rank_group, config.topics.telemetry) == 0
+        set_max_message_bytes(config, names.summaries_topic, 1048588)
+        w.wait_until(lambda m: m["trainguard_anomalies_failed_total"] >= 2, "a refused anomaly")
+        assert w.metrics()["trainguard_anomalies_out_total"] == 0
+        assert committed(config, names.rank_group, config.topics.telemetry) == 40
+        assert committed(config, names.app_id, names.summaries_topic) == 0
+        assert reader.anomalies(job) == []
+        set_max_message_bytes(config, config.topics.anomalies, 1048588)
+        nan = reader.wait_for(lambda r: [a for a in r.anomalies(job) if a.kind == "nan"],
+                              "the nan once the limit is lifted", worker=w)
+        assert nan[0].ranks == [1] and nan[0].step == 6
+        w.wait_until(lambda m: m["trainguard_anomalies_out_total"] >= 1, "the anomaly counted")
+        w.wait_until(lambda m: committed(config, names.app_id, names.summaries_topic) > 0,
+                     "the job side's commit")
+    finally:
+        reader.close()
+        w.stop(grace=5)
