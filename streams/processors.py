@@ -244,7 +244,8 @@ class JobProcessor(_SlotsProcessor):
         self.observe_lag = observe_lag
         self.advance_every_s = advance_every_s
         self.state = Slots(idle_ttl_s=idle_ttl_s, evict_idle_s=evict_idle_s,
-                           max_live=max_live, kinds=(JobSlot,), shared=shared)
+                           max_live=max_live, kinds=(JobSlot,), shared=shared,
+                           reuse_blobs=True)
         self.applied = 0
         self.replayed = 0
         self.errors = 0
