@@ -18,72 +18,26 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 JOBS = 100_000
-BASELINE_JOBS = 20_000
+BASELINE_JOBS = 10_000
 SETTLE_S = 60.0                 # watched after the last job, for flatness
 TIMEOUT_S = 900.0
-TRAINGUARD = str(Path(sys.executable).with_name("trainguard"))
 NO_CAPS = ["--max-live-jobs", str(10 ** 9), "--max-live-ranks", str(10 ** 9),
            "--evict-idle-s", str(6 * 3600)]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Worker:
-    def __init__(self, config, tmp: Path, extra: list):
-        self.port = _free_port()
-        self.log = tmp / f"worker-{self.port}.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [TRAINGUARD, "worker", "--bootstrap", config.bootstrap, "--prefix",
-                 config.topics.prefix, "--id", f"mem{uuid.uuid4().hex[:6]}", "--web-port",
-                 str(self.port), "--data-dir", str(tmp / "data"), "--loglevel", "warn",
-                 *extra], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def metrics(self) -> dict:
-        from trainguard.streams.metrics import parse_exposition
-
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics",
-                                        timeout=5) as reply:
-                return parse_exposition(reply.read().decode())
-        except OSError:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker died: {self.log.read_text()[-2000:]}") from None
-            return {}
-
-    def rss_mb(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return 0.0
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def _produce(config, jobs: int, t0: float) -> None:
@@ -107,8 +61,10 @@ def _produce(config, jobs: int, t0: float) -> None:
 
 
 def _measure(config, tmp: Path, jobs: int, extra: list) -> dict:
+    from bench_stream_throughput import Worker
+
     tmp.mkdir(parents=True, exist_ok=True)
-    worker = Worker(config, tmp, extra)
+    worker = Worker(config, f"mem{uuid.uuid4().hex[:6]}", tmp, tuple(extra))
     try:
         deadline = time.monotonic() + 120
         while not worker.metrics().get("trainguard_assigned_partitions"
@@ -117,7 +73,7 @@ def _measure(config, tmp: Path, jobs: int, extra: list) -> dict:
                 raise RuntimeError(f"worker not ready: {worker.log.read_text()[-2000:]}")
             time.sleep(0.5)
         time.sleep(3.0)
-        idle_mb = worker.rss_mb()
+        idle_mb = _rss_mb(worker.proc.pid)
         began = time.monotonic()
         _produce(config, jobs, time.time())
         samples = []                 # (seconds since the first message, jobs applied, MB)
@@ -128,7 +84,7 @@ def _measure(config, tmp: Path, jobs: int, extra: list) -> dict:
         while time.monotonic() < deadline:
             m = worker.metrics()
             applied = int(m.get("trainguard_items_applied_total", 0))
-            mb = worker.rss_mb()
+            mb = _rss_mb(worker.proc.pid)
             samples.append((round(time.monotonic() - began, 1), applied, round(mb, 1)))
             if len(samples) % 10 == 1:
                 print(f"worker_memory: {samples[-1]}", file=sys.stderr, flush=True)

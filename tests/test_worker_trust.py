@@ -17,7 +17,8 @@ from trainguard import events as ev
 from trainguard.streams.deadletter import parse_deadletter
 from trainguard.streams.settings import WorkerSettings
 
-from test_streams_worker import TopicReader, WorkerProcess, new_config, produce, steps
+from test_streams_worker import (TopicReader, WorkerProcess, new_config, produce, steps,  # noqa: F401
+                                 worker_env)
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -84,21 +85,6 @@ def test_hostile_pickles_on_both_state_topics_run_nothing_across_a_restart(kafka
         for w in workers:
             w.stop(grace=5)
     assert not marker.exists()
-
-
-@pytest.fixture(scope="module")
-def worker_env(kafka_bootstrap, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("trust")
-    config = new_config(kafka_bootstrap)
-    worker = WorkerProcess(config, f"t{uuid.uuid4().hex[:8]}", tmp / "data", tmp / "worker.log")
-    worker.start()
-    reader = TopicReader(config, config.topics.anomalies, config.topics.deadletter)
-    try:
-        worker.wait_ready()
-        yield config, worker, reader
-    finally:
-        reader.close()
-        worker.stop(grace=10)
 
 
 def dead_letters(reader) -> list:
