@@ -27,7 +27,7 @@ from pathlib import Path
 JOBS = 100_000
 BASELINE_JOBS = 10_000
 SETTLE_S = 60.0                 # watched after the last job, for flatness
-TIMEOUT_S = 900.0
+TIMEOUT_S = 1800.0
 NO_CAPS = ["--max-live-jobs", str(10 ** 9), "--max-live-ranks", str(10 ** 9),
            "--evict-idle-s", str(6 * 3600)]
 
@@ -81,9 +81,10 @@ def _measure(config, tmp: Path, jobs: int, extra: list) -> dict:
         at_marks = {}
         deadline = time.monotonic() + TIMEOUT_S
         done_at = None
+        applied = 0
         while time.monotonic() < deadline:
-            m = worker.metrics()
-            applied = int(m.get("trainguard_items_applied_total", 0))
+            m = worker.metrics()           # {} when the page did not answer in time
+            applied = int(m.get("trainguard_items_applied_total", applied))
             mb = _rss_mb(worker.proc.pid)
             samples.append((round(time.monotonic() - began, 1), applied, round(mb, 1)))
             if len(samples) % 10 == 1:

@@ -84,10 +84,30 @@ class EventTimeFilter:
         self.limits = limits if limits is not None else EventTimeLimits()
         self.jobs: dict = {}
         self.rejected = 0
+        lim = self.limits
+        self._fast = (lim.past_s, lim.future_s, lim.step_jump, lim.max_step)
 
     def check(self, event, broker_ts: float | None = None) -> str | None:
-        lim = self.limits
         ts = event.ts
+        step = getattr(event, "step", None)
+        job = self.jobs.get(event.job)
+        if job is not None and broker_ts is None and not job.streak:
+            # the common case, offline: well within every limit (what _check would accept)
+            past, future, jump, max_step = self._fast
+            newest = job.newest
+            if newest - past <= ts <= newest + future:
+                top = job.top_step
+                if step is None or (top is not None and step - top <= jump
+                                    and step <= max_step):
+                    if ts > newest:
+                        job.newest = ts
+                    if step is not None and step > top:
+                        job.top_step, job.top_ts = step, ts
+                    return None
+        return self._check(event, ts, step, job, broker_ts)
+
+    def _check(self, event, ts, step, job, broker_ts) -> str | None:
+        lim = self.limits
         if broker_ts is not None:
             if ts > broker_ts + lim.future_s:
                 return self._refuse(f"implausible ts {ts:.3f}: {ts - broker_ts:.0f}s after the "
@@ -95,11 +115,9 @@ class EventTimeFilter:
             if ts < broker_ts - lim.broker_past_s:
                 return self._refuse(f"implausible ts {ts:.3f}: {broker_ts - ts:.0f}s before "
                                     f"the broker received it (allowed {lim.broker_past_s:.0f}s)")
-        step = getattr(event, "step", None)
         if step is not None and step > lim.max_step:
             return self._refuse(f"implausible step {step}: above the largest plausible step "
                                 f"{lim.max_step}")
-        job = self.jobs.get(event.job)
         if job is None:
             if len(self.jobs) >= lim.max_jobs:
                 del self.jobs[next(iter(self.jobs))]
