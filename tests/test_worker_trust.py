@@ -272,3 +272,27 @@ def test_failed_deliveries_hold_the_commits_until_they_go_through(kafka_bootstra
     finally:
         reader.close()
         w.stop(grace=5)
+
+
+def test_a_month_old_recording_replayed_is_judged_not_dead_lettered(worker_env, tmp_path):
+    import subprocess
+    import sys
+
+    from trainguard.recording import RecordingWriter
+
+    config, worker, reader = worker_env
+    job = f"old-{uuid.uuid4().hex[:6]}"
+    path = tmp_path / "old.jsonl"
+    with RecordingWriter(path) as out:
+        for e in steps(job, time.time() - 30 * 86400.0, 0, 9, nan_at=(6, 3)):
+            out.write_raw(ev.encode(e))
+    before = worker.metrics()["trainguard_time_rejected_total"]
+    replay = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "replay", str(path), "--speed", "0",
+         "--bootstrap", config.bootstrap, "--prefix", config.topics.prefix],
+        capture_output=True, text=True, timeout=120)
+    assert replay.returncode == 0, replay.stderr
+    nan = reader.wait_for(lambda r: [a for a in r.anomalies(job) if a.kind == "nan"],
+                          "the nan of the old recording", worker=worker)
+    assert nan[0].ranks == [3] and nan[0].step == 6
+    assert worker.metrics()["trainguard_time_rejected_total"] == before
