@@ -16,6 +16,7 @@ ValueError: straggler_k (12) must be between 1 and straggler_n (10)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -132,8 +133,11 @@ class DetectorConfig:
 
     def params_for(self, cls) -> dict:
         """Constructor arguments of detector class ``cls`` from the fields ``<PREFIX>_<arg>``."""
-        out = {}
-        for name in inspect.signature(cls.__init__).parameters:
-            if name != "self":
-                out[name] = getattr(self, f"{cls.PREFIX}_{name}")
-        return out
+        return {name: getattr(self, f"{cls.PREFIX}_{name}") for name in _init_params(cls)}
+
+
+@functools.lru_cache(maxsize=None)
+def _init_params(cls) -> tuple:
+    """The constructor's parameter names (``inspect.signature`` made a new job stage cost
+    about a millisecond: a worker creates one per new job id)."""
+    return tuple(n for n in inspect.signature(cls.__init__).parameters if n != "self")

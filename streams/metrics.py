@@ -33,7 +33,13 @@ COUNTERS = {
     "events_in": "Telemetry messages consumed.",
     "invalid": "Telemetry messages sent to the dead-letter topic.",
     "ignored": "Valid rank events without a rank, ignored.",
-    "anomalies_out": "Anomalies produced to the anomalies topic.",
+    "anomalies_out": "Anomalies delivered to the anomalies topic (confirmed by the broker).",
+    "anomalies_failed": "Anomaly deliveries that failed (each is sent again; offsets wait).",
+    "deliveries_failed": "Rank-side deliveries (summaries, dead letters, state) that failed "
+                         "(each is produced again; offsets wait).",
+    "deadletters_out": "Dead-letter records delivered to the dead-letter topic.",
+    "time_rejected": "Telemetry events dead-lettered for an implausible ts or step.",
+    "evictions": "Stages evicted from memory to their snapshot (idle, or beyond the cap).",
     "summaries_out": "Messages produced to the internal summaries topic.",
     "summaries_in": "Messages consumed from the internal summaries topic.",
     "summaries_invalid": "Unreadable summaries messages skipped.",
@@ -56,6 +62,8 @@ GAUGES = {
     "assigned_partitions": "Partitions assigned to this worker.",
     "rank_stages": "Rank stages held in memory.",
     "job_stages": "Job stages held in memory.",
+    "evicted_stages": "Snapshots of evicted (idle) stages held until their key speaks again "
+                      "or idle_ttl_s passes.",
     "late_step_records": "Step records that reached their job stage after the step was closed "
                          "(a lagging rank worker); checked for a non-finite loss only.",
 }

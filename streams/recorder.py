@@ -13,7 +13,9 @@ topic of its type, keyed as the collectors key them, paced by the recorded ``ts`
 and action incident ids are then derived anew from the new job (so consumers that
 de-duplicate by id do not mistake the replay for the original). ``--retime`` shifts every
 timestamp (``ts``, and ``phase_since``, ``onset_ts``, ``detected_ts``) so that the recording
-starts now. Invalid lines are counted and reported, not fatal.
+starts now. Invalid lines are counted and reported, not fatal. Each message carries its
+event's ``ts`` as its Kafka timestamp, so that the worker's event-time check
+(:mod:`trainguard.eventtime`) takes an old recording for what it is.
 
 >>> from trainguard.config import Topics
 >>> e = ev.Heartbeat(job="j1", ts=100.0, node="n1", rank=3, pid=7, phase="data",
@@ -252,8 +254,10 @@ def replay_main(args, config: Config) -> int:
                 value = ev.encode(out)
                 while True:
                     try:
+                        # stamped with the event's own time, as a collector sends it: the
+                        # worker refuses events far from their message's timestamp
                         producer.produce(topic_for(out, config.topics), value, message_key(out),
-                                         on_delivery=delivered)
+                                         on_delivery=delivered, timestamp=int(out.ts * 1000))
                         break
                     except BufferError:
                         producer.poll(0.05)

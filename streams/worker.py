@@ -46,8 +46,12 @@ def settings_from_args(args, config: Config) -> WorkerSettings:
     from trainguard.broker import trainguard_home
 
     data_dir = args.data_dir or str(trainguard_home() / "worker")
+    memory = {name: getattr(args, name) for name in ("evict_idle_s", "max_live_jobs",
+                                                     "max_live_ranks")
+              if getattr(args, name, None) is not None}
     return WorkerSettings(prefix=config.topics.prefix, worker_id=args.id,
-                          web_port=args.web_port, data_dir=data_dir, loglevel=args.loglevel)
+                          web_port=args.web_port, data_dir=data_dir, loglevel=args.loglevel,
+                          **memory)
 
 
 def build(settings: WorkerSettings, config: Config, detector_config=None):
@@ -68,12 +72,17 @@ def build(settings: WorkerSettings, config: Config, detector_config=None):
                           rank_state=settings.rank_state_topic)
     detector_config = detector_config or DetectorConfig()
     metrics = Metrics()
+    shared = {"detector_config": detector_config}    # not snapshotted: the running one
     ranks = RankProcessor(partial(RankStage, detector_config),
                           make_node_stage=partial(NodeStage, detector_config),
-                          telemetry_topic=topics.telemetry, idle_ttl_s=settings.idle_ttl_s)
+                          telemetry_topic=topics.telemetry, idle_ttl_s=settings.idle_ttl_s,
+                          evict_idle_s=settings.evict_idle_s,
+                          max_live=settings.max_live_ranks, shared=shared)
     jobs = JobProcessor(partial(JobStage, detector_config), idle_ttl_s=settings.idle_ttl_s,
                         observe_lag=metrics.observe_lag,
-                        advance_every_s=detector_config.advance_interval_s)
+                        advance_every_s=detector_config.advance_interval_s,
+                        evict_idle_s=settings.evict_idle_s,
+                        max_live=settings.max_live_jobs, shared=shared)
     collection = (ScheduledCollection(settings.gc_interval_s) if settings.gc_interval_s > 0
                   else None)
     runtime = JobRuntime(settings=settings, topics=topics, processor=jobs, metrics=metrics,

@@ -54,13 +54,14 @@ class WorkerProcess:
         self.log = log
         self.port = None
         self.proc = None
+        self.extra_args: list = []
 
     def start(self) -> "WorkerProcess":
         self.port = free_port()
         cmd = [TRAINGUARD, "worker", "--bootstrap", self.config.bootstrap,
                "--prefix", self.config.topics.prefix, "--id", self.worker_id,
                "--web-port", str(self.port), "--data-dir", str(self.data_dir),
-               "--loglevel", "warn"]
+               "--loglevel", "warn", *self.extra_args]
         out = open(self.log, "ab")
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)

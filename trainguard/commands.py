@@ -21,6 +21,12 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
                         help="Faust app id; workers with one id share the work")
     worker.add_argument("--loglevel", default="warn",
                         choices=("crit", "error", "warn", "info", "debug"))
+    worker.add_argument("--evict-idle-s", type=float, default=1800.0,
+                        help="stages idle this long leave memory for their snapshot (1800)")
+    worker.add_argument("--max-live-jobs", type=int, default=2000,
+                        help="job stages kept in memory at most, ~40 KB each (2000)")
+    worker.add_argument("--max-live-ranks", type=int, default=200_000,
+                        help="rank and node stages kept in memory at most (200000)")
     add_kafka_flags(worker)
     worker.set_defaults(func=delegate(".streams.worker"))
 
