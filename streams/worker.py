@@ -46,8 +46,20 @@ def settings_from_args(args, config: Config) -> WorkerSettings:
     from trainguard.broker import trainguard_home
 
     data_dir = args.data_dir or str(trainguard_home() / "worker")
+    bind = {"web_bind": args.web_bind} if getattr(args, "web_bind", None) else {}
     return WorkerSettings(prefix=config.topics.prefix, worker_id=args.id,
-                          web_port=args.web_port, data_dir=data_dir, loglevel=args.loglevel)
+                          web_port=args.web_port, data_dir=data_dir, loglevel=args.loglevel,
+                          **bind)
+
+
+def make_data_dir(path: str) -> None:
+    from pathlib import Path
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot make the worker's data folder {path}: {exc.strerror}; "
+                        "set --data-dir or TRAINGUARD_HOME") from None
 
 
 def build(settings: WorkerSettings, config: Config, detector_config=None):
@@ -144,6 +156,7 @@ def _check_port(bind: str, port: int) -> None:
 def main(args, config: Config) -> int:
     settings = settings_from_args(args, config)
     _check_port(settings.web_bind, settings.web_port)
+    make_data_dir(settings.data_dir)
     logging.basicConfig(level=settings.python_loglevel, stream=sys.stderr,
                         format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: "
                                "%(message)s")

@@ -51,6 +51,10 @@ def cmd_broker(args) -> int:
 def cmd_topics(args) -> int:
     from .topics import TopicPlan, create_topics
 
+    for flag, value in (("--telemetry-partitions", args.telemetry_partitions),
+                        ("--partitions", args.partitions)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: a topic needs at least 1 partition")
     config = config_from(args)
     plan = TopicPlan(telemetry_partitions=args.telemetry_partitions,
                      other_partitions=args.partitions)
@@ -59,9 +63,19 @@ def cmd_topics(args) -> int:
     return 0
 
 
+def check_output_file(path, flag: str) -> None:
+    """Refuse, before any work, an output path that is a folder or in no folder that exists."""
+    from pathlib import Path
+
+    if Path(path).is_dir():
+        raise UserError(f"{flag} {path} is a folder; give a file name")
+
+
 def cmd_analyze(args) -> int:
     from .detectors.offline import analyze_file
 
+    if args.report:
+        check_output_file(args.report, "--report")
     result = analyze_file(args.file)
     if args.report:
         write_analysis_report(args.file, result, args.report)
@@ -189,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"trainguard {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         print(f"trainguard {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
