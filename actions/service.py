@@ -376,8 +376,8 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
 
 def main(args, config) -> int:
     """``trainguard actions``: runs until SIGINT or SIGTERM."""
-    policy, alerts, driver = load_service_config(getattr(args, "policy", None),
-                                                 dry_run=bool(getattr(args, "dry_run", False)))
+    policy, alerts, driver = getattr(args, "service_config", None) or load_service_config(
+        getattr(args, "policy", None), dry_run=bool(getattr(args, "dry_run", False)))
     drivers = build_driver_actions(driver)
     sinks = []
     if alerts:

@@ -45,6 +45,8 @@ class WorkerTopics:
 def settings_from_args(args, config: Config) -> WorkerSettings:
     from trainguard.broker import trainguard_home
 
+    if getattr(args, "worker_settings", None) is not None:   # from the configuration tree
+        return args.worker_settings
     data_dir = args.data_dir or str(trainguard_home() / "worker")
     bind = {"web_bind": args.web_bind} if getattr(args, "web_bind", None) else {}
     return WorkerSettings(prefix=config.topics.prefix, worker_id=args.id,
@@ -167,7 +169,8 @@ def main(args, config: Config) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):    # until the Faust worker installs its own
         signal.signal(s, early_exit)
     try:
-        app, rank_service, runtime = build(settings, config)
+        app, rank_service, runtime = build(settings, config,
+                                           getattr(args, "detector_config", None))
     except SystemExit:
         return 0
     if runtime.collection is not None:       # garbage collection on the job side's timer

@@ -26,6 +26,10 @@ def _add_kafka_flags(parser: argparse.ArgumentParser) -> None:
 def config_from(args):
     from .config import Config
 
+    if getattr(args, "tree", None) is not None and "kafka.bootstrap" in args.tree.keys:
+        from .configsections import kafka_config
+
+        return kafka_config(args.tree)
     return Config.from_env(bootstrap=getattr(args, "bootstrap", None),
                            prefix=getattr(args, "prefix", None),
                            kafka_config=getattr(args, "kafka_config", None))
@@ -76,7 +80,7 @@ def cmd_analyze(args) -> int:
 
     if args.report:
         check_output_file(args.report, "--report")
-    result = analyze_file(args.file)
+    result = analyze_file(args.file, getattr(args, "detector_config", None))
     if args.report:
         write_analysis_report(args.file, result, args.report)
     if args.json:
@@ -192,13 +196,23 @@ def build_parser() -> argparse.ArgumentParser:
     fr.add_argument("dir", help="folder of Flight Recorder dumps, one per rank")
     fr.add_argument("--json", action="store_true", help="print SPEC JSON")
     fr.set_defaults(func=cmd_fr)
+
+    from .configcli import add_config_command, add_config_flag
+
+    add_config_command(sub, _add_kafka_flags)
+    for command in sub.choices.values():
+        add_config_flag(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
+        from .configcli import apply_config
+
+        apply_config(parser, argv, args)
         return args.func(args) or 0
     except UserError as exc:
         print(f"trainguard {args.command}: error: {exc}", file=sys.stderr)
