@@ -55,10 +55,6 @@ def cmd_broker(args) -> int:
 def cmd_topics(args) -> int:
     from .topics import TopicPlan, create_topics
 
-    for flag, value in (("--telemetry-partitions", args.telemetry_partitions),
-                        ("--partitions", args.partitions)):
-        if value < 1:
-            raise UserError(f"{flag} {value}: a topic needs at least 1 partition")
     config = config_from(args)
     plan = TopicPlan(telemetry_partitions=args.telemetry_partitions,
                      other_partitions=args.partitions)
