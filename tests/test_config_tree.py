@@ -316,3 +316,23 @@ def test_config_reference_is_current():
         "docs/CONFIG.md is out of date: run `trainguard config docs > docs/CONFIG.md`")
     for key in cs.all_keys():
         assert f"`{key.path}`" in current
+
+
+def test_a_training_process_reads_the_collector_section(tmp_path):
+    import socket
+
+    import trainguard
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    path = write(tmp_path, "[collector]\nheartbeat_interval = 0.25\nreport_every = 4\n")
+    environ = {"TRAINGUARD_CONFIG": path, "TRAINGUARD_BOOTSTRAP": f"127.0.0.1:{closed}"}
+    tg = trainguard.init(job="cfg-job", environ=environ, runtime_dir=tmp_path / "run",
+                         handle_signals=False, stack_signal=None, flush_timeout=0.2,
+                         report_every=2)
+    try:
+        assert tg.settings.heartbeat_interval == 0.25     # from the file
+        assert tg.settings.report_every == 2              # given by the caller: kept
+    finally:
+        tg.close(timeout=0.5)
