@@ -336,3 +336,17 @@ def test_a_training_process_reads_the_collector_section(tmp_path):
         assert tg.settings.report_every == 2              # given by the caller: kept
     finally:
         tg.close(timeout=0.5)
+
+
+def test_flags_of_the_training_command_are_not_trainguards(tmp_path):
+    from trainguard.configcli import apply_config
+
+    path = write(tmp_path, "[kafka]\nbootstrap = \"from-file:9092\"\n")
+    parser = build_parser()
+    for argv in (["run", "--job", "j", "--config", path, "--", "python", "t.py", "--bootstrap",
+                  "x:1"],
+                 ["run", "--job", "j", "--config", path, "python", "t.py", "--prefix", "p"]):
+        args = parser.parse_args(argv)
+        apply_config(parser, argv, args)
+        assert args.tree.value("kafka.bootstrap") == "from-file:9092"
+        assert args.tree.source("topics.prefix") == "default"

@@ -47,9 +47,13 @@ def add_config_command(sub, add_kafka_flags) -> None:
     config.set_defaults(func=cmd_config)
 
 
-def _given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """Destinations of the options typed on the command line (not argparse's defaults)."""
+def _given(parser: argparse.ArgumentParser, argv: list[str], args) -> set[str]:
+    """Destinations of the options typed on the command line (not argparse's defaults); a
+    training command after ``trainguard run``'s options is not looked at."""
     tokens = argv[:argv.index("--")] if "--" in argv else argv
+    rest = getattr(args, "cmd", None)
+    if isinstance(rest, list) and rest and tokens[-len(rest):] == rest:
+        tokens = tokens[:-len(rest)]
     given = set()
     for action in parser._actions:
         for option in action.option_strings:
@@ -76,7 +80,7 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str], args) -> None
     if args.command == "config" and args.config_action in ("check", "docs"):
         return
     command_parser = _subparser(parser, args)
-    given = _given(command_parser, argv)
+    given = _given(command_parser, argv, args)
     mapping = {**(KAFKA_FLAGS if hasattr(args, "bootstrap") else {}),
                **COMMAND_FLAGS.get(args.command, {})}
     flags = {path: (getattr(args, dest), "--" + dest.replace("_", "-"))
