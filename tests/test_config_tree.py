@@ -24,6 +24,9 @@ def clean_env(monkeypatch):
     for var in list(os.environ):
         if var.startswith("TRAINGUARD_") and var != "TRAINGUARD_HOME":
             monkeypatch.delenv(var)
+    # `--config FILE` exports TRAINGUARD_CONFIG for the processes a command starts: restored
+    # after each test, whatever a test's command set
+    monkeypatch.setenv("TRAINGUARD_CONFIG", "")
 
 
 def write(tmp_path, text: str, name="tg.toml") -> str:

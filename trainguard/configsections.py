@@ -263,7 +263,7 @@ def _flat_detector_name(path: str) -> str:
 
 
 def _policy_keys() -> list[Key]:
-    from .actions.policy import ACTIONS, OVER_EVICT, Policy  # noqa: F401
+    from .actions.policy import OVER_EVICT, Policy
 
     return from_dataclass("policy", Policy, overrides={
         "dry_run": {"help": "decide and record everything, carry nothing out"},
