@@ -196,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .configcli import add_config_command, add_config_flag
 
     add_config_command(sub, _add_kafka_flags)
-    for command in sub.choices.values():
-        add_config_flag(command)
+    for name, command in sub.choices.items():
+        if name != "config":          # `config show` has its own; `config check` takes FILE
+            add_config_flag(command)
     return parser
 
 
