@@ -240,9 +240,11 @@ def test_worker_listens_on_loopback_and_makes_its_home(kafka_bootstrap, topic_pr
 
     home = tmp_path / "not" / "yet" / "there"
     port = free_port()
+    config = tmp_path / "tg.toml"      # the port comes from the configuration file
+    config.write_text(f"[worker]\nweb_port = {port}\n[detectors.hang]\nfloor_s = 60.0\n")
     env = {**os.environ, "TRAINGUARD_HOME": str(home), "TRAINGUARD_BOOTSTRAP": kafka_bootstrap}
     proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "worker", "--prefix",
-                             topic_prefix, "--web-port", str(port)], env=env,
+                             topic_prefix, "--config", str(config)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         listening = None
