@@ -63,14 +63,11 @@ def _given(parser: argparse.ArgumentParser, argv: list[str], args) -> set[str]:
     return given
 
 
-def _subparser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            sub = action.choices.get(args.command)
-            if sub is not None and args.command == "config" \
-                    and getattr(args, "config_action", None) == "show":
-                return _subparser(sub, argparse.Namespace(command="show"))
-            return sub if sub is not None else parser
+def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The sub-parser that parsed ``args`` (``config show``'s for ``config show``)."""
+    for name in [args.command] + (["show"] if args.command == "config" else []):
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
     return parser
 
 
@@ -79,7 +76,7 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str], args) -> None
 
     if args.command == "config" and args.config_action in ("check", "docs"):
         return
-    command_parser = _subparser(parser, args)
+    command_parser = _command_parser(parser, args)
     given = _given(command_parser, argv, args)
     mapping = {**(KAFKA_FLAGS if hasattr(args, "bootstrap") else {}),
                **COMMAND_FLAGS.get(args.command, {})}
