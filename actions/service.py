@@ -448,8 +448,8 @@ def main(args, config, keys=None) -> int:
     environment, :func:`~trainguard.signing.signing_key_from_env`) sign orders and
     commands."""
     keys = keys if keys is not None else signing_key_from_env()
-    policy, alerts, driver = load_service_config(getattr(args, "policy", None),
-                                                 dry_run=bool(getattr(args, "dry_run", False)))
+    policy, alerts, driver = getattr(args, "service_config", None) or load_service_config(
+        getattr(args, "policy", None), dry_run=bool(getattr(args, "dry_run", False)))
     drivers = build_driver_actions(driver)
     sinks = []
     if alerts:

@@ -227,11 +227,13 @@ def replay_main(args, config: Config) -> int:
     from confluent_kafka import Producer
 
     from trainguard.recording import ReadStats, read_events
+    from trainguard.topics import create_topics
 
     pacer = Pacer(args.speed)
     _check_job(args.job)
     stats = ReadStats()
     events = read_events(args.file, stats)
+    create_topics(config)      # and a clear error now if Kafka cannot be reached
     producer = Producer(config.kafka(**PRODUCER_SETTINGS))
     sent, shift, began = 0, None, time.monotonic()
     failed = []

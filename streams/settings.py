@@ -45,7 +45,7 @@ class WorkerSettings:
     prefix: str = "tg"
     worker_id: str = "trainguard-worker"
     web_port: int = 6066
-    web_bind: str = "0.0.0.0"
+    web_bind: str = "127.0.0.1"      # Faust's web also serves /router and /table pages
     data_dir: str = ".tg/worker"
     loglevel: str = "warn"
     batch_max: int = 5000            # telemetry records per batch of the rank side

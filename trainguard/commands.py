@@ -15,6 +15,9 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     worker = sub.add_parser("worker", help="the Faust stream processors")
     worker.add_argument("--web-port", type=int, default=6066,
                         help="port of the Prometheus /metrics endpoint (default 6066)")
+    worker.add_argument("--web-bind", metavar="ADDRESS", default=None,
+                        help="address the web server (/metrics, Faust's pages) listens on "
+                             "(default 127.0.0.1; 0.0.0.0 for every interface)")
     worker.add_argument("--data-dir", default=None,
                         help="Faust data folder (default: $TRAINGUARD_HOME/worker)")
     worker.add_argument("--id", default="trainguard-worker",
