@@ -213,6 +213,9 @@ class ActionService:
     """The consume loop around a pipeline; I/O objects are given, so tests can drive
     :meth:`handle` directly."""
 
+    #: an :class:`~trainguard.service_metrics.ActionMetrics`, or None
+    metrics = None
+
     def __init__(self, *, pipeline, state: ServiceState, clock=time.time, log=_log):
         self.pipeline = pipeline
         self.state = state
@@ -221,6 +224,8 @@ class ActionService:
 
     def handle(self, anomaly: ev.Anomaly):
         work = self.pipeline.process(anomaly, now=self.clock())
+        if self.metrics is not None:
+            self.metrics.handled(work.dropped)
         if work.dropped:
             self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}): "
                      f"{work.dropped}")
@@ -323,8 +328,10 @@ def build_driver_actions(section: dict) -> dict:
 
 
 def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop=None,
-                  log=_log, drivers=None):
-    """Wire the Kafka ends to a pipeline; returns ``(service, deadletter, close)``."""
+                  log=_log, drivers=None, metrics=None):
+    """Wire the Kafka ends to a pipeline; returns ``(service, deadletter, close)``.
+    ``metrics`` (an :class:`~trainguard.service_metrics.ActionMetrics`) counts the audit
+    records and alerts."""
     from confluent_kafka import Producer
 
     producer = Producer(config.kafka(**PRODUCER_SETTINGS), logger=quiet_logger())
@@ -353,16 +360,24 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
         from trainguard.actions.alerts import send_all
 
         def notify(message):
-            return send_all(sinks, message)
+            results = send_all(sinks, message)
+            for result in results if metrics is not None else ():
+                metrics.alert(result.sink, result.status)
+            return results
 
     from trainguard.detectors.correlate import Correlator
 
-    pipeline = build_pipeline(policy=policy, state=state,
-                              recorder=KafkaRecorder(producer, topics.actions),
+    audit = KafkaRecorder(producer, topics.actions)
+    if metrics is not None:
+        from trainguard.service_metrics import MeteredRecorder
+
+        audit = MeteredRecorder(audit, metrics)
+    pipeline = build_pipeline(policy=policy, state=state, recorder=audit,
                               capturer=capturer, directory=directory, notify=notify,
                               drivers=drivers, correlator=Correlator(), log=log,
                               clock=time.time)
     service = ActionService(pipeline=pipeline, state=state, log=log)
+    service.metrics = metrics
 
     def close() -> None:
         stop.set()
@@ -400,13 +415,21 @@ def main(args, config) -> int:
     def on_signal(signum, frame):
         stop.set()
 
+    from trainguard.service_metrics import ActionMetrics, start_metrics
+
+    metrics = ActionMetrics()
+    server = start_metrics(metrics.registry, args, "actions")
+    if server is not None:
+        _log(f"metrics on {server.url}")
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     service, deadletter, close = build_service(config, policy, state, sinks=sinks, stop=stop,
-                                               drivers=drivers)
+                                               drivers=drivers, metrics=metrics)
     try:
         service.run_kafka(config, stop, deadletter=deadletter)
     finally:
         close()
+        if server is not None:
+            server.close()
         for s, handler in old.items():
             signal.signal(s, handler)
     _log("stopped")

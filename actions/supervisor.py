@@ -166,8 +166,9 @@ class Supervisor:
                  checkpoint_dir: str | None = None, grace_s: float = 10.0,
                  environ: dict | None = None, node: str | None = None, publish=None,
                  actions=None, clock=time.time, log=_log, poll_s: float = 0.1,
-                 world_size: int | None = None):
+                 world_size: int | None = None, metrics=None):
         self.job = job
+        self.metrics = metrics
         self.cmd = list(cmd)
         self.max_restarts = max_restarts
         self.checkpoint_dir = checkpoint_dir
@@ -360,6 +361,8 @@ class Supervisor:
 
     # ------------------------------------------------------------------ Kafka
     def _emit(self, event: ev.Event) -> None:
+        if self.metrics is not None:
+            self.metrics.event(event)
         if self.publish is None:
             return
         try:
@@ -451,9 +454,23 @@ def main(args, config) -> int:
     publish = _Publisher(config)
     feed = ActionFeed(config, args.job, since=started)
     feed.start()
+    from trainguard.metrics import check_port
+    from trainguard.service_metrics import RunMetrics, start_metrics
+
+    check_port(getattr(args, "metrics_port", 0))
+    metrics = RunMetrics()
+    try:
+        server = start_metrics(metrics.registry, args, "run")
+    except UserError as exc:  # no metrics is no reason to keep the training from running
+        _log(f"{exc}; running without /metrics")
+        server = None
     supervisor = Supervisor(job=args.job, cmd=cmd, max_restarts=args.max_restarts,
                             checkpoint_dir=args.checkpoint_dir, grace_s=args.grace,
-                            environ=dict(os.environ), publish=publish, actions=feed)
+                            environ=dict(os.environ), publish=publish, actions=feed,
+                            metrics=metrics)
+    metrics.supervisor = supervisor
+    if server is not None:
+        _log(f"metrics on {server.url}")
     old = {s: signal.signal(s, lambda signum, frame: supervisor.request_stop(signum))
            for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -465,3 +482,5 @@ def main(args, config) -> int:
             signal.signal(s, handler)
         feed.stop()
         publish.close()
+        if server is not None:
+            server.close()

@@ -124,8 +124,10 @@ class GpuSampler:
     """
 
     def __init__(self, source: Any, *, node: str, unavailable_interval: float = 60.0,
-                 on_available: Optional[Callable[[], None]] = None):
+                 on_available: Optional[Callable[[], None]] = None,
+                 on_error: Optional[Callable[[], None]] = None):
         self.source = source
+        self.on_error = on_error
         self.node = node
         self.unavailable_interval = unavailable_interval
         self.on_available = on_available
@@ -148,6 +150,8 @@ class GpuSampler:
     def tick(self, jobs: list, now: float) -> list:
         if self._down is None or now >= self._retry_at:
             payload = self._payload()
+            if payload.get("status") == "unavailable" and self.on_error is not None:
+                self.on_error()
             if payload.get("status") != "unavailable":
                 if not self.available:
                     if self._down is not None:
@@ -273,7 +277,7 @@ class Agent:
                  source: Any = None, kmsg_path: Optional[str] = "/dev/kmsg",
                  dmesg_argv: Optional[list] = None, unavailable_interval: float = 60.0,
                  capture_timeout: float = 10.0, flush_timeout: float = 5.0,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, metrics=None):
         self.config = config
         self.node = node
         self.job = job
@@ -288,6 +292,11 @@ class Agent:
         self.capture_timeout = capture_timeout
         self.flush_timeout = flush_timeout
         self.clock = clock
+        if metrics is None:
+            from trainguard.service_metrics import AgentMetrics
+
+            metrics = AgentMetrics()
+        self.metrics = metrics
         self.registry = Registry(self.runtime_dir)
         self.topics = config.topics
         self.publisher: Optional[Publisher] = None
@@ -307,12 +316,14 @@ class Agent:
         return event_jobs(self.job, self.entries() if self.job is None else ())
 
     def publish_xid(self, payload: dict) -> None:
+        self.metrics.xid(payload)
         for event in xid_events(payload, self.jobs(), self.node, self.clock()):
             log.info("Xid %d on GPU %s (%s): %s", event.xid, event.gpu, event.source,
                      event.message[:120])
             self.publisher.send(self.topics.telemetry, event, f"{event.job}/{self.node}".encode())
 
     def publish_stack(self, event: ev.Stack) -> None:
+        self.metrics.stack(event)
         self.publisher.send(self.topics.stacks, event, f"{event.job}/{event.rank}".encode())
 
     def _nvml_up(self) -> None:
@@ -335,9 +346,11 @@ class Agent:
             try:
                 payload = self.source.wait_event(1000)
             except NvmlUnavailable:
+                self.metrics.nvml_error("wait_event")
                 self._nvml_ready.clear()  # the sampler sets it again when NVML is back
                 continue
             except Exception as exc:
+                self.metrics.nvml_error("wait_event")
                 quiet.warn(type(exc).__name__, "NVML event wait failed: %s", exc)
                 stop.wait(1.0)
                 continue
@@ -390,6 +403,7 @@ class Agent:
         try:
             self.publisher = Publisher(self.config.kafka(
                 **{"client.id": f"trainguard-agent-{self.node}"})).start()
+            self.metrics.publisher = self.publisher
         except Exception as exc:  # e.g. a bad setting in --kafka-config
             raise UserError(f"cannot create a Kafka producer for {self.config.bootstrap}: "
                             f"{exc}; check --bootstrap and --kafka-config") from None
@@ -397,7 +411,8 @@ class Agent:
         try:
             sampler = GpuSampler(self.source, node=self.node,
                                  unavailable_interval=self.unavailable_interval,
-                                 on_available=self._nvml_up)
+                                 on_available=self._nvml_up,
+                                 on_error=lambda: self.metrics.nvml_error("sample"))
             self._start_followers()
             listener = self._command_listener()
             threads = [self._spawn(self._nvml_events, "trainguard-nvml-events", stop),
@@ -415,7 +430,9 @@ class Agent:
         next_at = time.monotonic()
         while not stop.is_set():
             try:
-                for event in sampler.tick(self.jobs(), self.clock()):
+                events = sampler.tick(self.jobs(), self.clock())
+                self.metrics.gpu_events(events)
+                for event in events:
                     self.publisher.send(self.topics.telemetry, event,
                                         f"{event.job}/{self.node}".encode())
             except Exception:
@@ -483,12 +500,20 @@ def main(args, config) -> int:
             os._exit(1)
         stop.set()
 
+    from trainguard.service_metrics import AgentMetrics, start_metrics
+
+    metrics = AgentMetrics()
+    server = start_metrics(metrics.registry, args, "agent")
+    if server is not None:
+        log.info("metrics on %s", server.url)
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         agent = Agent(config=config, node=node, job=args.job, interval=args.interval,
                       runtime_dir=runtime_dir, kmsg_extra=args.kmsg_extra,
-                      native=bool(args.native))
+                      native=bool(args.native), metrics=metrics)
         return agent.run(stop)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        if server is not None:
+            server.close()
