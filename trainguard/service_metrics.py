@@ -258,8 +258,8 @@ def markdown() -> str:
     out = ["# Metrics", "",
            "Every long-running trainguard service answers `GET /metrics` in the Prometheus text",
            "format. Ports (flag `--metrics-port`, 0 turns the endpoint off; `--metrics-bind`",
-           "picks the address, 127.0.0.1 by default; the worker's flags are `--web-port` and",
-           "`--web-bind`) and the metrics, generated from their declarations",
+           "picks the address, 127.0.0.1 by default; the worker's port flag is `--web-port`)",
+           "and the metrics, generated from their declarations",
            "(`trainguard/service_metrics.py`, `streams/metrics.py`) by",
            "`python -m trainguard.service_metrics > docs/METRICS.md`. `deploy/prometheus/` has a",
            "scrape configuration and `deploy/grafana/trainguard.json` a dashboard of them.", ""]
