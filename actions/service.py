@@ -213,9 +213,6 @@ class ActionService:
     """The consume loop around a pipeline; I/O objects are given, so tests can drive
     :meth:`handle` directly."""
 
-    #: an :class:`~trainguard.service_metrics.ActionMetrics`, or None
-    metrics = None
-
     def __init__(self, *, pipeline, state: ServiceState, clock=time.time, log=_log):
         self.pipeline = pipeline
         self.state = state
@@ -224,8 +221,6 @@ class ActionService:
 
     def handle(self, anomaly: ev.Anomaly):
         work = self.pipeline.process(anomaly, now=self.clock())
-        if self.metrics is not None:
-            self.metrics.handled(work.dropped)
         if work.dropped:
             self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}): "
                      f"{work.dropped}")
@@ -328,10 +323,8 @@ def build_driver_actions(section: dict) -> dict:
 
 
 def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop=None,
-                  log=_log, drivers=None, metrics=None):
-    """Wire the Kafka ends to a pipeline; returns ``(service, deadletter, close)``.
-    ``metrics`` (an :class:`~trainguard.service_metrics.ActionMetrics`) counts the audit
-    records and alerts."""
+                  log=_log, drivers=None):
+    """Wire the Kafka ends to a pipeline; returns ``(service, deadletter, close)``."""
     from confluent_kafka import Producer
 
     producer = Producer(config.kafka(**PRODUCER_SETTINGS), logger=quiet_logger())
@@ -360,24 +353,16 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
         from trainguard.actions.alerts import send_all
 
         def notify(message):
-            results = send_all(sinks, message)
-            for result in results if metrics is not None else ():
-                metrics.alert(result.sink, result.status)
-            return results
+            return send_all(sinks, message)
 
     from trainguard.detectors.correlate import Correlator
 
-    audit = KafkaRecorder(producer, topics.actions)
-    if metrics is not None:
-        from trainguard.service_metrics import MeteredRecorder
-
-        audit = MeteredRecorder(audit, metrics)
-    pipeline = build_pipeline(policy=policy, state=state, recorder=audit,
+    pipeline = build_pipeline(policy=policy, state=state,
+                              recorder=KafkaRecorder(producer, topics.actions),
                               capturer=capturer, directory=directory, notify=notify,
                               drivers=drivers, correlator=Correlator(), log=log,
                               clock=time.time)
     service = ActionService(pipeline=pipeline, state=state, log=log)
-    service.metrics = metrics
 
     def close() -> None:
         stop.set()
@@ -415,21 +400,16 @@ def main(args, config) -> int:
     def on_signal(signum, frame):
         stop.set()
 
-    from trainguard.service_metrics import ActionMetrics, start_metrics
-
-    metrics = ActionMetrics()
-    server = start_metrics(metrics.registry, args, "actions")
-    if server is not None:
-        _log(f"metrics on {server.url}")
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     service, deadletter, close = build_service(config, policy, state, sinks=sinks, stop=stop,
-                                               drivers=drivers, metrics=metrics)
+                                               drivers=drivers)
     try:
+        from trainguard.service_metrics import serve_action_metrics
+
+        serve_action_metrics(service, args, log=_log)
         service.run_kafka(config, stop, deadletter=deadletter)
     finally:
         close()
-        if server is not None:
-            server.close()
         for s, handler in old.items():
             signal.signal(s, handler)
     _log("stopped")

@@ -166,9 +166,8 @@ class Supervisor:
                  checkpoint_dir: str | None = None, grace_s: float = 10.0,
                  environ: dict | None = None, node: str | None = None, publish=None,
                  actions=None, clock=time.time, log=_log, poll_s: float = 0.1,
-                 world_size: int | None = None, metrics=None):
+                 world_size: int | None = None):
         self.job = job
-        self.metrics = metrics
         self.cmd = list(cmd)
         self.max_restarts = max_restarts
         self.checkpoint_dir = checkpoint_dir
@@ -361,7 +360,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ Kafka
     def _emit(self, event: ev.Event) -> None:
-        if self.metrics is not None:
+        if getattr(self, "metrics", None) is not None:  # trainguard.service_metrics.RunMetrics
             self.metrics.event(event)
         if self.publish is None:
             return
@@ -454,26 +453,15 @@ def main(args, config) -> int:
     publish = _Publisher(config)
     feed = ActionFeed(config, args.job, since=started)
     feed.start()
-    from trainguard.metrics import check_port
-    from trainguard.service_metrics import RunMetrics, start_metrics
-
-    check_port(getattr(args, "metrics_port", 0))
-    metrics = RunMetrics()
-    try:
-        server = start_metrics(metrics.registry, args, "run")
-    except UserError as exc:  # no metrics is no reason to keep the training from running
-        _log(f"{exc}; running without /metrics")
-        server = None
     supervisor = Supervisor(job=args.job, cmd=cmd, max_restarts=args.max_restarts,
                             checkpoint_dir=args.checkpoint_dir, grace_s=args.grace,
-                            environ=dict(os.environ), publish=publish, actions=feed,
-                            metrics=metrics)
-    metrics.supervisor = supervisor
-    if server is not None:
-        _log(f"metrics on {server.url}")
+                            environ=dict(os.environ), publish=publish, actions=feed)
     old = {s: signal.signal(s, lambda signum, frame: supervisor.request_stop(signum))
            for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        from trainguard.service_metrics import serve_run_metrics
+
+        serve_run_metrics(supervisor, args, log=_log)
         return supervisor.run()
     except FileNotFoundError as exc:
         raise UserError(f"cannot run {cmd[0]!r}: {exc.strerror}; check the command after --")
@@ -482,5 +470,5 @@ def main(args, config) -> int:
             signal.signal(s, handler)
         feed.stop()
         publish.close()
-        if server is not None:
-            server.close()
+        if getattr(supervisor, "metrics", None) is not None:
+            supervisor.metrics.close()

@@ -139,6 +139,49 @@ def test_action_metrics_count_orders_answers_and_their_delays():
     assert v['trainguard_alerts_total{sink="slack",status="rate_limited"}'] == 1
 
 
+def _crash(job="j1", id="a1", now=100.0):
+    return ev.Anomaly(job=job, ts=now, id=id, kind="crash", severity="critical", ranks=[1],
+                      nodes=["n1"], onset_ts=now - 1.0, detected_ts=now, detector="crash",
+                      summary="rank 1 exited with code 1")
+
+
+def test_the_action_service_is_counted_around_its_pipeline():
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from trainguard.actions.alerts.base import SendResult
+    from trainguard.actions.pipeline import ListRecorder, build_pipeline
+    from trainguard.actions.policy import Policy
+    from trainguard.actions.state import ServiceState
+    from trainguard.service_metrics import instrument_action_service
+
+    audit = ListRecorder()
+    pipeline = build_pipeline(policy=Policy(), state=ServiceState(), recorder=audit,
+                              notify=lambda message: [SendResult(sink="slack", status="sent")])
+    service = SimpleNamespace(pipeline=pipeline)
+    m = ActionMetrics()
+    instrument_action_service(service, m)
+    instrument_action_service(service, ActionMetrics())      # a recorder is wrapped once
+    pipeline.process(_crash(), now=101.0)
+    pipeline.process(_crash(), now=102.0)                   # a duplicate
+    v = parse_exposition(m.registry.exposition())
+    assert v['trainguard_anomalies_total{outcome="handled"}'] == 1
+    assert v['trainguard_anomalies_total{outcome="dropped"}'] == 1
+    assert v['trainguard_orders_sent_total{op="restart"}'] == 1
+    assert v['trainguard_alerts_total{sink="slack",status="sent"}'] == 1
+    assert v['trainguard_actions_total{action="alert",status="done"}'] == 1
+    assert len(audit.events) == 2
+    # a service that counts its anomalies itself is read at each scrape
+    counted = SimpleNamespace(pipeline=build_pipeline(policy=Policy(), state=ServiceState(),
+                                                      recorder=ListRecorder()),
+                              counts=Counter(handled=3, dropped_duplicate=2, dropped_backlog=1))
+    m = ActionMetrics()
+    instrument_action_service(counted, m)
+    v = parse_exposition(m.registry.exposition())
+    assert (v['trainguard_anomalies_total{outcome="handled"}'],
+            v['trainguard_anomalies_total{outcome="dropped"}']) == (3, 3)
+
+
 def test_run_metrics_count_launches_exits_and_acks():
     m = RunMetrics()
     life = dict(job="j1", node="n1", rank=None)

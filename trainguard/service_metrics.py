@@ -8,8 +8,11 @@ Grafana dashboard in ``deploy/grafana`` may only query what they declare (tests 
 
 The counting reads the events each service writes anyway, so that a service needs one call
 where its events pass: :meth:`ActionMetrics.record` for each audit record (orders, their
-outcomes, alerts), :meth:`RunMetrics.event` for each event ``trainguard run`` emits
-(launches, exits, its own records and acks).
+outcomes), :meth:`RunMetrics.event` for each event ``trainguard run`` emits (launches,
+exits, its own records and acks). :func:`serve_action_metrics` puts the action service's
+counting around its pipeline (the recorders of its stages and of the order desk, the alert
+sender) and :func:`serve_run_metrics` hands ``trainguard run`` its own; both serve
+``/metrics`` on the command's ``--metrics-port``.
 
 >>> m = ActionMetrics()
 >>> from trainguard import events as ev
@@ -36,7 +39,8 @@ from collections import OrderedDict
 from trainguard.metrics import Metric, Registry, check_port, serve
 
 __all__ = ["ACTIONS", "AGENT", "RUN", "SERVICES", "ActionMetrics", "AgentMetrics",
-           "RunMetrics", "markdown", "start_metrics", "METRICS_PORTS", "add_metrics_flags"]
+           "RunMetrics", "markdown", "start_metrics", "METRICS_PORTS", "add_metrics_flags",
+           "MeteredRecorder", "serve_action_metrics", "serve_run_metrics"]
 
 ORDER_OPS = ("restart", "evict", "rollback")
 #: from detection to order: seconds (a capture before a restart can take a minute)
@@ -46,7 +50,8 @@ ACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300
 
 ACTIONS = (
     Metric("anomalies", "counter", "Anomalies taken up by the action service, by outcome "
-           "(handled: through the pipeline; dropped: a duplicate or otherwise not acted on).",
+           "(handled: through the pipeline; dropped: a duplicate or otherwise not acted on; "
+           "more where the service tells them apart).",
            labels=("outcome",)),
     Metric("actions", "counter", "Records written to the actions topic (the audit log), by "
            "action and status.", labels=("action", "status")),
@@ -128,6 +133,7 @@ class ActionMetrics:
 
     def __init__(self, remember: int = 10_000):
         self.registry = Registry(ACTIONS)
+        self.server = None
         self._sent: OrderedDict = OrderedDict()  # order key -> ts sent
         self._lock = threading.Lock()
         self.remember = remember
@@ -194,6 +200,66 @@ class MeteredRecorder:
         return getattr(self.recorder, name)
 
 
+def _counted_alerts(notify, metrics: ActionMetrics):
+    def send(message):
+        results = notify(message)
+        for result in results or ():
+            metrics.alert(result.sink, result.status)
+        return results
+    return send
+
+
+def _counted_process(process, metrics: ActionMetrics):
+    def run(anomaly, now):
+        work = process(anomaly, now=now)
+        metrics.handled(work.dropped)
+        return work
+    return run
+
+
+def _is_recorder(obj) -> bool:
+    return callable(getattr(obj, "write", None)) and callable(getattr(obj, "flush", None))
+
+
+def instrument_action_service(service, metrics: ActionMetrics) -> None:
+    """Count what ``service`` does: every recorder its pipeline's stages write the audit
+    log with (and the recorder of any object a stage holds, such as the order desk, whose
+    acks are audit records too) goes through a :class:`MeteredRecorder`, the ``notify`` of
+    the alerting stage counts the sinks' answers, and the anomalies taken up are counted from
+    the service's own ``counts`` where it keeps them, else around ``pipeline.process``."""
+    pipeline = service.pipeline
+    for stage in getattr(pipeline, "stages", ()):
+        for holder in (stage, *vars(stage).values()):
+            recorder = getattr(holder, "recorder", None)
+            if _is_recorder(recorder) and not isinstance(recorder, MeteredRecorder):
+                holder.recorder = MeteredRecorder(recorder, metrics)
+        if callable(getattr(stage, "notify", None)):
+            stage.notify = _counted_alerts(stage.notify, metrics)
+    counts = getattr(service, "counts", None)
+    if counts is not None:
+        def from_counts(registry: Registry) -> None:
+            by_outcome: dict = {}
+            for key, value in list(counts.items()):
+                outcome = "dropped" if key.startswith("dropped") else key
+                by_outcome[outcome] = by_outcome.get(outcome, 0) + value
+            for outcome, value in by_outcome.items():
+                registry.set("anomalies", value, outcome=outcome)
+        metrics.registry.collect(from_counts)
+    else:
+        pipeline.process = _counted_process(pipeline.process, metrics)
+
+
+def serve_action_metrics(service, args, log=None) -> ActionMetrics:
+    """Count ``service`` (:func:`instrument_action_service`) and serve its /metrics on
+    ``args.metrics_port``; raises ``UserError`` for a bad or busy port."""
+    metrics = ActionMetrics()
+    metrics.server = start_metrics(metrics.registry, args, "actions")
+    instrument_action_service(service, metrics)
+    if metrics.server is not None and log is not None:
+        log(f"metrics on {metrics.server.url}")
+    return metrics
+
+
 class AgentMetrics:
     """The node agent's metrics; the producer's own counts are read at each scrape."""
 
@@ -228,6 +294,7 @@ class RunMetrics:
     def __init__(self):
         self.registry = Registry(RUN)
         self.supervisor = None
+        self.server = None
 
         def budget(registry: Registry) -> None:
             s = self.supervisor
@@ -251,6 +318,32 @@ class RunMetrics:
         elif kind == "ack":
             self.registry.inc("run_acks", op=getattr(event, "op", None) or "unknown",
                               status=event.status)
+
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def serve_run_metrics(supervisor, args, log=None) -> RunMetrics:
+    """Give ``supervisor`` (``trainguard run``) its metrics and serve them on
+    ``args.metrics_port`` (off by default). A bad port is a ``UserError``; a busy one is
+    logged and the training runs without /metrics: it must not keep the job from running."""
+    from trainguard.errors import UserError
+
+    check_port(getattr(args, "metrics_port", METRICS_PORTS["run"]))
+    metrics = RunMetrics()
+    metrics.supervisor = supervisor
+    supervisor.metrics = metrics
+    try:
+        metrics.server = start_metrics(metrics.registry, args, "run")
+    except UserError as exc:
+        if log is not None:
+            log(f"{exc}; running without /metrics")
+    if metrics.server is not None and log is not None:
+        log(f"metrics on {metrics.server.url}")
+    return metrics
 
 
 def markdown() -> str:
