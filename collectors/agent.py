@@ -277,7 +277,7 @@ class Agent:
                  source: Any = None, kmsg_path: Optional[str] = "/dev/kmsg",
                  dmesg_argv: Optional[list] = None, unavailable_interval: float = 60.0,
                  capture_timeout: float = 10.0, flush_timeout: float = 5.0,
-                 clock: Callable[[], float] = time.time, metrics=None):
+                 clock: Callable[[], float] = time.time):
         self.config = config
         self.node = node
         self.job = job
@@ -292,17 +292,15 @@ class Agent:
         self.capture_timeout = capture_timeout
         self.flush_timeout = flush_timeout
         self.clock = clock
-        if metrics is None:
-            from trainguard.service_metrics import AgentMetrics
-
-            metrics = AgentMetrics()
-        self.metrics = metrics
         self.registry = Registry(self.runtime_dir)
         self.topics = config.topics
         self.publisher: Optional[Publisher] = None
         self._runner: Optional[CaptureRunner] = None
         self._followers: list = []
         self._nvml_ready = threading.Event()
+        from trainguard.service_metrics import AgentMetrics
+
+        self.metrics = AgentMetrics()
 
     # -- helpers ---------------------------------------------------------------------------
     def entries(self) -> list:
@@ -500,20 +498,17 @@ def main(args, config) -> int:
             os._exit(1)
         stop.set()
 
-    from trainguard.service_metrics import AgentMetrics, start_metrics
-
-    metrics = AgentMetrics()
-    server = start_metrics(metrics.registry, args, "agent")
-    if server is not None:
-        log.info("metrics on %s", server.url)
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    from trainguard.service_metrics import serve_agent_metrics
+
+    metrics_server = serve_agent_metrics(lambda: agent, args, log=log.info)
     try:
         agent = Agent(config=config, node=node, job=args.job, interval=args.interval,
                       runtime_dir=runtime_dir, kmsg_extra=args.kmsg_extra,
-                      native=bool(args.native), metrics=metrics)
+                      native=bool(args.native))
         return agent.run(stop)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-        if server is not None:
-            server.close()
+        if metrics_server is not None:
+            metrics_server.close()

@@ -180,14 +180,14 @@ class Registry:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    registry: Registry = None
+    exposition: Callable[[], str] = None
 
     def do_GET(self):  # noqa: N802 (http.server's name)
         if self.path.split("?")[0] != "/metrics":
             self.send_error(404, "only /metrics is here")
             return
         try:
-            body = self.registry.exposition().encode()
+            body = type(self).exposition().encode()
         except Exception as exc:  # never let a scrape take the service down
             self.send_error(500, f"{type(exc).__name__}")
             return
@@ -202,10 +202,13 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class MetricsServer:
-    """``GET /metrics`` of one registry, from a daemon thread; :meth:`close` stops it."""
+    """``GET /metrics`` of one registry (or of a function giving exposition text), from a
+    daemon thread; :meth:`close` stops it."""
 
-    def __init__(self, registry: Registry, port: int, bind: str = "127.0.0.1"):
-        handler = type("MetricsHandler", (_Handler,), {"registry": registry})
+    def __init__(self, registry: Registry | Callable[[], str], port: int,
+                 bind: str = "127.0.0.1"):
+        text = registry.exposition if isinstance(registry, Registry) else registry
+        handler = type("MetricsHandler", (_Handler,), {"exposition": staticmethod(text)})
         self.httpd = ThreadingHTTPServer((bind, port), handler)
         self.httpd.daemon_threads = True
         self.bind = bind
@@ -232,7 +235,7 @@ def check_port(port, flag: str = "--metrics-port") -> int:
     return port
 
 
-def serve(registry: Registry, port: int, bind: str = "127.0.0.1",
+def serve(registry: Registry | Callable[[], str], port: int, bind: str = "127.0.0.1",
           flag: str = "--metrics-port") -> MetricsServer | None:
     """Serve ``registry`` on ``bind:port`` (None for port 0: metrics off). A port that cannot
     be bound raises ``UserError`` naming the flag."""

@@ -40,7 +40,7 @@ from trainguard.metrics import Metric, Registry, check_port, serve
 
 __all__ = ["ACTIONS", "AGENT", "RUN", "SERVICES", "ActionMetrics", "AgentMetrics",
            "RunMetrics", "markdown", "start_metrics", "METRICS_PORTS", "add_metrics_flags",
-           "MeteredRecorder", "serve_action_metrics", "serve_run_metrics"]
+           "MeteredRecorder", "serve_action_metrics", "serve_run_metrics", "serve_agent_metrics"]
 
 ORDER_OPS = ("restart", "evict", "rollback")
 #: from detection to order: seconds (a capture before a restart can take a minute)
@@ -286,6 +286,23 @@ class AgentMetrics:
 
     def nvml_error(self, call: str) -> None:
         self.registry.inc("nvml_errors", call=call)
+
+
+def serve_agent_metrics(get_agent, args, log=None):
+    """Serve ``get_agent().metrics`` (the node agent's :class:`AgentMetrics`) on
+    ``args.metrics_port``; an empty page until ``get_agent`` has an agent. Returns the
+    server (None when off); raises ``UserError`` for a bad or busy port."""
+    def exposition() -> str:
+        try:
+            agent = get_agent()
+        except NameError:  # the agent is not made yet
+            return ""
+        return agent.metrics.registry.exposition()
+
+    server = start_metrics(exposition, args, "agent")
+    if server is not None and log is not None:
+        log(f"metrics on {server.url}")
+    return server
 
 
 class RunMetrics:
