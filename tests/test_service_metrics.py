@@ -110,6 +110,24 @@ def test_server_answers_metrics_only_and_a_busy_port_is_one_user_error():
         serve(r, 70000)
 
 
+def test_a_busy_port_leaves_the_service_running_without_metrics():
+    from argparse import Namespace
+
+    from trainguard.service_metrics import start_metrics
+
+    r = Registry([Metric("x", "gauge", "x")])
+    taken = serve(r, free_port())
+    try:
+        said = []
+        assert start_metrics(r, Namespace(metrics_port=taken.port), "agent", said.append) is None
+        assert len(said) == 1 and "running without /metrics" in said[0]
+        assert start_metrics(r, Namespace(metrics_port=0), "agent", said.append) is None
+        with pytest.raises(UserError):
+            start_metrics(r, Namespace(metrics_port=-1), "agent")
+    finally:
+        taken.close()
+
+
 def test_every_service_declares_distinct_names():
     seen = {}
     for service, (_, _, declarations) in SERVICES.items():

@@ -121,11 +121,22 @@ def add_metrics_flags(parser, service: str) -> None:
                              "for a Prometheus on another machine)")
 
 
-def start_metrics(registry: Registry, args, service: str):
-    """The /metrics server of ``args.metrics_port`` / ``args.metrics_bind`` (None when off);
-    raises ``UserError`` for a bad or busy port."""
-    port = getattr(args, "metrics_port", METRICS_PORTS[service])
-    return serve(registry, check_port(port), getattr(args, "metrics_bind", "127.0.0.1"))
+def start_metrics(registry, args, service: str, log=None):
+    """The /metrics server of ``args.metrics_port`` / ``args.metrics_bind``, or None: when
+    off (port 0), or when the port cannot be had (said through ``log``: a service, and the
+    job it watches, run on without /metrics). A port outside 0-65535 raises ``UserError``."""
+    from trainguard.errors import UserError
+
+    port = check_port(getattr(args, "metrics_port", METRICS_PORTS[service]))
+    try:
+        server = serve(registry, port, getattr(args, "metrics_bind", "127.0.0.1"))
+    except UserError as exc:
+        if log is not None:
+            log(f"{exc}; running without /metrics")
+        return None
+    if server is not None and log is not None:
+        log(f"metrics on {server.url}")
+    return server
 
 
 class ActionMetrics:
@@ -251,12 +262,10 @@ def instrument_action_service(service, metrics: ActionMetrics) -> None:
 
 def serve_action_metrics(service, args, log=None) -> ActionMetrics:
     """Count ``service`` (:func:`instrument_action_service`) and serve its /metrics on
-    ``args.metrics_port``; raises ``UserError`` for a bad or busy port."""
+    ``args.metrics_port`` (see :func:`start_metrics`)."""
     metrics = ActionMetrics()
-    metrics.server = start_metrics(metrics.registry, args, "actions")
+    metrics.server = start_metrics(metrics.registry, args, "actions", log)
     instrument_action_service(service, metrics)
-    if metrics.server is not None and log is not None:
-        log(f"metrics on {metrics.server.url}")
     return metrics
 
 
@@ -290,8 +299,8 @@ class AgentMetrics:
 
 def serve_agent_metrics(get_agent, args, log=None):
     """Serve ``get_agent().metrics`` (the node agent's :class:`AgentMetrics`) on
-    ``args.metrics_port``; an empty page until ``get_agent`` has an agent. Returns the
-    server (None when off); raises ``UserError`` for a bad or busy port."""
+    ``args.metrics_port`` (see :func:`start_metrics`); an empty page until ``get_agent``
+    has an agent. Returns the server or None."""
     def exposition() -> str:
         try:
             agent = get_agent()
@@ -299,10 +308,7 @@ def serve_agent_metrics(get_agent, args, log=None):
             return ""
         return agent.metrics.registry.exposition()
 
-    server = start_metrics(exposition, args, "agent")
-    if server is not None and log is not None:
-        log(f"metrics on {server.url}")
-    return server
+    return start_metrics(exposition, args, "agent", log)
 
 
 class RunMetrics:
@@ -345,21 +351,11 @@ class RunMetrics:
 
 def serve_run_metrics(supervisor, args, log=None) -> RunMetrics:
     """Give ``supervisor`` (``trainguard run``) its metrics and serve them on
-    ``args.metrics_port`` (off by default). A bad port is a ``UserError``; a busy one is
-    logged and the training runs without /metrics: it must not keep the job from running."""
-    from trainguard.errors import UserError
-
-    check_port(getattr(args, "metrics_port", METRICS_PORTS["run"]))
+    ``args.metrics_port`` (off by default; see :func:`start_metrics`)."""
     metrics = RunMetrics()
+    metrics.server = start_metrics(metrics.registry, args, "run", log)
     metrics.supervisor = supervisor
     supervisor.metrics = metrics
-    try:
-        metrics.server = start_metrics(metrics.registry, args, "run")
-    except UserError as exc:
-        if log is not None:
-            log(f"{exc}; running without /metrics")
-    if metrics.server is not None and log is not None:
-        log(f"metrics on {metrics.server.url}")
     return metrics
 
 
@@ -372,7 +368,9 @@ def markdown() -> str:
            "and the metrics, generated from their declarations",
            "(`trainguard/service_metrics.py`, `streams/metrics.py`) by",
            "`python -m trainguard.service_metrics > docs/METRICS.md`. `deploy/prometheus/` has a",
-           "scrape configuration and `deploy/grafana/trainguard.json` a dashboard of them.", ""]
+           "scrape configuration and `deploy/grafana/trainguard.json` a dashboard of them.",
+           "A port that is already taken is logged, and the service runs on without /metrics.",
+           ""]
     for name, (command, port, declarations) in SERVICES.items():
         where = f"port {port}" if port else "off by default (one per job: give each its own port)"
         out += [f"## {name}: `{command}` ({where})", "", "| metric | type | labels | meaning |",
