@@ -501,6 +501,9 @@ def main(args, config, keys=None) -> int:
                                                drivers=drivers, keys=keys,
                                                earlier_actions=ordered)
     try:
+        from trainguard.service_metrics import serve_action_metrics
+
+        serve_action_metrics(service, args, log=_log)
         service.run_kafka(config, stop, deadletter=deadletter)
     finally:
         close()

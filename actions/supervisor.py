@@ -434,6 +434,8 @@ class Supervisor:
 
     # ------------------------------------------------------------------ Kafka
     def _emit(self, event: ev.Event) -> None:
+        if getattr(self, "metrics", None) is not None:  # trainguard.service_metrics.RunMetrics
+            self.metrics.event(event)
         if self.publish is None:
             return
         try:
@@ -556,6 +558,9 @@ def main(args, config, keys=None) -> int:
     old = {s: signal.signal(s, lambda signum, frame: supervisor.request_stop(signum))
            for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        from trainguard.service_metrics import serve_run_metrics
+
+        serve_run_metrics(supervisor, args, log=_log)
         return supervisor.run()
     except FileNotFoundError as exc:
         raise UserError(f"cannot run {cmd[0]!r}: {exc.strerror}; check the command after --")
@@ -564,3 +569,5 @@ def main(args, config, keys=None) -> int:
             signal.signal(s, handler)
         feed.stop()
         publish.close()
+        if getattr(supervisor, "metrics", None) is not None:
+            supervisor.metrics.close()

@@ -130,8 +130,10 @@ class GpuSampler:
     """
 
     def __init__(self, source: Any, *, node: str, unavailable_interval: float = 60.0,
-                 on_available: Optional[Callable[[], None]] = None):
+                 on_available: Optional[Callable[[], None]] = None,
+                 on_error: Optional[Callable[[], None]] = None):
         self.source = source
+        self.on_error = on_error
         self.node = node
         self.unavailable_interval = unavailable_interval
         self.on_available = on_available
@@ -154,6 +156,8 @@ class GpuSampler:
     def tick(self, jobs: list, now: float) -> list:
         if self._down is None or now >= self._retry_at:
             payload = self._payload()
+            if payload.get("status") == "unavailable" and self.on_error is not None:
+                self.on_error()
             if payload.get("status") != "unavailable":
                 if not self.available:
                     if self._down is not None:
@@ -312,6 +316,9 @@ class Agent:
         self._runner: Optional[CaptureRunner] = None
         self._followers: list = []
         self._nvml_ready = threading.Event()
+        from trainguard.service_metrics import AgentMetrics
+
+        self.metrics = AgentMetrics()
 
     # -- helpers ---------------------------------------------------------------------------
     def entries(self) -> list:
@@ -325,6 +332,7 @@ class Agent:
         return event_jobs(self.job, self.entries() if self.job is None else ())
 
     def publish_xid(self, payload: dict) -> None:
+        self.metrics.xid(payload)
         for event in xid_events(payload, self.jobs(), self.node, self.clock()):
             log.info("Xid %d on GPU %s (%s): %s", event.xid, event.gpu, event.source,
                      event.message[:120])
@@ -342,6 +350,7 @@ class Agent:
         self.publisher.send_record(self.topics.deadletter, record, key)
 
     def publish_stack(self, event: ev.Stack) -> None:
+        self.metrics.stack(event)
         self.publisher.send(self.topics.stacks, event, f"{event.job}/{event.rank}".encode())
 
     def _nvml_up(self) -> None:
@@ -364,9 +373,11 @@ class Agent:
             try:
                 payload = self.source.wait_event(1000)
             except NvmlUnavailable:
+                self.metrics.nvml_error("wait_event")
                 self._nvml_ready.clear()  # the sampler sets it again when NVML is back
                 continue
             except Exception as exc:
+                self.metrics.nvml_error("wait_event")
                 quiet.warn(type(exc).__name__, "NVML event wait failed: %s", exc)
                 stop.wait(1.0)
                 continue
@@ -422,6 +433,7 @@ class Agent:
         try:
             self.publisher = Publisher(self.config.kafka(
                 **{"client.id": f"trainguard-agent-{self.node}"})).start()
+            self.metrics.publisher = self.publisher
         except Exception as exc:  # e.g. a bad setting in --kafka-config
             raise UserError(f"cannot create a Kafka producer for {self.config.bootstrap}: "
                             f"{exc}; check --bootstrap and --kafka-config") from None
@@ -429,7 +441,8 @@ class Agent:
         try:
             sampler = GpuSampler(self.source, node=self.node,
                                  unavailable_interval=self.unavailable_interval,
-                                 on_available=self._nvml_up)
+                                 on_available=self._nvml_up,
+                                 on_error=lambda: self.metrics.nvml_error("sample"))
             self._start_followers()
             listener = self._command_listener()
             threads = [self._spawn(self._nvml_events, "trainguard-nvml-events", stop),
@@ -447,7 +460,9 @@ class Agent:
         next_at = time.monotonic()
         while not stop.is_set():
             try:
-                for event in sampler.tick(self.jobs(), self.clock()):
+                events = sampler.tick(self.jobs(), self.clock())
+                self.metrics.gpu_events(events)
+                for event in events:
                     self.publisher.send(self.topics.telemetry, event,
                                         f"{event.job}/{self.node}".encode())
             except Exception:
@@ -521,6 +536,9 @@ def main(args, config, keys=None) -> int:
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    from trainguard.service_metrics import serve_agent_metrics
+
+    metrics_server = serve_agent_metrics(lambda: agent, args, log=log.info)
     try:
         agent = Agent(config=config, node=node, job=args.job, interval=args.interval,
                       runtime_dir=runtime_dir, kmsg_extra=args.kmsg_extra,
@@ -529,3 +547,5 @@ def main(args, config, keys=None) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        if metrics_server is not None:
+            metrics_server.close()

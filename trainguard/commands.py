@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from trainguard.service_metrics import add_metrics_flags
+
 
 def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     up = sub.add_parser("up", help="a whole local deployment: broker, topics, worker, "
@@ -40,6 +42,7 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     actions.add_argument("--state", metavar="FILE",
                          help="where decisions are kept across restarts")
     add_kafka_flags(actions)
+    add_metrics_flags(actions, "actions")
     actions.set_defaults(func=delegate(".actions.service"))
 
     agent = sub.add_parser("agent", help="the node agent of this machine")
@@ -53,6 +56,7 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
                        help="local registry of rank processes (default: $TRAINGUARD_HOME/run)")
     agent.add_argument("--native", action="store_true", help="py-spy --native stacks")
     add_kafka_flags(agent)
+    add_metrics_flags(agent, "agent")
     agent.set_defaults(func=delegate(".collectors.agent"))
 
     run = sub.add_parser("run", help="launch and supervise a training command",
@@ -64,6 +68,7 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
                      help="seconds between SIGTERM and SIGKILL on restart")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command")
     add_kafka_flags(run)
+    add_metrics_flags(run, "run")
     run.set_defaults(func=delegate(".actions.supervisor"))
 
     record = sub.add_parser("record", help="Kafka topics to a recording")
