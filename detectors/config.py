@@ -61,14 +61,18 @@ class DetectorConfig:
     throughput_threshold: float = 4.0      # Page-Hinkley threshold, in log step time
     throughput_standout_ratio: float = 1.2  # a rank slower than this vs peers "stands out"
 
-    # -- hang: no new step for longer than an adaptive, phase-aware timeout ------------------
-    hang_floor_s: float = 20.0
-    hang_factor: float = 5.0
+    # -- hang: no progress after the later of the last step and the last allowed phase ------
+    hang_floor_s: float = 25.0             # timeout never below this
+    hang_factor: float = 2.5               # ... x the p99 of the job's step intervals
     hang_quantile: float = 0.99
     hang_window: int = 500                 # step intervals the quantile is learned over
-    hang_checkpoint_s: float = 900.0       # allowance while any rank is in `checkpoint`
-    hang_eval_s: float = 900.0             # ... in `eval`
-    hang_init_s: float = 1200.0            # ... in `init`, and before the first step
+    hang_max_margin: float = 1.5           # ... and never below this x the longest of them
+    hang_min_intervals: int = 10           # before, the first step's duration stands in
+    hang_checkpoint_s: float = 1800.0      # default allowance of a `checkpoint` phase
+    hang_eval_s: float = 1800.0            # ... of `eval`
+    hang_phase_s: float = 1800.0           # ... of a user-declared phase
+    hang_first_step_s: float = 1800.0      # budget of `init` and the first step after a start
+    hang_phase_factor: float = 3.0         # allowance >= this x the longest seen in the job
     hang_stale_s: float = 10.0             # a rank with no heartbeat for this long is a suspect
 
     # -- silent: a rank or machine that stops sending while the rest go on -------------------

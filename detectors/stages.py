@@ -32,6 +32,7 @@ from .base import Finding, json_number, to_anomaly
 from .config import DetectorConfig
 from .correlate import Correlator
 from .gpu import GpuDegradedDetector, GpuFaultDetector, Placement
+from .hang import is_allowed_phase
 from .liveness import CrashDetector, HangDetector, SilentDetector
 from .timing import StragglerDetector, ThroughputDetector
 from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
@@ -48,13 +49,10 @@ NODE_DETECTORS = (GpuFaultDetector, GpuDegradedDetector)
 JOB_DETECTORS = tuple(cls for cls in DETECTORS if cls not in NODE_DETECTORS)
 
 
-_SPECIAL_PHASES = frozenset(("checkpoint", "eval", "init"))
-
-
 class RankStage:
     """Compacts one rank's events into summary dicts (plain JSON, non-finite numbers as the
     SPEC strings). A heartbeat is forwarded when the rank enters or leaves a ``checkpoint``,
-    ``eval`` or ``init`` phase (they extend the hang timeout), else once every
+    ``eval``, ``init`` or user-declared phase (they pause the hang clock), else once every
     ``config.heartbeat_summary_s``: enough for liveness and for naming a hang's odd ranks,
     while step progress travels in the step summaries. A lifecycle summary carries the rank's
     last step.
@@ -91,7 +89,7 @@ class RankStage:
                      "loss_scale": json_number(event.loss_scale)}]
         if kind == "heartbeat":
             phase = event.phase
-            key = (phase, event.phase_since) if phase in _SPECIAL_PHASES else None
+            key = (phase, event.phase_since) if is_allowed_phase(phase) else None
             if key == self._hb_key and event.ts - self._hb_ts < self._every:
                 return []
             self._hb_key = key
@@ -346,6 +344,11 @@ class JobStage:
 
     def incidents(self) -> list[dict]:
         return self.correlator.incidents()
+
+    def note_false_alarm(self, phase: str | None, seconds: float) -> None:
+        """The action service found a hang of this job to be none (it moved on): widen the
+        allowance of ``phase`` (see :meth:`HangDetector.note_false_alarm`)."""
+        self.detectors["hang"].note_false_alarm(phase, seconds)
 
     def _emit(self, findings) -> list[ev.Anomaly]:
         out = []
