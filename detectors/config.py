@@ -62,7 +62,7 @@ class DetectorConfig:
     throughput_standout_ratio: float = 1.2  # a rank slower than this vs peers "stands out"
 
     # -- hang: no progress after the later of the last step and the last allowed phase ------
-    hang_floor_s: float = 25.0             # timeout never below this
+    hang_floor_s: float = 20.0             # timeout never below this
     hang_factor: float = 2.5               # ... x the p99 of the job's step intervals
     hang_quantile: float = 0.99
     hang_window: int = 500                 # step intervals the quantile is learned over

@@ -71,7 +71,7 @@ class HangDetector(Detector):
 
     PREFIX = "hang"
 
-    def __init__(self, floor_s: float = 25.0, factor: float = 2.5, quantile: float = 0.99,
+    def __init__(self, floor_s: float = 20.0, factor: float = 2.5, quantile: float = 0.99,
                  window: int = 500, max_margin: float = 1.5, min_intervals: int = 10,
                  checkpoint_s: float = 1800.0, eval_s: float = 1800.0,
                  phase_s: float = 1800.0, first_step_s: float = 1800.0,
@@ -122,8 +122,9 @@ class HangDetector(Detector):
             if rank is not None:
                 self._exited.discard(rank)
                 prev = self._hb.get(rank)
-                if prev is not None and is_allowed_phase(prev[1]) and prev[2] < ts:
-                    self._end_phase(rank, prev, ts)    # a step proves the phase is over
+                if prev is not None and is_allowed_phase(prev[1]) and prev[2] < ts and (
+                        prev[3] is None or item["step"] > prev[3]):
+                    self._end_phase(rank, prev, ts)    # a later step proves it is over
                     self._hb[rank] = [ts, "step", ts, item["step"], None]
             self._step(item["step"], ts)
         elif k == "hb":

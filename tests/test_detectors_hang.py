@@ -83,7 +83,7 @@ def test_user_phase_wrapped_around_the_loop_is_no_pause():
         items.append((t + 0.5, hb(t + 0.5, "train", 5.0, s)))     # the loop's own phase
     items += [(50.0 + k, hb(50.0 + k, "train", 5.0, 39)) for k in range(100)]
     found = run(d, items, 150.0)
-    assert [f.kind for f in found] == ["hang"] and found[0].detected_ts <= 49.0 + 26
+    assert [f.kind for f in found] == ["hang"] and found[0].detected_ts <= 49.0 + 21
 
 
 def test_false_alarm_feedback_widens_the_phase_allowance_and_pickles():
