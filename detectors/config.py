@@ -63,11 +63,11 @@ class DetectorConfig:
 
     # -- hang: no progress after the later of the last step and the last allowed phase ------
     hang_floor_s: float = 20.0             # timeout never below this
-    hang_factor: float = 2.5               # ... x the p99 of the job's step intervals
+    hang_factor: float = 2.0               # ... x the p99 of the job's step intervals
     hang_quantile: float = 0.99
     hang_window: int = 500                 # step intervals the quantile is learned over
-    hang_max_margin: float = 1.5           # ... and never below this x the longest of them
-    hang_min_intervals: int = 10           # before, the first step's duration stands in
+    hang_max_margin: float = 1.0           # ... and never below this x the longest of them
+    hang_min_intervals: int = 5            # before, the first-step budget applies
     hang_checkpoint_s: float = 1800.0      # default allowance of a `checkpoint` phase
     hang_eval_s: float = 1800.0            # ... of `eval`
     hang_phase_s: float = 1800.0           # ... of a user-declared phase

@@ -10,9 +10,11 @@ drop below generous defaults; the first step after a (re)start has its own budge
 loop) is no pause: it stops counting as an allowance for that job.
 
 Between steps, the timeout is ``max(floor_s, factor x p99 of the job's step intervals,
-max_margin x the longest interval seen)``; until ``min_intervals`` intervals are learned,
-the first step's duration stands in for the intervals (a job of 10-minute steps is not hung
-after 30 s of its second step).
+max_margin x the longest interval seen)``, counted from the later of the last step and the
+latest phase change of any rank within the step (a job-wide slow step still moves from
+phase to phase; a hung job does not); until ``min_intervals`` intervals are learned, the
+warm-up steps get the first-step budget (a job of 10-minute steps is not hung 30 s into
+its second step).
 
 A hang is reported once per stall; progress ends the stall, so a later stall is a new finding
 (its key holds the onset). :meth:`HangDetector.note_false_alarm` widens the allowance of a
@@ -41,7 +43,7 @@ A 45 s checkpoint after 6 s steps is no hang: the clock starts when it ends.
 >>> _ = d.update({"k": "hb", "rank": 0, "ts": 100.0, "step": 9, "phase": "data",
 ...               "phase_since": 99.0})
 >>> d.advance(110.0), d.deadline() - 99.0
-([], 25.0)
+([], 20.0)
 """
 from __future__ import annotations
 
@@ -71,8 +73,8 @@ class HangDetector(Detector):
 
     PREFIX = "hang"
 
-    def __init__(self, floor_s: float = 20.0, factor: float = 2.5, quantile: float = 0.99,
-                 window: int = 500, max_margin: float = 1.5, min_intervals: int = 10,
+    def __init__(self, floor_s: float = 20.0, factor: float = 2.0, quantile: float = 0.99,
+                 window: int = 500, max_margin: float = 1.0, min_intervals: int = 5,
                  checkpoint_s: float = 1800.0, eval_s: float = 1800.0,
                  phase_s: float = 1800.0, first_step_s: float = 1800.0,
                  phase_factor: float = 3.0, stale_s: float = 10.0):
@@ -98,6 +100,7 @@ class HangDetector(Detector):
         self._progress_ts = None
         self._start_ts = None          # the job's latest (re)start, for the first step
         self._phase_end_ts = None      # end of the latest allowed phase
+        self._moved_ts = None          # latest start of a step phase on any rank
         self._paused_since_progress = False
         self._hb: dict = {}            # rank -> [ts, phase, phase_since, step, first step in it]
         self._ended: dict = {}         # rank -> [phase, phase_since] of its last allowed phase
@@ -133,7 +136,9 @@ class HangDetector(Detector):
             self._heartbeat(rank, item, ts)
             self._exited.discard(rank)
         elif k == "life":
-            if item.get("event") == "exit":
+            if item.get("event") == "exit" and rank is None and item.get("restart"):
+                self._finished = True           # trainguard run tears the job down
+            elif item.get("event") == "exit":
                 if rank is not None:
                     self._exited.add(rank)
                 if item.get("exit_code") == 0 and not item.get("signal") and rank is not None:
@@ -146,6 +151,7 @@ class HangDetector(Detector):
                 self._max_step = None
                 self._progress_ts = None
                 self._phase_end_ts = None
+                self._moved_ts = None
                 if rank is not None:
                     self._exited.discard(rank)
                     self._hb.pop(rank, None)
@@ -180,6 +186,7 @@ class HangDetector(Detector):
                     self._recent_max = interval
         self._max_step = step
         self._progress_ts = ts
+        self._moved_ts = None
         self._paused_since_progress = False
         self._hung = False
 
@@ -208,6 +215,9 @@ class HangDetector(Detector):
                 self._paused_since_progress = True
         else:
             self._hb[rank] = [ts, phase, since, step, None]
+            if self._progress_ts is not None and since > self._progress_ts and (
+                    self._moved_ts is None or since > self._moved_ts):
+                self._moved_ts = since           # the rank moved on within the step
 
     def _end_phase(self, rank, prev, end) -> None:
         """``prev`` (a heartbeat entry in an allowed phase) ended at ``end``."""
@@ -243,9 +253,8 @@ class HangDetector(Detector):
         if self._n_intervals >= self.min_intervals:
             learned = max(self.factor * self._intervals.get(),
                           self.max_margin * self._recent_max)
-        else:
-            first = max(self._longest.get("first_step", 0.0), self._longest.get("init", 0.0))
-            learned = self.factor * max(first, self._recent_max)
+        else:                            # warm-up steps: the first-step budget
+            learned = self.allowance("first_step")
         widened = self.max_margin * self._longest.get("step", 0.0)
         return max(self.floor_s, learned, widened)
 
@@ -261,6 +270,8 @@ class HangDetector(Detector):
             since = self._progress_ts
             if self._phase_end_ts is not None and self._phase_end_ts > since:
                 since = self._phase_end_ts
+            if self._moved_ts is not None and self._moved_ts > since:
+                since = self._moved_ts
             deadline = since + self.timeout()
         for rank, (_, phase, start, _, _) in self._hb.items():
             if is_allowed_phase(phase) and rank not in self._exited \
@@ -280,17 +291,14 @@ class HangDetector(Detector):
         self._hung = True
         suspects, majority = self._suspects(now)
         onset = self._progress_ts if self._progress_ts is not None else self._start_ts
-        clock = onset
-        if self._phase_end_ts is not None and self._phase_end_ts > clock:
-            clock = self._phase_end_ts
+        clock = max(t for t in (onset, self._phase_end_ts, self._moved_ts) if t is not None)
         nodes = whole_nodes(suspects, self._where) if suspects else []
         stalled = now - onset
         what = (f"no new step after step {self._max_step}" if self._max_step is not None
                 else "no first step")
         blame = (f"; {fmt_ranks(suspects)} differ from the rest ({majority})"
                  if suspects else f"; every rank looks alike ({majority})")
-        paused = f" ({now - clock:.0f}s since the last allowed phase ended)" if clock > onset \
-            else ""
+        paused = f" ({now - clock:.0f}s since any rank last moved on)" if clock > onset else ""
         return [Finding(
             kind="hang", severity="critical", ranks=suspects, nodes=nodes, step=self._max_step,
             onset_ts=onset, detected_ts=now, detector=self.PREFIX,

@@ -50,6 +50,11 @@ class CrashDetector(Detector):
       steps again after its exit. ``finish(now)`` decides a pending tear-down at the end of
       the input.
 
+    - trainguard's own restarts are no crash: ``trainguard run`` announces one with a
+      launcher lifecycle ``exit`` (rank null) carrying ``"restart": true`` before it tears the
+      job down; every exit (and every rank that vanishes) of that tear-down is folded into it
+      without a finding, and its time is kept in ``own_restarts``.
+
     >>> d = CrashDetector(grace_s=3.0)
     >>> for r in range(4):           # rank 3 is SIGKILLed after step 160, torchrun stops the rest
     ...     _ = d.update({"k": "step", "rank": r, "node": "n1", "ts": 99.0, "step": 160})
@@ -74,6 +79,7 @@ class CrashDetector(Detector):
         self._where: dict = {}     # rank -> node
         self._exit: dict = {}      # rank -> time of its exit, until it starts again
         self._wave = None          # the open tear-down, see _open
+        self.own_restarts: list = []   # times trainguard run announced a restart (last 20)
 
     def update(self, item) -> list[Finding]:
         if type(item) is not dict:
@@ -86,6 +92,12 @@ class CrashDetector(Detector):
             return []
         found = []
         event = item.get("event")
+        if rank is None and event == "exit" and item.get("restart"):
+            wave = self._open(ts)               # trainguard run restarting the job
+            wave["own"] = True
+            self.own_restarts.append(ts)
+            del self.own_restarts[:-20]
+            return []
         if k == "step" and rank in self._exit and ts > self._exit[rank]:
             found = self._close(ts)                   # stepping again: a restart
             del self._exit[rank]
@@ -108,6 +120,9 @@ class CrashDetector(Detector):
         wave["last"] = max(wave["last"], ts)
         if not wave["decided"]:
             wave["start"] = min(wave["start"], ts)      # exits may arrive out of order
+        if wave["own"]:
+            wave["torn"][rank] = sig or TEARDOWN_CODES.get(code) or f"code {code}"
+            return []                           # part of our own restart
         if not teardown:
             wave["failed"].append(rank)
             return [self._exited(item)]
@@ -137,7 +152,8 @@ class CrashDetector(Detector):
 
     def _open(self, ts) -> dict:
         if self._wave is None:
-            self._wave = {"start": ts, "last": ts, "torn": {}, "failed": [], "decided": False}
+            self._wave = {"start": ts, "last": ts, "torn": {}, "failed": [], "decided": False,
+                          "own": False}
         return self._wave
 
     def _close(self, now) -> list[Finding]:
@@ -153,6 +169,8 @@ class CrashDetector(Detector):
     def _decide(self, now) -> list[Finding]:
         wave = self._wave
         wave["decided"] = True
+        if wave["own"]:
+            return []        # trainguard's own restart: recorded by the supervisor, no alert
         start, torn = wave["start"], wave["torn"]
         pending = self._pending_ranks(wave)
         vanished = [r for r in pending if self._last[r] < start] if torn else []

@@ -37,7 +37,7 @@ from .liveness import CrashDetector, HangDetector, SilentDetector
 from .timing import StragglerDetector, ThroughputDetector
 from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
 
-__all__ = ["RankStage", "NodeStage", "JobStage", "Engine", "StepAggregator", "DETECTORS",
+__all__ = ["RankStage", "NodeStage", "launcher_summary", "JobStage", "Engine", "StepAggregator", "DETECTORS",
            "JOB_DETECTORS", "NODE_DETECTORS"]
 
 #: Every detector class, in the order they run.
@@ -107,6 +107,23 @@ class RankStage:
                      "signal": event.signal, "pid": event.pid, "world_size": event.world_size,
                      "local_rank": event.local_rank, "step": self._last_step}]
         return []
+
+
+def launcher_summary(event) -> dict:
+    """The ``life`` summary (rank null) of a launcher's lifecycle event: ``trainguard run``
+    marks the exit that announces its own restart with ``restart: true``.
+
+    >>> from trainguard import events as ev
+    >>> e = ev.Lifecycle(job="j", ts=5.0, node="n1", rank=None, event="exit",
+    ...                  extra={"source": "supervisor", "restart": True})
+    >>> launcher_summary(e)["restart"], launcher_summary(e)["rank"]
+    (True, None)
+    """
+    extra = event.extra or {}
+    return {"k": "life", "job": event.job, "rank": None, "node": event.node, "ts": event.ts,
+            "event": event.event, "exit_code": event.exit_code, "signal": event.signal,
+            "pid": event.pid, "world_size": event.world_size, "local_rank": None,
+            "step": None, "source": extra.get("source"), "restart": extra.get("restart") is True}
 
 
 class NodeStage:
@@ -392,6 +409,8 @@ class Engine:
         kind = event.TYPE
         if kind in ("step", "heartbeat", "lifecycle"):
             if event.rank is None:
+                if kind == "lifecycle":        # the launcher's (trainguard run's) own
+                    return self.job_stage(event.job).update(launcher_summary(event))
                 return []
             key = (event.job, event.rank)
             rank_stage = self._ranks.get(key)

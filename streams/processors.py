@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from trainguard import events as ev
+from trainguard.detectors.stages import launcher_summary
 
 from .deadletter import deadletter_record
 from .logic import (NODE_TYPES, InvalidSummaries, SourceMarks, classify, decode_summaries,
@@ -273,7 +274,11 @@ class RankProcessor(_SlotsProcessor):
                     continue
                 skey, make = node_key(event.job, event.node), self.make_node_stage
             elif event.rank is None:
-                out.ignored += 1
+                if event.TYPE == "lifecycle":    # the launcher's: straight to the job side
+                    items.setdefault(event.job, []).append(
+                        (partition, offset, 0, launcher_summary(event)))
+                else:
+                    out.ignored += 1
                 continue
             else:
                 skey, make = stage_key(event.job, event.rank), self.make_stage
