@@ -7,7 +7,7 @@ constructor arguments from it, so the defaults below are the detectors' defaults
 
 >>> config = DetectorConfig(hang_floor_s=30.0)
 >>> config.hang_floor_s, config.straggler_k, config.straggler_n
-(30.0, 8, 10)
+(30.0, 6, 10)
 >>> DetectorConfig(straggler_k=12, straggler_n=10)
 Traceback (most recent call last):
 ...
@@ -33,23 +33,30 @@ class DetectorConfig:
     loss_spike_tail_quantile: float = 0.995
     loss_spike_tail_factor: float = 4.0    # spike: log deviation > factor x tail quantile ...
     loss_spike_min_ratio: float = 1.1      # ... and value > min_ratio x baseline
-    loss_spike_warmup: int = 250           # steps learned before any report
+    loss_spike_warmup: int = 20            # steps learned before any report
     loss_spike_cooldown: int = 20          # quiet steps that end a spike episode
+    loss_spike_early_steps: int = 250      # young curves are rough: in these first steps ...
+    loss_spike_early_min_ratio: float = 1.5  # ... a spike must be at least this x baseline
     grad_spike_window: int = 50
     grad_spike_tail_window: int = 1000
     grad_spike_tail_quantile: float = 0.995
     grad_spike_tail_factor: float = 4.0
     grad_spike_min_ratio: float = 2.5
-    grad_spike_warmup: int = 250
+    grad_spike_warmup: int = 20
     grad_spike_cooldown: int = 20
+    grad_spike_early_steps: int = 250
+    grad_spike_early_min_ratio: float = 5.0
 
     # -- straggler: a rank's compute_time against the median of its peers, per step ---------
     straggler_ratio: float = 1.2           # slow in a step: compute_time >= ratio x peers' median
     straggler_min_excess_s: float = 0.002  # ... and at least this many seconds more
-    straggler_k: int = 8                   # persistent: slow in k ...
+    straggler_k: int = 6                   # persistent: slow in k ...
     straggler_n: int = 10                  # ... of the last n steps it reported
     straggler_settle: int = 2              # steps to wait for more ranks before naming them
-    straggler_min_ranks: int = 3           # ranks needed in a step to compare at all
+    straggler_min_ranks: int = 3           # ranks needed in a step (and a stage) to compare
+    straggler_warmup: int = 10             # steps each rank's own baseline is learned over
+    straggler_baseline_alpha: float = 0.05  # ... then its moving-average weight
+    straggler_absolute_ratio: float = 2.0  # slow outright at this x its peers, any baseline
 
     # -- throughput_drop: Page-Hinkley on the job's log step time, confirmed by a ratio ------
     throughput_warmup: int = 50            # steps before learning starts (compile, warm-up)
@@ -123,7 +130,9 @@ class DetectorConfig:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         for name in ("loss_spike_min_ratio", "grad_spike_min_ratio", "straggler_ratio",
-                     "throughput_ratio", "throughput_clip", "throughput_standout_ratio"):
+                     "loss_spike_early_min_ratio", "grad_spike_early_min_ratio",
+                     "throughput_ratio", "throughput_clip", "throughput_standout_ratio",
+                     "straggler_absolute_ratio"):
             if getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be above 1, got {getattr(self, name)}")
         for name in ("loss_spike_window", "grad_spike_window", "loss_spike_tail_window",

@@ -105,7 +105,8 @@ class RankStage:
             return [{"k": "life", "job": event.job, "rank": event.rank, "node": event.node,
                      "ts": event.ts, "event": event.event, "exit_code": event.exit_code,
                      "signal": event.signal, "pid": event.pid, "world_size": event.world_size,
-                     "local_rank": event.local_rank, "step": self._last_step}]
+                     "local_rank": event.local_rank, "step": self._last_step,
+                     "topology": event.topology}]
         return []
 
 
@@ -279,7 +280,7 @@ class JobStage:
         self._on_late = [d["nan"]]     # a record that came after its step was closed
         self._on_step = [d["hang"], d["silent"], d["crash"]]
         self._on_hb = [d["hang"], d["silent"], d["crash"]]
-        self._on_life = [d["crash"], d["hang"], d["silent"]]
+        self._on_life = [d["crash"], d["hang"], d["silent"], d["straggler"]]
         self._on_gpu = [d["silent"]]
         self._timed = [d["hang"], d["silent"], d["crash"]]
         self.placement = Placement()   # names the rank of a GPU in NodeStage findings

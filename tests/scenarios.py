@@ -358,7 +358,8 @@ class _Run:
                 kind = "gpu_fault" if f.kind == "dbe" else "gpu_degraded"
                 self._truth(kind, [rank], [f.node], end, s,
                             2.0 if f.kind == "dbe" else 120.0, None, f.kind)
-                self.gpu_faults = getattr(self, "gpu_faults", []) + [(f, end)]
+                # onset: the first GPU sample that carries it (set in _telemetry)
+                self.gpu_faults = getattr(self, "gpu_faults", []) + [(f, end, self.truth[-1])]
         pending = getattr(self, "pending_grad", None)
         if pending and pending[0] == s:
             self._truth("spike", [], [], end, s, 1e9, 2, "grad-led spike")
@@ -485,10 +486,13 @@ class _Run:
                         break
                     if self._gpu_is_down(node, i, g):
                         continue
-                    dbe = sum(1 for f, at in faults
-                              if f.kind == "dbe" and (f.node, f.gpu) == (node, i) and g >= at)
-                    hot = any(f.kind == "throttle" and (f.node, f.gpu) == (node, i) and g >= at
-                              for f, at in faults)
+                    dbe, hot = 0, False
+                    for f, at, truth in faults:
+                        if (f.node, f.gpu) == (node, i) and g >= at:
+                            if truth.onset_ts == at:
+                                truth.onset_ts = g
+                            dbe += f.kind == "dbe"
+                            hot = hot or f.kind == "throttle"
                     sbe[(node, i)] = sbe.get((node, i), 0) + (self.rng.random() < 0.005)
                     entries.append({"index": i, "uuid": f"GPU-{node}-{i}", "util": 97.0,
                                     "temp": 88.0 if hot else 62.0, "power": 600.0,
