@@ -48,7 +48,7 @@ class DetectorConfig:
     grad_spike_early_min_ratio: float = 5.0
 
     # -- straggler: a rank's compute_time against the median of its peers, per step ---------
-    straggler_ratio: float = 1.2           # slow in a step: compute_time >= ratio x peers' median
+    straggler_ratio: float = 1.2           # slow in a step: compute_time >= ratio x usual
     straggler_min_excess_s: float = 0.002  # ... and at least this many seconds more
     straggler_k: int = 6                   # persistent: slow in k ...
     straggler_n: int = 10                  # ... of the last n steps it reported
@@ -56,7 +56,6 @@ class DetectorConfig:
     straggler_min_ranks: int = 3           # ranks needed in a step (and a stage) to compare
     straggler_warmup: int = 10             # steps each rank's own baseline is learned over
     straggler_baseline_alpha: float = 0.05  # ... then its moving-average weight
-    straggler_absolute_ratio: float = 2.0  # slow outright at this x its peers, any baseline
 
     # -- throughput_drop: Page-Hinkley on the job's log step time, confirmed by a ratio ------
     throughput_warmup: int = 50            # steps before learning starts (compile, warm-up)
@@ -131,8 +130,7 @@ class DetectorConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         for name in ("loss_spike_min_ratio", "grad_spike_min_ratio", "straggler_ratio",
                      "loss_spike_early_min_ratio", "grad_spike_early_min_ratio",
-                     "throughput_ratio", "throughput_clip", "throughput_standout_ratio",
-                     "straggler_absolute_ratio"):
+                     "throughput_ratio", "throughput_clip", "throughput_standout_ratio"):
             if getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be above 1, got {getattr(self, name)}")
         for name in ("loss_spike_window", "grad_spike_window", "loss_spike_tail_window",

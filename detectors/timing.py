@@ -120,13 +120,15 @@ class StragglerDetector(Detector):
 
     Peers: with a known topology (lifecycle ``topology``, Megatron layout: TP fastest, then
     DP, then PP) the ranks of the same pipeline stage, when the stage has ``min_ranks``;
-    otherwise the whole job. A rank's *peer ratio* in a step is its ``compute_time`` over the
-    median of its peers'. Each rank has its own baseline of that ratio (a moving average of
-    its log, learned over its first ``warmup`` steps and then from its normal steps only), so
-    ranks that differ steadily from the start, or a steadily slower stage compared across
-    the job, are not stragglers. A rank is *slow* in a step when its peer ratio is at least
-    ``ratio`` x its baseline (or ``absolute_ratio`` x its peers outright) and at least
-    ``min_excess_s`` more. A rank slow in ``k`` of the last ``n`` steps it reported is a
+    otherwise the whole job. Each rank has its own *usual share*: the log of its
+    ``compute_time`` over its peers' (a moving average, learned over its first ``warmup``
+    steps, then from steps less than half the threshold above it only). In a step every time is first divided by its
+    rank's usual share, and a rank's *ratio* is its scaled time over the median of its peers'
+    scaled times; so ranks that differ steadily from the start, or a steadily slower stage
+    compared across the job, are not stragglers, and several ranks falling behind at once
+    do not hide each other. A rank is *slow* in a step when its ratio is at least ``ratio``
+    and its time at least ``min_excess_s`` more. A rank slow in ``k`` of the last ``n`` steps
+    it reported is a
     straggler, also when single normal steps break the run. When the first rank qualifies,
     the detector waits ``settle`` steps for others (a whole slow machine), then names exactly
     the qualifying ranks; machines all of whose ranks are named are named too. A named rank is
@@ -145,7 +147,7 @@ class StragglerDetector(Detector):
 
     def __init__(self, ratio: float = 1.2, min_excess_s: float = 0.002, k: int = 6,
                  n: int = 10, settle: int = 2, min_ranks: int = 3, warmup: int = 10,
-                 baseline_alpha: float = 0.05, absolute_ratio: float = 2.0):
+                 baseline_alpha: float = 0.05):
         self.ratio = ratio
         self.min_excess_s = min_excess_s
         self.k = k
@@ -154,12 +156,10 @@ class StragglerDetector(Detector):
         self.min_ranks = min_ranks
         self.warmup = warmup
         self.baseline_alpha = baseline_alpha
-        self.absolute_ratio = absolute_ratio
         self._log_ratio = math.log(ratio)
-        self._log_absolute = math.log(absolute_ratio)
-        self._history: dict = {}       # rank -> deque of (slow, step, ts, ratio to baseline)
+        self._history: dict = {}       # rank -> deque of (slow, step, ts, ratio)
         self._slow_steps: dict = {}    # rank -> how many of its _history steps were slow
-        self._base: dict = {}          # rank -> [log peer ratio baseline, steps learned]
+        self._base: dict = {}          # rank -> [log of its usual share, steps learned]
         self._where: dict = {}         # rank -> node
         self._stage_size = 0           # ranks per pipeline stage (tp x dp), 0: unknown
         self._named: set = set()
@@ -185,6 +185,8 @@ class StragglerDetector(Detector):
         qualifying = []
         for rank, r in ratios.items():
             slow, rel = self._judge(rank, r, times[rank])
+            if rel is None:
+                continue
             hist = self._history.get(rank)
             if hist is None:
                 hist = self._history[rank] = deque(maxlen=self.n)
@@ -224,40 +226,44 @@ class StragglerDetector(Detector):
         self._stage_size = tp * dp if pp > 1 else 0
 
     def _ratios(self, item):
-        """``(compute_times, peer_ratios)``, peers within a pipeline stage where known."""
-        size = self._stage_size
-        if not size:
-            return peer_view(item)
+        """``(compute_times, ratios)``: each rank's scaled time over the median of its
+        peers' (see the class); peers within a pipeline stage where the topology is known."""
         times = _compute_times(item)
-        stages: dict = {}
+        base = self._base
+        scaled = {}
         for rank, t in times.items():
-            stages.setdefault(rank // size, {})[rank] = t
-        if any(len(group) < self.min_ranks for group in stages.values()):
-            return peer_view(item)                # stages too small: the job, by baseline
-        ratios = {}
-        for group in stages.values():
-            ratios.update(peer_ratios(group))
-        return times, ratios
+            b = base.get(rank)
+            scaled[rank] = t / math.exp(b[0]) if b is not None else t
+        size = self._stage_size
+        if size:
+            stages: dict = {}
+            for rank, t in scaled.items():
+                stages.setdefault(rank // size, {})[rank] = t
+            if all(len(group) >= self.min_ranks for group in stages.values()):
+                ratios = {}
+                for group in stages.values():
+                    ratios.update(peer_ratios(group))
+                return times, ratios
+        return times, (peer_ratios(scaled) if len(scaled) >= 2 else {})
 
     def _judge(self, rank, r, t):
-        """``(slow, ratio to the rank's own baseline)`` of one step; learns the baseline."""
+        """``(slow, r)`` of one step (``r``: the rank's ratio); learns its usual share."""
         if r <= 0:
-            return False, 1.0
-        y = math.log(r)
+            return False, None
+        rel = math.log(r)
         base = self._base.get(rank)
         if base is None:
-            base = self._base[rank] = [y, 1]
+            self._base[rank] = [rel, 1]
             return False, 1.0
         level, learned = base
-        rel = y - level
-        slow = learned >= self.warmup and (rel >= self._log_ratio or y >= self._log_absolute) \
-            and t - t / math.exp(max(rel, 0.0)) >= self.min_excess_s
-        if not slow:
-            alpha = 1.0 / (learned + 1) if learned < self.warmup else self.baseline_alpha
-            clipped = min(rel, self._log_ratio)
-            base[0] = level + alpha * clipped
+        slow = learned >= self.warmup and rel >= self._log_ratio \
+            and t - t / r >= self.min_excess_s
+        if learned < self.warmup:
+            base[0] = level + min(rel, self._log_ratio) / (learned + 1)
             base[1] = learned + 1
-        return slow, math.exp(rel)
+        elif rel < self._log_ratio / 2:          # a drift up is not learned: it may grow
+            base[0] = level + self.baseline_alpha * rel
+        return slow, r
 
     def _finding(self, qualifying, step, ts) -> Finding:
         first = min((h for r in qualifying for h in self._history[r] if h[0]),
