@@ -54,7 +54,7 @@ FUTURE_SLACK_S = 5.0
 #: the stages' pickled layout; a snapshot of another layout is a restore failure (the stage
 #: starts afresh) rather than a stage whose detectors miss attributes. Raise it whenever a
 #: stage or detector changes what it keeps.
-STATE_VERSION = 3
+STATE_VERSION = 4
 
 
 def dump_state(obj, partition: int) -> bytes:
