@@ -23,6 +23,7 @@ events through all three, for offline analysis, as the worker does across Kafka.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import asdict
 
@@ -37,7 +38,7 @@ from .liveness import CrashDetector, HangDetector, SilentDetector
 from .timing import StragglerDetector, ThroughputDetector
 from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
 
-__all__ = ["RankStage", "NodeStage", "launcher_summary", "JobStage", "Engine", "StepAggregator", "DETECTORS",
+__all__ = ["RankStage", "NodeStage", "launcher_summary", "on_grid", "JobStage", "Engine", "StepAggregator", "DETECTORS",
            "JOB_DETECTORS", "NODE_DETECTORS"]
 
 #: Every detector class, in the order they run.
@@ -108,6 +109,17 @@ class RankStage:
                      "local_rank": event.local_rank, "step": self._last_step,
                      "topology": event.topology}]
         return []
+
+
+def on_grid(now: float, every: float) -> float:
+    """The latest point of the event-time grid (multiples of ``every``) at or before ``now``:
+    ``analyze`` and the worker advance the detectors on the same grid, so the same recording
+    gives the same detection times through both.
+
+    >>> on_grid(1764680012.74, 0.5), on_grid(3.0, 0.0)
+    (1764680012.5, 3.0)
+    """
+    return math.floor(now / every) * every if every > 0 else now
 
 
 def launcher_summary(event) -> dict:
@@ -387,8 +399,8 @@ class Engine:
     """Routes raw events through one RankStage per (job, rank) and one JobStage per job,
     which passes a machine's gpu and xid events through its NodeStage for that machine.
 
-    ``advance(now)`` does work at most every ``config.advance_interval_s`` of ``now``
-    (pass ``force=True`` for the final sweep at the end of the input: it also decides what
+    ``advance(now)`` does work at most every ``config.advance_interval_s`` of ``now``, at
+    the latest point of that event-time grid (:func:`on_grid`), as the worker does (pass ``force=True`` for the final sweep at the end of the input: it also decides what
     still waits for more evidence, such as a tear-down within its grace period). Events other than step, heartbeat, lifecycle,
     gpu and xid are ignored, as are rank events without a rank.
     """
@@ -432,10 +444,11 @@ class Engine:
     def advance(self, now: float, force: bool = False) -> list[ev.Anomaly]:
         if not force and now < self.next_advance_ts:
             return []
-        self.next_advance_ts = now + self.config.advance_interval_s
+        at = now if force else on_grid(now, self.config.advance_interval_s)
+        self.next_advance_ts = at + self.config.advance_interval_s
         out = []
         for stage in self._jobs.values():
-            out += stage.advance(now, final=force)
+            out += stage.advance(at, final=force)
         return out
 
     def incidents(self) -> list[dict]:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from trainguard import events as ev
-from trainguard.detectors.stages import launcher_summary
+from trainguard.detectors.stages import launcher_summary, on_grid
 
 from .deadletter import deadletter_record
 from .logic import (NODE_TYPES, InvalidSummaries, SourceMarks, classify, decode_summaries,
@@ -307,9 +307,10 @@ class JobProcessor(_SlotsProcessor):
     (each job on its own clock, :meth:`JobSlot.now`).
 
     ``apply`` also advances a job in event time, as ``trainguard analyze`` does, whenever
-    its items move its clock on by ``advance_every_s`` (None: never): a backlog or a fast
-    replay brings many seconds of event time between two ticks of the wall-clock timer, and
-    a hang that such a stretch holds (steps stop, heartbeats go on, then the ranks exit)
+    its items move its clock past a point of the grid of ``advance_every_s`` (None: never;
+    the timer's ``advance`` uses the same grid, ``detectors.stages.on_grid``): a backlog or
+    a fast replay brings many seconds of event time between two ticks of the wall-clock
+    timer, and a hang that such a stretch holds (steps stop, heartbeats go on, then the ranks exit)
     would otherwise never be looked for while it lasted.
     """
 
@@ -366,10 +367,11 @@ class JobProcessor(_SlotsProcessor):
             except Exception:            # a detector bug must not stop the stream
                 self.errors += 1
                 log.exception("job stage %s failed on an item from %d/%d", job, p, o)
-            if every is not None and watermark - slot.clock >= every:
-                slot.clock = watermark
+            if every is not None and watermark > slot.clock and \
+                    on_grid(watermark, every) > slot.clock:
+                slot.clock = on_grid(watermark, every)     # analyze's event-time grid
                 try:
-                    out += stage.advance(watermark)
+                    out += stage.advance(slot.clock)
                 except Exception:
                     self.errors += 1
                     log.exception("job stage %s failed in advance()", job)
@@ -380,7 +382,9 @@ class JobProcessor(_SlotsProcessor):
         out = []
         for key, slot in self.state.slots.items():
             try:
-                found = slot.stage.advance(slot.now(now))
+                every = self.advance_every_s
+                at = slot.now(now)
+                found = slot.stage.advance(on_grid(at, every) if every else at)
             except Exception:
                 self.errors += 1
                 log.exception("job stage %s failed in advance()", key.decode())
