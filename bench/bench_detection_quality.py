@@ -13,7 +13,8 @@ fixed-threshold rules (bench/baseline_rules.py), in the same run, on the same re
 
 Per detector: false incidents on the healthy set and the real healthy traces, recall on the
 faults, exact localization, median and worst latency per kind (seconds; steps for
-straggler, spike and NaN), and the issue's targets. ``beats_baseline`` compares every line.
+straggler, spike and NaN), and the issue's targets. ``beats_baseline`` compares every line
+(per kind: found, then exactly localized, then the worst latency, in that order).
 """
 from __future__ import annotations
 
@@ -146,10 +147,11 @@ def _compare(tg: dict, base: dict) -> dict:
     }
     for kind, mine in tg["per_kind"].items():
         theirs = base["per_kind"].get(kind, {})
-        better = mine["found"] > theirs.get("found", 0) or (
-            mine["found"] == theirs.get("found", 0) and mine["exact"] >= theirs.get("exact", 0)
-            and (theirs.get("worst_latency") is None or mine["worst_latency"] is None
-                 or mine["worst_latency"] <= theirs["worst_latency"]))
+        # found, then exactly localized, then the worst latency
+        ours = (mine["found"], mine["exact"], -(mine["worst_latency"] or 0))
+        base = (theirs.get("found", 0), theirs.get("exact", 0),
+                -(theirs.get("worst_latency") or 0))
+        better = ours >= base
         lines[f"{kind}"] = better
     lines["all"] = all(lines.values())
     return lines

@@ -59,6 +59,11 @@ STEP_PHASES = frozenset(("data", "forward", "backward", "optimizer", "collective
                          "step"))
 
 
+#: The order of a step's phases, to tell the ranks behind from the ones that went on.
+PHASE_ORDER = {"idle": 0, "step": 0, "data": 1, "forward": 2, "backward": 3, "optimizer": 4,
+               "collective": 5}
+
+
 def is_allowed_phase(phase) -> bool:
     """``checkpoint``, ``eval``, ``init`` and user-declared phases pause the step clock.
 
@@ -338,5 +343,23 @@ class HangDetector(Detector):
         odd = [r for r, h in fresh.items() if h[1] != phase or h[3] != step]
         suspects = sorted(set(odd) | set(stale))
         if len(suspects) * 2 >= len(live):
-            suspects = []
+            suspects = self._behind(fresh, live)
+            if suspects:
+                return suspects, "the others went further in the step and wait for them"
         return suspects, f"phase {phase}, step {step}"
+
+    @staticmethod
+    def _behind(fresh, live) -> list:
+        """With no clear majority (two ranks, say): the ranks behind the others in the step
+        (an earlier step, or an earlier phase of it) hold them up."""
+        where = {}
+        for r, h in fresh.items():
+            order = PHASE_ORDER.get(h[1])
+            if order is None:
+                return []
+            where[r] = (h[3] if h[3] is not None else -1, order)
+        if len(set(where.values())) < 2:
+            return []
+        first = min(where.values())
+        behind = sorted(r for r, w in where.items() if w == first)
+        return behind if len(behind) * 2 <= len(live) else []

@@ -115,3 +115,15 @@ def test_a_stall_after_progress_resumed_is_a_new_incident():
     for f in found:
         c.add(to_anomaly("j", f))
     assert [i["kind"] for i in c.incidents()] == ["hang", "hang"]
+
+
+def test_of_two_ranks_the_one_behind_in_the_step_is_blamed():
+    d = HangDetector()
+    for s in range(10):
+        for r in (0, 1):
+            d.update(step(s, 10.0 + s, rank=r))
+    for t in (25.0, 44.0):
+        d.update(hb(t, "backward", 20.5, 9, rank=0))    # waits in DDP's all-reduce
+        d.update(hb(t, "data", 19.1, 9, rank=1))        # its data loader is stuck
+    found = d.advance(45.0)
+    assert [(f.kind, f.ranks) for f in found] == [("hang", [1])]
