@@ -127,14 +127,25 @@ class HangDetector(Detector):
             self._start_ts = ts
         rank = item.get("rank")
         if k == "step":
+            step = item["step"]
             if rank is not None:
-                self._exited.discard(rank)
+                if self._exited:
+                    self._exited.discard(rank)
                 prev = self._hb.get(rank)
-                if prev is not None and is_allowed_phase(prev[1]) and prev[2] < ts and (
-                        prev[3] is None or item["step"] > prev[3]):
+                if prev is not None and prev[1] not in STEP_PHASES and prev[2] < ts and \
+                        type(prev[1]) is str and (prev[3] is None or step > prev[3]):
                     self._end_phase(rank, prev, ts)    # a later step proves it is over
-                    self._hb[rank] = [ts, "step", ts, item["step"], None]
-            self._step(item["step"], ts)
+                    self._hb[rank] = [ts, "step", ts, step, None]
+                if self._max_step is None or step > self._max_step:
+                    self._step(step, ts)
+                seen = self._seen
+                if ts > seen.get(rank, -1.0):            # the hot path: one rank's step
+                    seen[rank] = ts
+                node = item.get("node")
+                if node and self._where.get(rank) != node:
+                    self._where[rank] = node
+                return []
+            self._step(step, ts)
         elif k == "hb":
             if rank is None:
                 return []

@@ -159,7 +159,7 @@ class StragglerDetector(Detector):
         self._log_ratio = math.log(ratio)
         self._history: dict = {}       # rank -> deque of (slow, step, ts, ratio)
         self._slow_steps: dict = {}    # rank -> how many of its _history steps were slow
-        self._base: dict = {}          # rank -> [log of its usual share, steps learned]
+        self._base: dict = {}          # rank -> [log of its usual share, steps learned, share]
         self._where: dict = {}         # rank -> node
         self._stage_size = 0           # ranks per pipeline stage (tp x dp), 0: unknown
         self._named: set = set()
@@ -183,17 +183,33 @@ class StragglerDetector(Detector):
             return []
         step, ts = item["step"], item["ts"]
         qualifying = []
+        base_of, log_ratio, warmup = self._base, self._log_ratio, self.warmup
         for rank, r in ratios.items():
-            slow, rel = self._judge(rank, r, times[rank])
-            if rel is None:
+            if r <= 0:
                 continue
+            rel = math.log(r)               # judge the step, learn the rank's usual share
+            base = base_of.get(rank)
+            if base is None:
+                base_of[rank] = [rel, 1, r]
+                slow, r = False, 1.0
+            else:
+                level, learned, _ = base
+                t = times[rank]
+                slow = learned >= warmup and rel >= log_ratio and t - t / r >= self.min_excess_s
+                if learned < warmup:
+                    base[0] = level = level + min(rel, log_ratio) / (learned + 1)
+                    base[1] = learned + 1
+                    base[2] = math.exp(level)
+                elif rel < log_ratio / 2:          # a drift up is not learned: it may grow
+                    base[0] = level = level + self.baseline_alpha * rel
+                    base[2] = math.exp(level)
             hist = self._history.get(rank)
             if hist is None:
                 hist = self._history[rank] = deque(maxlen=self.n)
             count = self._slow_steps.get(rank, 0)
             if len(hist) == self.n and hist[0][0]:
                 count -= 1                        # the oldest slow step leaves the window
-            hist.append((slow, step, ts, rel))
+            hist.append((slow, step, ts, r))
             count += slow
             self._slow_steps[rank] = count
             if rank in self._named:
@@ -228,12 +244,12 @@ class StragglerDetector(Detector):
     def _ratios(self, item):
         """``(compute_times, ratios)``: each rank's scaled time over the median of its
         peers' (see the class); peers within a pipeline stage where the topology is known."""
-        times = _compute_times(item)
+        times = peer_view(item)[0]
         base = self._base
         scaled = {}
         for rank, t in times.items():
             b = base.get(rank)
-            scaled[rank] = t / math.exp(b[0]) if b is not None else t
+            scaled[rank] = t / b[2] if b is not None else t
         size = self._stage_size
         if size:
             stages: dict = {}
@@ -245,25 +261,6 @@ class StragglerDetector(Detector):
                     ratios.update(peer_ratios(group))
                 return times, ratios
         return times, (peer_ratios(scaled) if len(scaled) >= 2 else {})
-
-    def _judge(self, rank, r, t):
-        """``(slow, r)`` of one step (``r``: the rank's ratio); learns its usual share."""
-        if r <= 0:
-            return False, None
-        rel = math.log(r)
-        base = self._base.get(rank)
-        if base is None:
-            self._base[rank] = [rel, 1]
-            return False, 1.0
-        level, learned = base
-        slow = learned >= self.warmup and rel >= self._log_ratio \
-            and t - t / r >= self.min_excess_s
-        if learned < self.warmup:
-            base[0] = level + min(rel, self._log_ratio) / (learned + 1)
-            base[1] = learned + 1
-        elif rel < self._log_ratio / 2:          # a drift up is not learned: it may grow
-            base[0] = level + self.baseline_alpha * rel
-        return slow, r
 
     def _finding(self, qualifying, step, ts) -> Finding:
         first = min((h for r in qualifying for h in self._history[r] if h[0]),
