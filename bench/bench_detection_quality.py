@@ -124,7 +124,8 @@ def run() -> dict:
         summary["real_traces"] = {
             "false_incidents": len(real_false), "false_incident_list": real_false[:12],
             "episodes": [{"case": r["case"], "found": r["found"], "exact": r["exact"],
-                          "got": r.get("got", {}).get("ranks"), "want": r.get("want", {}).get("ranks"),
+                          "got": r.get("got", {}).get("ranks"),
+                          "want": r.get("want", {}).get("ranks"),
                           "latency_steps": r["latency_steps"]} for r in real_results]}
         summary["cpu_seconds"] = round(time.process_time() - t0, 2)
         out[name] = summary

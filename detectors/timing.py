@@ -122,13 +122,13 @@ class StragglerDetector(Detector):
     DP, then PP) the ranks of the same pipeline stage, when the stage has ``min_ranks``;
     otherwise the whole job. Each rank has its own *usual share*: the log of its
     ``compute_time`` over its peers' (a moving average, learned over its first ``warmup``
-    steps, then from steps less than half the threshold above it only). In a step every time is first divided by its
-    rank's usual share, and a rank's *ratio* is its scaled time over the median of its peers'
-    scaled times; so ranks that differ steadily from the start, or a steadily slower stage
-    compared across the job, are not stragglers, and several ranks falling behind at once
-    do not hide each other. A rank is *slow* in a step when its ratio is at least ``ratio``
-    and its time at least ``min_excess_s`` more. A rank slow in ``k`` of the last ``n`` steps
-    it reported is a
+    steps, then only from steps less than half the threshold above it). In a step every
+    time is first divided by its rank's usual share, and a rank's *ratio* is its scaled time
+    over the median of its peers' scaled times; so ranks that differ steadily from the start,
+    or a steadily slower stage compared across the job, are not stragglers, and several
+    ranks falling behind at once do not hide each other. A rank is *slow* in a step when its
+    ratio is at least ``ratio`` and its time at least ``min_excess_s`` more. A rank slow in
+    ``k`` of the last ``n`` steps it reported is a
     straggler, also when single normal steps break the run. When the first rank qualifies,
     the detector waits ``settle`` steps for others (a whole slow machine), then names exactly
     the qualifying ranks; machines all of whose ranks are named are named too. A named rank is
@@ -274,8 +274,8 @@ class StragglerDetector(Detector):
         return Finding(
             kind="straggler", severity="warning", ranks=sorted(qualifying), nodes=nodes,
             step=first[1], onset_ts=first[2], detected_ts=ts, detector=self.PREFIX,
-            summary=(f"{fmt_ranks(qualifying)}{where} slower than {peers} and their own "
-                     f"baseline in {self.k}+ of {self.n} steps, up to {worst:.2f}x"),
+            summary=(f"{fmt_ranks(qualifying)}{where} slower than {peers} (each against its "
+                     f"usual pace) in {self.k}+ of {self.n} steps, up to {worst:.2f}x"),
             evidence={"mean_ratio": mean_ratio, "ratio_threshold": self.ratio,
                       "k": self.k, "n": self.n, "detected_step": step,
                       "stage_size": self._stage_size,

@@ -551,7 +551,8 @@ def _healthy():
         out += [
             Scenario(name=f"plain-{st}s", seed=i, **base),
             Scenario(name=f"first-step-30min-{st}s", first_step_s=1780.0, seed=i, **base),
-            Scenario(name=f"checkpoints-{st}s", **{**base, "checkpoint_every": 5 if st > 30 else 25},
+            Scenario(name=f"checkpoints-{st}s",
+                     **{**base, "checkpoint_every": 5 if st > 30 else 25},
                      checkpoint_s=min(1750.0, max(45.0, 40 * st)), seed=i),
             Scenario(name=f"ckpt-rank0-{st}s", **{**base, "checkpoint_every": 5 if st > 30 else 20},
                      checkpoint_s=45.0, checkpoint_rank0_only=True, seed=i),

@@ -2,6 +2,7 @@
 as `trainguard analyze` finds in the file. The recording is a real demo run (tests/data)."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import uuid
@@ -31,6 +32,27 @@ def replayed_ids(job: str) -> set:
     return {rewrite(e, job=job).id for e in read_events(DEMO) if e.type == "anomaly"}
 
 
+@contextlib.contextmanager
+def replayed_into_worker(kafka_bootstrap, tmp_path, path, *args):
+    """A worker of its own, the recording at ``path`` replayed to it (``trainguard replay``
+    with ``args``); yields ``(worker, reader of the anomalies topic)``."""
+    config = new_config(kafka_bootstrap)
+    worker = WorkerProcess(config, f"t{uuid.uuid4().hex[:8]}", tmp_path / "data",
+                           tmp_path / "worker.log").start()
+    reader = TopicReader(config, config.topics.anomalies)
+    try:
+        worker.wait_ready()
+        replay = subprocess.run(
+            [sys.executable, "-m", "trainguard.cli", "replay", str(path), *args,
+             "--bootstrap", config.bootstrap, "--prefix", config.topics.prefix],
+            capture_output=True, text=True, timeout=180)
+        assert replay.returncode == 0, replay.stderr
+        yield worker, reader
+    finally:
+        reader.close()
+        worker.stop()
+
+
 def incidents_of(anomalies) -> list:
     correlator = Correlator()
     for anomaly in sorted(anomalies, key=lambda a: a.detected_ts):
@@ -46,18 +68,8 @@ def test_replayed_recording_gives_the_incidents_of_analyze(kafka_bootstrap, tmp_
                       if i["severity"] == "critical")
     assert expected, "the recording holds critical incidents"
 
-    config = new_config(kafka_bootstrap)
-    worker = WorkerProcess(config, f"t{uuid.uuid4().hex[:8]}", tmp_path / "data",
-                           tmp_path / "worker.log").start()
-    reader = TopicReader(config, config.topics.anomalies)
-    try:
-        worker.wait_ready()
-        replay = subprocess.run(
-            [sys.executable, "-m", "trainguard.cli", "replay", str(DEMO), "--speed", "10",
-             "--job", job, "--bootstrap", config.bootstrap, "--prefix", config.topics.prefix],
-            capture_output=True, text=True, timeout=120)
-        assert replay.returncode == 0, replay.stderr
-
+    with replayed_into_worker(kafka_bootstrap, tmp_path, DEMO, "--speed", "10",
+                              "--job", job) as (worker, reader):
         replayed = replayed_ids(job)
         assert replayed, "the recording holds anomalies of its own"
 
@@ -74,9 +86,6 @@ def test_replayed_recording_gives_the_incidents_of_analyze(kafka_bootstrap, tmp_
             got = incidents_of(found_by_worker(reader))
             raise AssertionError(f"worker incidents {got} != analyze {expected}\n"
                                  f"{worker.tail()}") from None
-    finally:
-        reader.close()
-        worker.stop()
 
 
 def test_replayed_library_recording_gives_every_incident_of_analyze(kafka_bootstrap, tmp_path):
@@ -97,18 +106,8 @@ def test_replayed_library_recording_gives_every_incident_of_analyze(kafka_bootst
     expected = sorted((i["kind"], tuple(i["ranks"]), i["step"]) for i in engine.incidents())
     assert [k for k, _, _ in expected].count("hang") == 1 and len(expected) == 4
 
-    config = new_config(kafka_bootstrap)
-    worker = WorkerProcess(config, f"t{uuid.uuid4().hex[:8]}", tmp_path / "data",
-                           tmp_path / "worker.log").start()
-    reader = TopicReader(config, config.topics.anomalies)
-    try:
-        worker.wait_ready()
-        replay = subprocess.run(
-            [sys.executable, "-m", "trainguard.cli", "replay", str(path), "--speed", "20",
-             "--bootstrap", config.bootstrap, "--prefix", config.topics.prefix],
-            capture_output=True, text=True, timeout=180)
-        assert replay.returncode == 0, replay.stderr
-
+    with replayed_into_worker(kafka_bootstrap, tmp_path, path, "--speed", "20") as (worker,
+                                                                                   reader):
         def incidents(anomalies):
             correlator = Correlator()
             for anomaly in sorted(anomalies, key=lambda a: a.detected_ts):
@@ -122,6 +121,3 @@ def test_replayed_library_recording_gives_every_incident_of_analyze(kafka_bootst
         except AssertionError:
             raise AssertionError(f"worker {incidents(reader.anomalies(job))} != analyze "
                                  f"{expected}\n{worker.tail()}") from None
-    finally:
-        reader.close()
-        worker.stop()
