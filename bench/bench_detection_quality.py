@@ -29,8 +29,9 @@ sys.path.insert(0, str(HERE))
 
 from baseline_rules import baseline_incidents  # noqa: E402
 from real_traces import alibaba_job, loss_curve_job  # noqa: E402
+from scenario_library import FAULTS, HEALTHY  # noqa: E402
 from scenario_scoring import score  # noqa: E402
-from scenarios import FAULTS, HEALTHY, Truth, recording  # noqa: E402
+from scenarios import Truth, recording  # noqa: E402
 
 from trainguard.detectors.offline import analyze_events  # noqa: E402
 

@@ -10,8 +10,9 @@ import pytest
 from trainguard.detectors.offline import analyze_events
 
 from real_traces import alibaba_job, loss_curve_job
+from scenario_library import FAULTS, HEALTHY
 from scenario_scoring import score
-from scenarios import FAULTS, HEALTHY, generate, recording
+from scenarios import generate, recording
 
 
 def incidents(events):

@@ -93,7 +93,8 @@ def test_replayed_library_recording_gives_every_incident_of_analyze(kafka_bootst
     restart (a NaN, a straggler, a hang, the restart, a crash after it) gives the same
     incidents, warnings included, through the worker (replayed) as through analyze."""
     from trainguard.recording import RecordingWriter
-    from scenarios import FAULTS, generate
+    from scenario_library import FAULTS
+    from scenarios import generate
 
     job = f"lib-{uuid.uuid4().hex[:6]}"
     sc = next(s for s in FAULTS if s.name == "three-faults")
