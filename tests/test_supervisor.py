@@ -137,6 +137,11 @@ def test_restart_action_restarts_a_hung_child_once(child):
     done = records(published, action="restart", incident="inc1")
     assert [r.status for r in done] == ["done"]
     assert done[0].extra["action_id"] == "inc1:restart"
+    # the tear-down is announced before it happens, so no detector takes it for a crash
+    life = [(e.event, e.exit_code, e.signal, e.extra.get("restart")) for e in published
+            if isinstance(e, ev.Lifecycle)]
+    assert life[:3] == [("start", None, None, None), ("exit", None, None, True),
+                        ("exit", None, "SIGTERM", True)] and life[3][0] == "start"
 
 
 def test_evict_then_restart_relaunches_without_the_machine(child):
