@@ -151,9 +151,9 @@ def _compare(tg: dict, base: dict) -> dict:
         theirs = base["per_kind"].get(kind, {})
         # found, then exactly localized, then the worst latency
         ours = (mine["found"], mine["exact"], -(mine["worst_latency"] or 0))
-        base = (theirs.get("found", 0), theirs.get("exact", 0),
-                -(theirs.get("worst_latency") or 0))
-        better = ours >= base
+        their = (theirs.get("found", 0), theirs.get("exact", 0),
+                 -(theirs.get("worst_latency") or 0))
+        better = ours >= their
         lines[f"{kind}"] = better
     lines["all"] = all(lines.values())
     return lines
