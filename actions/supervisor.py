@@ -2,7 +2,9 @@
 
 The command runs as its own process group (its own session). The supervisor publishes the
 job's ``lifecycle`` (``start``/``exit`` of the whole command, rank null, extra fields
-``source: "supervisor"`` and ``incarnation``) to ``<prefix>.telemetry``, and reads the
+``source: "supervisor"`` and ``incarnation``; before tearing the command down to restart it,
+an ``exit`` with ``restart: true`` and no code, so that the detectors take the ranks' exits
+that follow for what they are) to ``<prefix>.telemetry``, and reads the
 ``order`` events of its job on ``<prefix>.orders`` (SPEC §6) from the moment it started:
 
 - ``evict``: the machines join the exclusion list (it takes effect at the next launch);
@@ -400,8 +402,9 @@ class Supervisor:
 
     def _relaunch(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self._terminate(signal.SIGTERM)
-            self._publish_exit(self.proc.returncode)
+            self._publish_exit(None, restart=True)    # announced first: the ranks' exits
+            self._terminate(signal.SIGTERM)           # that follow are ours, not a crash
+            self._publish_exit(self.proc.returncode, restart=True)
         self.restarts += 1
         self._launch(resume=True)
 
@@ -443,12 +446,14 @@ class Supervisor:
         except Exception as exc:  # the training must go on whatever Kafka does
             self.log(f"cannot publish {event.type}: {exc}")
 
-    def _publish_exit(self, code: int) -> None:
-        status, name = exit_status(code)
+    def _publish_exit(self, code: int | None, restart: bool = False) -> None:
+        status, name = exit_status(code) if code is not None else (None, None)
+        extra = {"source": "supervisor", "incarnation": self.incarnation}
+        if restart:
+            extra["restart"] = True
         self._emit(ev.Lifecycle(job=self.job, ts=self.clock(), node=self.node, rank=None,
                                 event="exit", exit_code=None if name else status, signal=name,
-                                extra={"source": "supervisor",
-                                       "incarnation": self.incarnation}))
+                                extra=extra))
 
     def _record(self, incident: str, action: str, targets: dict, status: str, reason: str,
                 code: str) -> None:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable
 
 from trainguard import events as ev
 from trainguard.eventtime import EventTimeFilter
+from trainguard.detectors.stages import launcher_summary, on_grid
 
 from .deadletter import deadletter_record
 from .logic import (NODE_TYPES, InvalidSummaries, SourceMarks, classify, decode_summaries,
@@ -193,7 +194,11 @@ class RankProcessor(_SlotsProcessor):
                     continue
                 skey, make = node_key(event.job, event.node), self.make_node_stage
             elif event.rank is None:
-                out.ignored += 1
+                if event.TYPE == "lifecycle":    # the launcher's: straight to the job side
+                    items.setdefault(event.job, []).append(
+                        (partition, offset, 0, launcher_summary(event)))
+                else:
+                    out.ignored += 1
                 continue
             else:
                 skey, make = stage_key(event.job, event.rank), self.make_stage
@@ -228,9 +233,10 @@ class JobProcessor(_SlotsProcessor):
     (each job on its own clock, :meth:`JobSlot.now`).
 
     ``apply`` also advances a job in event time, as ``trainguard analyze`` does, whenever
-    its items move its clock on by ``advance_every_s`` (None: never): a backlog or a fast
-    replay brings many seconds of event time between two ticks of the wall-clock timer, and
-    a hang that such a stretch holds (steps stop, heartbeats go on, then the ranks exit)
+    its items move its clock past a point of the grid of ``advance_every_s`` (None: never;
+    the timer's ``advance`` uses the same grid, ``detectors.stages.on_grid``): a backlog or
+    a fast replay brings many seconds of event time between two ticks of the wall-clock
+    timer, and a hang that such a stretch holds (steps stop, heartbeats go on, then the ranks exit)
     would otherwise never be looked for while it lasted.
     """
 
@@ -296,10 +302,11 @@ class JobProcessor(_SlotsProcessor):
             except Exception:            # a detector bug must not stop the stream
                 self.errors += 1
                 log.exception("job stage %s failed on an item from %d/%d", job, p, o)
-            if every is not None and watermark - slot.clock >= every:
-                slot.clock = watermark
+            if every is not None and watermark > slot.clock and \
+                    on_grid(watermark, every) > slot.clock:
+                slot.clock = on_grid(watermark, every)     # analyze's event-time grid
                 try:
-                    out += stage.advance(watermark)
+                    out += stage.advance(slot.clock)
                 except Exception:
                     self.errors += 1
                     log.exception("job stage %s failed in advance()", job)
@@ -310,7 +317,9 @@ class JobProcessor(_SlotsProcessor):
         out = []
         for key, slot in self.state.slots.items():
             try:
-                found = slot.stage.advance(slot.now(now))
+                every = self.advance_every_s
+                at = slot.now(now)
+                found = slot.stage.advance(on_grid(at, every) if every else at)
             except Exception:
                 self.errors += 1
                 log.exception("job stage %s failed in advance()", key.decode())

@@ -153,6 +153,11 @@ def test_restart_order_restarts_a_hung_child_once(child):
     assert all(a.incident == "inc1" and a.op == "restart" and a.node == "hostA"
                for a in acks(published))
     assert not records(published, action="restart")  # orders are acked, not audited here
+    # the tear-down is announced before it happens, so no detector takes it for a crash
+    life = [(e.event, e.exit_code, e.signal, e.extra.get("restart")) for e in published
+            if isinstance(e, ev.Lifecycle)]
+    assert life[:3] == [("start", None, None, None), ("exit", None, None, True),
+                        ("exit", None, "SIGTERM", True)] and life[3][0] == "start"
 
 
 def test_evict_then_restart_relaunches_without_the_machine(child):
