@@ -482,7 +482,9 @@ def test_a_straggler_that_hangs_escalates_to_one_restart():
     first = p.process(anomaly(kind="straggler", id="s1", ranks=[2], nodes=[],
                               evidence={"slowdown": 1.5, **where}), now=T0 + 2)
     assert summary(first.records) == [("capture_stacks", "done"), ("alert", "done")]
-    hang = anomaly(kind="hang", id="h1", ranks=[2], nodes=[], onset=T0 + 20,
+    # the rank hangs while still being reported slow (onset within the correlator's 5 s of
+    # the straggler's detection): one root cause, one incident; a later onset is a new one
+    hang = anomaly(kind="hang", id="h1", ranks=[2], nodes=[], onset=T0 + 4,
                    detected=T0 + 80, evidence=where)
     work = p.process(hang, now=T0 + 81)
     assert work.incident.id == "inc-s1" and work.incident.kind == "straggler"
