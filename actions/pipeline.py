@@ -341,7 +341,9 @@ def driver_actions(driver, job_refs: dict | None = None) -> dict:
         return outcome(decision, driver.restart(ref, decision.targets.get("exclude_nodes", [])))
 
     def evict(decision: Decision, incident: Incident):
-        return outcome(decision, driver.evict(decision.targets.get("nodes", [])))
+        reason = " ".join(f"trainguard incident {incident.id}: {decision.reason}".split())
+        return outcome(decision, driver.evict(decision.targets.get("nodes", []),
+                                              reason=reason[:200]))
 
     return {"restart": restart, "rollback": restart, "evict": evict}
 
