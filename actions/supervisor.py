@@ -33,7 +33,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ import time
 from pathlib import Path
 
 from trainguard import events as ev
+from trainguard.collectors.nodename import node_name
 from trainguard.errors import UserError
 
 __all__ = ["Supervisor", "ActionFeed", "main", "descendants", "guess_world_size",
@@ -173,7 +173,7 @@ class Supervisor:
         self.checkpoint_dir = checkpoint_dir
         self.grace_s = grace_s
         self.environ = dict(os.environ if environ is None else environ)
-        self.node = node or socket.gethostname()
+        self.node = node or node_name(self.environ)
         self.publish = publish
         self.actions = actions
         self.clock = clock

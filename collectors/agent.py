@@ -40,7 +40,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -52,6 +51,7 @@ from trainguard.errors import UserError
 
 from .agent_commands import CaptureRunner, CommandHandler, CommandListener, KafkaLog, QuietLog
 from .kmsg import KmsgFollower
+from .nodename import node_name
 from .nvml import NvmlUnavailable, PynvmlSource, gpu_event_payload
 from .registry import Registry, default_runtime_dir
 
@@ -457,7 +457,7 @@ def _setup_logging() -> None:
 
 def _check_args(args, node: str) -> None:
     if not node or len(node) > 255:
-        raise UserError(f"--node {node!r} must be 1-255 characters (default: the host name)")
+        raise UserError(f"--node {node!r} must be 1-255 characters (default: SLURMD_NODENAME, NODE_NAME or the host name)")
     if args.job is not None and not _JOB_RE.fullmatch(args.job):
         raise UserError(f"--job {args.job!r} must be 1-128 characters of [A-Za-z0-9._-]")
     if not (args.interval > 0):
@@ -470,7 +470,7 @@ def _check_args(args, node: str) -> None:
 
 def main(args, config) -> int:
     """``trainguard agent``: runs until SIGTERM or SIGINT."""
-    node = args.node or socket.gethostname()
+    node = args.node or node_name()
     _check_args(args, node)
     runtime_dir = (Path(args.runtime_dir).expanduser() if args.runtime_dir
                    else default_runtime_dir(os.environ))
