@@ -321,6 +321,9 @@ class Act:
         return True
 
 
+SAID_OUTPUT = ("submit", "wait")  # driver calls whose output goes into the action record
+
+
 def driver_actions(driver, job_refs: dict | None = None) -> dict:
     """``Act``'s drivers from a recovery driver (``restart(job_ref, exclude_nodes)``,
     ``evict(nodes)``, returning the calls made, see docs/DRIVERS.md); ``job_refs`` maps a
@@ -333,6 +336,7 @@ def driver_actions(driver, job_refs: dict | None = None) -> dict:
         status = "failed" if failed else ("dry_run" if calls and all(
             c.status == "dry_run" for c in calls) else "done")
         said = "; ".join(f"{c.describe()}: {c.status}" + (f" ({c.error})" if c.error else "")
+                         + (f" -> {c.output}" if c.op in SAID_OUTPUT and c.output else "")
                          for c in calls) or "no call needed"
         return status, f"{decision.reason} [{said}]"
 

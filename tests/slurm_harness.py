@@ -114,9 +114,11 @@ class SlurmCluster:
     env: dict
     procs: dict = field(default_factory=dict)
 
-    def run(self, *argv: str, check: bool = True, timeout: float = 20.0) -> str:
+    def run(self, *argv: str, check: bool = True, timeout: float = 20.0,
+            env: dict | None = None) -> str:
         """A Slurm command (``scontrol``, ``squeue``...) against this cluster; its stdout."""
-        done = subprocess.run([PATHS.get(argv[0]) or argv[0], *argv[1:]], env=self.env,
+        done = subprocess.run([PATHS.get(argv[0]) or argv[0], *argv[1:]],
+                              env={**self.env, **(env or {})},
                               capture_output=True, text=True, timeout=timeout, check=False)
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} exited {done.returncode}: "
@@ -158,7 +160,10 @@ class SlurmCluster:
         raise AssertionError(f"nodes not idle within {timeout} s: {states}\n{self.log_tail()}")
 
     def resume_nodes(self, names) -> None:
-        self.run("scontrol", "update", f"NodeName={','.join(names)}", "State=RESUME")
+        """Undo drains (a node that is not drained is left as it is)."""
+        for name in names:
+            if "DRAIN" in self.node(name).get("State", ""):
+                self.run("scontrol", "update", f"NodeName={name}", "State=RESUME")
 
     def log_tail(self, chars: int = 1500) -> str:
         out = []
