@@ -321,23 +321,32 @@ class Act:
         return True
 
 
-SAID_OUTPUT = ("submit", "wait")  # driver calls whose output goes into the action record
+SAID_OUTPUT = ("submit", "wait", "list_pods")  # driver calls whose output the record says
+#: Driver calls that only look: an order of which nothing else was done changed nothing, and
+#: is recorded ``not_applicable``, never ``done``.
+READ_ONLY_OPS = ("wait", "list_pods")
 
 
 def driver_actions(driver, job_refs: dict | None = None) -> dict:
     """``Act``'s drivers from a recovery driver (``restart(job_ref, exclude_nodes)``,
     ``evict(nodes)``, returning the calls made, see docs/DRIVERS.md); ``job_refs`` maps a
     trainguard job id to the cluster's job reference (default: the id itself). A rollback
-    is a restart: the script finds ``rollback_step`` in the action record."""
+    is a restart: the script finds ``rollback_step`` in the action record. An order for
+    which the driver made no call that changes anything (no pod to delete, an eviction
+    with ``drain=False``) is ``not_applicable``, never ``done``."""
     refs = dict(job_refs or {})
 
     def outcome(decision: Decision, calls: list) -> tuple[str, str]:
         failed = [c for c in calls if c.status == "failed"]
+        changed = [c for c in calls if c.status in ("done", "dry_run")
+                   and c.op not in READ_ONLY_OPS]
         status = "failed" if failed else ("dry_run" if calls and all(
-            c.status == "dry_run" for c in calls) else "done")
+            c.status == "dry_run" for c in calls) else "done" if changed else "not_applicable")
         said = "; ".join(f"{c.describe()}: {c.status}" + (f" ({c.error})" if c.error else "")
                          + (f" -> {c.output}" if c.op in SAID_OUTPUT and c.output else "")
-                         for c in calls) or "no call needed"
+                         for c in calls) or "no call made"
+        if status == "not_applicable":
+            return status, f"not_applicable: the driver changed nothing; {decision.reason} [{said}]"
         return status, f"{decision.reason} [{said}]"
 
     def restart(decision: Decision, incident: Incident):

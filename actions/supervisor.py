@@ -5,14 +5,21 @@ job's ``lifecycle`` (``start``/``exit`` of the whole command, rank null, extra f
 ``source: "supervisor"`` and ``incarnation``) to ``<prefix>.telemetry``, and reads
 ``<prefix>.actions`` from the moment it started. It obeys ``planned`` actions of its job:
 
-- ``evict``: the machines join the exclusion list (it takes effect at the next launch);
+- ``evict``: the machines join the exclusion list. It takes effect only where ``trainguard
+  run`` can place the job: when the command is an ``srun`` (``trainguard run`` inside a Slurm
+  allocation, the allocation's unused nodes being warm spares), every later launch runs it
+  with ``--exclude=<the list>`` inserted after ``srun``, and the eviction is ``done``. Any other
+  command runs where ``trainguard run`` runs, which it cannot leave: the eviction is recorded
+  ``not_applicable`` with the reason, never ``done``;
 - ``restart`` / ``rollback``: SIGTERM to the process group, ``grace`` seconds, SIGKILL to the
   group and to every process that descended from the command (torchrun starts its workers
   in sessions of their own), then relaunch.
 
 Each relaunch gets ``TRAINGUARD_RESUME=1``, ``TRAINGUARD_CHECKPOINT_DIR``,
-``TRAINGUARD_EXCLUDE_NODES`` (comma list, accumulated), ``TRAINGUARD_RESTART_COUNT`` and, for
-a rollback, ``TRAINGUARD_ROLLBACK_STEP``; every launch gets ``TRAINGUARD_JOB``. A non-zero
+``TRAINGUARD_EXCLUDE_NODES`` (comma list, accumulated; for the command's information: the
+exclusion itself is the ``srun --exclude`` above), ``TRAINGUARD_RESTART_COUNT`` and, for a
+rollback, ``TRAINGUARD_RESUME_STEP`` (SPEC §6; also as ``TRAINGUARD_ROLLBACK_STEP``, its
+older name); every launch gets ``TRAINGUARD_JOB``. A non-zero
 exit is restarted too. Every relaunch, whatever its cause, spends one of ``max_restarts``;
 once they are spent, a crash ends the supervisor with the command's exit code and a restart
 action is answered ``rate_limited``. SIGINT and SIGTERM are passed on to the command (a
@@ -44,7 +51,7 @@ from trainguard.collectors.nodename import node_name
 from trainguard.errors import UserError
 
 __all__ = ["Supervisor", "ActionFeed", "main", "descendants", "guess_world_size",
-           "exit_status"]
+           "exit_status", "with_exclusions"]
 
 OBEYED = ("restart", "evict", "rollback")
 
@@ -95,6 +102,22 @@ def guess_world_size(cmd: list[str], environ=None) -> int:
         return max(1, int(environ.get("WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+def with_exclusions(cmd: list, nodes) -> list | None:
+    """``cmd`` launched off ``nodes``: an ``srun`` gets ``--exclude`` right after it; None
+    when ``cmd`` is not an ``srun`` (it runs on this machine, which it cannot leave).
+
+    >>> with_exclusions(["srun", "-N2", "torchrun", "t.py"], {"tg2", "tg1"})
+    ['srun', '--exclude=tg1,tg2', '-N2', 'torchrun', 't.py']
+    >>> with_exclusions(["/usr/bin/srun", "t.sh"], set())
+    ['/usr/bin/srun', 't.sh']
+    >>> with_exclusions(["torchrun", "t.py"], {"tg2"}) is None
+    True
+    """
+    if not cmd or os.path.basename(str(cmd[0])) != "srun":
+        return None
+    return [cmd[0], f"--exclude={','.join(sorted(nodes))}", *cmd[1:]] if nodes else list(cmd)
 
 
 def exit_status(returncode: int) -> tuple[int, str | None]:
@@ -247,9 +270,15 @@ class Supervisor:
         if action.action == "evict":
             nodes = set(targets.get("nodes") or []) | set(targets.get("exclude_nodes") or [])
             self.excluded |= nodes
+            if with_exclusions(self.cmd, self.excluded) is None:
+                return self._reply(action, action_id, "not_applicable", (
+                    f"not_applicable: trainguard run starts {os.path.basename(self.cmd[0])} on "
+                    f"this machine ({self.node}) and cannot keep the job off "
+                    f"{', '.join(sorted(nodes)) or 'any machine'}; nothing was excluded (use "
+                    "a cluster driver, or an srun command inside a Slurm allocation)"))
             return self._reply(action, action_id, "done",
                                f"excluded {', '.join(sorted(nodes)) or 'nothing'} from the "
-                               f"next launch; exclusion list {sorted(self.excluded)}")
+                               f"next launch (srun --exclude={','.join(sorted(self.excluded))})")
         if action.incident in self.restarted_incidents:
             self.log(f"ignoring {action.action} {action_id}: incident {action.incident} was "
                      "already restarted for")
@@ -305,13 +334,15 @@ class Supervisor:
         if self.excluded:
             env["TRAINGUARD_EXCLUDE_NODES"] = ",".join(sorted(self.excluded))
         if self.rollback_step is not None:
+            env["TRAINGUARD_RESUME_STEP"] = str(self.rollback_step)
             env["TRAINGUARD_ROLLBACK_STEP"] = str(self.rollback_step)
         return env
 
     def _launch(self, resume: bool) -> None:
         if self.checkpoint_dir:
             Path(self.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(self.cmd, env=self._env(resume), start_new_session=True,
+        cmd = with_exclusions(self.cmd, self.excluded) or self.cmd
+        self.proc = subprocess.Popen(cmd, env=self._env(resume), start_new_session=True,
                                      preexec_fn=_die_with_parent)
         self.incarnation += 1
         self.launched_ts = self.clock()

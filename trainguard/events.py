@@ -44,7 +44,7 @@ ANOMALY_KINDS = ("nan", "loss_spike", "grad_spike", "straggler", "throughput_dro
                  "gpu_fault", "gpu_degraded", "crash", "silent")
 SEVERITIES = ("info", "warning", "critical")
 ACTIONS = ("alert", "capture_stacks", "restart", "evict", "rollback", "none")
-ACTION_STATUSES = ("planned", "done", "failed", "dry_run", "rate_limited")
+ACTION_STATUSES = ("planned", "done", "failed", "dry_run", "rate_limited", "not_applicable")
 
 ENVELOPE = {
     "job": Str(pattern=JOB_PATTERN),
