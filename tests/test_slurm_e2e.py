@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from actions_harness import Collector, Deployment, wait_for
 from slurm_harness import skip_reason, slurm  # noqa: F401  (the fixture)
-from slurm_jobs import train_script
+from slurm_jobs import train_script, xid_recovery
 from test_slurm_cluster import expand
 
 from trainguard.chaos import xid_line
@@ -146,3 +146,15 @@ def test_xid_drains_the_node_and_the_job_resumes_off_it(slurm, kafka_config, tmp
             actions.close()
             slurm.resume_nodes(slurm.nodes)
             slurm.wait_idle()
+
+
+def test_a_warm_spare_takes_the_evicted_nodes_place(slurm, kafka_config, tmp_path):
+    """A 3-node allocation training on 2: trainguard run inside it obeys the eviction by
+    relaunching its srun off the node (done, not not_applicable), onto the spare."""
+    r = xid_recovery(slurm, kafka_config, tmp_path, "spare", log=print)
+    assert r["evicted"] not in r["nodes_after"] and len(r["nodes_after"]) == 2
+    spare = set(slurm.nodes) - set(r["nodes_before"])
+    assert spare <= set(r["nodes_after"])
+    evicts = [a for a in r["actions"] if a[0] == "evict" and a[2] == "supervisor"]
+    assert [a[1] for a in evicts] == ["done"] and f"--exclude={r['evicted']}" in evicts[0][3]
+    assert r["resume_step"] == 10  # from the checkpoint at step 10
