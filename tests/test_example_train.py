@@ -64,3 +64,12 @@ def test_trains_checkpoints_and_resumes(tmp_path):
     assert (ckpt / "ckpt_00000016.pt").exists()
     assert ": 79, pid=" in kmsg.read_text() and len(kmsg.read_text().splitlines()) == 1
     assert '"step": 13' in (tmp_path / "chaos.jsonl").read_text()
+
+    # A rollback: trainguard run passes TRAINGUARD_RESUME_STEP; the newest checkpoint at or
+    # before it is loaded (10 of 10, 12, 16), not the newest.
+    env.pop("TRAINGUARD_CHAOS")
+    env.update(TRAINGUARD_RESUME_STEP="11")
+    rc, out = torchrun([*args, "--steps", "12"], env)
+    assert rc == 0, out[-4000:]
+    assert f"[train] resuming from {ckpt}/ckpt_00000010.pt at step 10" in out
+    assert "TRAINGUARD_RESUME_STEP=11" in out and "[train] done: steps 10..11" in out
