@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.actions.supervisor import descendants as _descendants
+
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "srun", "scancel")
 PATHS = {name: shutil.which(name) or (f"/usr/sbin/{name}" if Path(f"/usr/sbin/{name}").exists()
                                       else None) for name in DAEMONS}
@@ -85,23 +87,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text(errors="replace")
-                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 @dataclass
