@@ -67,6 +67,7 @@ DEFAULT_LADDER = {
     "throughput_drop": ("alert",),
     "gpu_degraded": ("alert",),
     "silent": ("alert",),
+    "data_position": ("alert",),
 }
 #: How demanding a step is, for escalation: a ladder is as demanding as its strongest step.
 #: The conditional evictions rank below a restart: they are a "maybe", and a straggler that

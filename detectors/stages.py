@@ -31,6 +31,7 @@ from trainguard import events as ev
 from .base import Finding, json_number, to_anomaly
 from .config import DetectorConfig
 from .correlate import Correlator
+from .data_position import DataPositionDetector
 from .gpu import GpuDegradedDetector, GpuFaultDetector, Placement
 from .liveness import CrashDetector, HangDetector, SilentDetector
 from .timing import StragglerDetector, ThroughputDetector
@@ -42,7 +43,7 @@ __all__ = ["RankStage", "NodeStage", "JobStage", "Engine", "StepAggregator", "DE
 #: Every detector class, in the order they run.
 DETECTORS = (NanDetector, LossSpikeDetector, GradSpikeDetector, StragglerDetector,
              ThroughputDetector, HangDetector, SilentDetector, CrashDetector, GpuFaultDetector,
-             GpuDegradedDetector)
+             GpuDegradedDetector, DataPositionDetector)
 #: The per-machine ones, which a NodeStage runs; a JobStage runs the others.
 NODE_DETECTORS = (GpuFaultDetector, GpuDegradedDetector)
 JOB_DETECTORS = tuple(cls for cls in DETECTORS if cls not in NODE_DETECTORS)
@@ -88,7 +89,8 @@ class RankStage:
                      "ts": event.ts, "step": event.step, "step_time": event.step_time,
                      "compute_time": event.compute_time, "loss": json_number(event.loss),
                      "grad_norm": json_number(event.grad_norm),
-                     "loss_scale": json_number(event.loss_scale)}]
+                     "loss_scale": json_number(event.loss_scale),
+                     "samples": (event.extra or {}).get("samples")}]
         if kind == "heartbeat":
             phase = event.phase
             key = (phase, event.phase_since) if phase in _SPECIAL_PHASES else None
@@ -262,9 +264,9 @@ class JobStage:
         self._on_jobstep = [d[n] for n in ("nan", "loss_spike", "grad_spike", "straggler",
                                            "throughput")]
         self._on_late = [d["nan"]]     # a record that came after its step was closed
-        self._on_step = [d["hang"], d["silent"], d["crash"]]
+        self._on_step = [d["hang"], d["silent"], d["crash"], d["data_position"]]
         self._on_hb = [d["hang"], d["silent"], d["crash"]]
-        self._on_life = [d["crash"], d["hang"], d["silent"]]
+        self._on_life = [d["crash"], d["hang"], d["silent"], d["data_position"]]
         self._on_gpu = [d["silent"]]
         self._timed = [d["hang"], d["silent"], d["crash"]]
         self.placement = Placement()   # names the rank of a GPU in NodeStage findings

@@ -145,6 +145,7 @@ def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
                 resumed_s=round(first_resumed.ts - fault_ts, 2),
                 resume_step=first_resumed.step,
                 nodes_after=nodes_stepping(telemetry.events, restart.ts),
+                anomaly_kinds=sorted({a.kind for a in found}),
                 actions=[(e.action, e.status, e.extra.get("source"), e.reason[:160])
                          for e in actions.events if e.type == "action" and e.job == job])
             log(f"{how}: resumed at step {first_resumed.step} on {result['nodes_after']}, "
