@@ -351,7 +351,9 @@ def driver_actions(driver, job_refs: dict | None = None) -> dict:
 
     def restart(decision: Decision, incident: Incident):
         ref = refs.get(incident.job, incident.job)
-        return outcome(decision, driver.restart(ref, decision.targets.get("exclude_nodes", [])))
+        step = decision.targets.get("rollback_step") if decision.action == "rollback" else None
+        return outcome(decision, driver.restart(ref, decision.targets.get("exclude_nodes", []),
+                                                resume_step=step))
 
     def evict(decision: Decision, incident: Incident):
         reason = " ".join(f"trainguard incident {incident.id}: {decision.reason}".split())

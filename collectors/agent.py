@@ -457,7 +457,8 @@ def _setup_logging() -> None:
 
 def _check_args(args, node: str) -> None:
     if not node or len(node) > 255:
-        raise UserError(f"--node {node!r} must be 1-255 characters (default: SLURMD_NODENAME, NODE_NAME or the host name)")
+        raise UserError(f"--node {node!r} must be 1-255 characters (default: SLURMD_NODENAME, "
+                        "NODE_NAME or the host name)")
     if args.job is not None and not _JOB_RE.fullmatch(args.job):
         raise UserError(f"--job {args.job!r} must be 1-128 characters of [A-Za-z0-9._-]")
     if not (args.interval > 0):

@@ -163,8 +163,8 @@ class SlurmCluster:
 def _fields(text: str) -> dict:
     """``Key=Value Key2=Value2`` (one-line ``scontrol show -o`` output) as a dict.
 
-    >>> _fields("JobId=7 JobName=t JobState=PENDING Reason=BeginTime Dependency=(null)")
-    {'JobId': '7', 'JobName': 't', 'JobState': 'PENDING', 'Reason': 'BeginTime', 'Dependency': '(null)'}
+    >>> _fields("JobId=7 JobState=PENDING Reason=BeginTime Dependency=(null)")
+    {'JobId': '7', 'JobState': 'PENDING', 'Reason': 'BeginTime', 'Dependency': '(null)'}
     """
     out: dict = {}
     for word in text.split():
@@ -289,7 +289,8 @@ def sleeper(folder: Path, name: str = "sleeper.sh") -> Path:
     ``starts.txt`` next to it and then sleeps, leaving quickly on SIGTERM."""
     script = folder / name
     script.write_text(f"""#!/bin/bash
-echo "$SLURM_JOB_ID ${{SLURM_RESTART_COUNT:-0}} $SLURM_JOB_NODELIST $(date +%s.%N)" >> {folder}/starts.txt
+echo "$SLURM_JOB_ID ${{SLURM_RESTART_COUNT:-0}} $SLURM_JOB_NODELIST $(date +%s.%N)" \
+    >> {folder}/starts.txt
 trap 'exit 143' TERM
 sleep 600 & wait
 """)

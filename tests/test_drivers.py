@@ -130,13 +130,18 @@ def test_slurm_resubmit_mode():
     calls = d.restart("5000", exclude_nodes=["n2", "n1"])
     assert argvs(calls) == [["scancel", "5000"],
                             ["/opt/slurm/bin/sbatch", "--parsable", "--exclude=n1,n2",
+                             "--export=ALL,TRAINGUARD_RESUME=1,TRAINGUARD_RESTART_COUNT=1",
                              "--nodes=4", "--job-name=llama", "/jobs/train.sbatch"]]
     assert calls[1].output == "5001" and [c.op for c in calls] == ["cancel", "submit"]
     runner.answers = [(0, "", ""), (0, "5002\n", "")]
-    assert argvs(d.restart("5000"))[0] == ["scancel", "5001"]  # the resubmitted job
+    again = argvs(d.restart("5000", resume_step=40))  # a rollback's step goes along
+    assert again[0] == ["scancel", "5001"]  # the resubmitted job
+    assert again[1][3] == ("--export=ALL,TRAINGUARD_RESUME=1,TRAINGUARD_RESTART_COUNT=2,"
+                           "TRAINGUARD_RESUME_STEP=40")
     assert d.current("5000") == "5002"
     assert argvs(SlurmDriver(mode="resubmit", script="s.sh", dry_run=True).restart("1"))[1] == \
-        ["sbatch", "--parsable", "s.sh"]
+        ["sbatch", "--parsable", "--export=ALL,TRAINGUARD_RESUME=1,TRAINGUARD_RESTART_COUNT=1",
+         "s.sh"]
 
 
 def test_slurm_dry_run_runs_nothing():

@@ -2,7 +2,8 @@
 an Xid for one of its nodes, and the action service, through the Slurm driver, drains that
 node with the incident in the reason, requeues (or resubmits) the job off it, and the job
 resumes from its checkpoint on the other nodes. Under requeue, a later, unrelated crash
-restarts the job again, and the drained node stays excluded. Real Kafka, worker, agent and action service.
+restarts the job again, and the drained node stays excluded. Real Kafka, worker, agent and
+action service.
 """
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def test_xid_drains_the_node_and_the_job_resumes_off_it(slurm, kafka_config, tmp
             telemetry.wait(lambda ev: [e for e in _steps(ev, job) if e.step == STEPS - 1],
                            timeout=120, what="the last step")
             final = slurm.wait_job(current, ("COMPLETED", "FAILED"), 150)
-            assert final["JobState"] == "COMPLETED", Path(out.replace("%j", current)).read_text()[-2000:]
+            assert final["JobState"] == "COMPLETED", \
+                Path(out.replace("%j", current)).read_text()[-2000:]
             assert bad not in expand(final["NodeList"])
             nodes_after = {e.node for e in _steps(telemetry.events, job, after=restart.ts)}
             assert bad not in nodes_after

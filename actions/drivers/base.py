@@ -70,7 +70,8 @@ class DriverCall:
 class RecoveryDriver(Protocol):
     """What the action service calls; the local ``trainguard run`` supervisor fits it too."""
 
-    def restart(self, job_ref: str, exclude_nodes: Iterable[str] = ()) -> list[DriverCall]: ...
+    def restart(self, job_ref: str, exclude_nodes: Iterable[str] = (),
+                resume_step: int | None = None) -> list[DriverCall]: ...
 
     def evict(self, nodes: Iterable[str], reason: str | None = None) -> list[DriverCall]: ...
 

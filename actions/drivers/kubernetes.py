@@ -114,7 +114,10 @@ class KubernetesDriver:
                 break
         return calls
 
-    def restart(self, job_ref: str, exclude_nodes: Iterable[str] = ()) -> list[DriverCall]:
+    def restart(self, job_ref: str, exclude_nodes: Iterable[str] = (),
+                resume_step: int | None = None) -> list[DriverCall]:
+        """``resume_step`` is not passed on: the recreated pods get their spec's
+        environment (the step is in the action record)."""
         [job] = check_names([job_ref], LABEL_VALUE, "job", "a Kubernetes label value")
         calls = self.evict(exclude_nodes)
         if calls and calls[-1].status == "failed":

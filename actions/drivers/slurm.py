@@ -24,7 +24,8 @@ job still completing then keeps Slurm's own delay.
 one)::
 
     scancel <job>
-    sbatch --parsable --exclude=<n1,n2> [sbatch_args...] <script>
+    sbatch --parsable --exclude=<n1,n2> --export=ALL,TRAINGUARD_RESUME=1,\
+        TRAINGUARD_RESTART_COUNT=<n>[,TRAINGUARD_RESUME_STEP=<step>] [sbatch_args...] <script>
 
 ``evict(nodes)`` drains the machines (``scontrol update NodeName=<n1,n2> State=DRAIN
 Reason=<reason>``, which needs Slurm operator rights; ``drain=False`` skips it) and remembers
@@ -91,6 +92,7 @@ class SlurmDriver:
     clock: Callable[[], float] = time.monotonic
     excluded: set = field(default_factory=set)
     resubmitted: dict = field(default_factory=dict)
+    restarts: dict = field(default_factory=dict)
 
     KIND: ClassVar[str] = "slurm"
 
@@ -113,15 +115,22 @@ class SlurmDriver:
         return job_ref
 
     # ----------------------------------------------------------------- plans (argv lists)
-    def plan_restart(self, job_ref: str, exclude_nodes: Iterable[str] = ()) -> list[list[str]]:
+    def plan_restart(self, job_ref: str, exclude_nodes: Iterable[str] = (),
+                     resume_step: int | None = None) -> list[list[str]]:
         [job] = check_names([self.current(job_ref)], JOB_ID, "Slurm job id",
                             "digits, e.g. 4242 or 4242_7")
         avoid = sorted(self.excluded | set(check_names(exclude_nodes, NODE_NAME, "node",
                                                        "a Slurm node name")))
         if self.mode == "resubmit":
             exclude = [f"--exclude={','.join(avoid)}"] if avoid else []
+            count = self.restarts.get(job_ref, 0) + 1
+            export = f"--export=ALL,TRAINGUARD_RESUME=1,TRAINGUARD_RESTART_COUNT={count}"
+            if isinstance(resume_step, int) and not isinstance(resume_step, bool) \
+                    and resume_step >= 0:
+                export += f",TRAINGUARD_RESUME_STEP={resume_step}"
             return [[self.scancel, job],
-                    [self.sbatch, "--parsable", *exclude, *self.sbatch_args, self.script]]
+                    [self.sbatch, "--parsable", *exclude, export, *self.sbatch_args,
+                     self.script]]
         exclude = [f"ExcNodeList={','.join(avoid)}"] if avoid else []
         return [[self.scontrol, "requeuehold", job],
                 [self.scontrol, "update", f"JobId={job}", *exclude, "StartTime=now"],
@@ -135,11 +144,16 @@ class SlurmDriver:
                  f"Reason={_one_line(reason or self.reason)}"]]
 
     # ----------------------------------------------------------------- the interface
-    def restart(self, job_ref: str, exclude_nodes: Iterable[str] = ()) -> list[DriverCall]:
-        plan = self.plan_restart(job_ref, exclude_nodes)
+    def restart(self, job_ref: str, exclude_nodes: Iterable[str] = (),
+                resume_step: int | None = None) -> list[DriverCall]:
+        """``resume_step`` (a rollback's) reaches a resubmitted job as
+        ``TRAINGUARD_RESUME_STEP``; a requeued job keeps the environment it was submitted
+        with (Slurm gives it ``SLURM_RESTART_COUNT``)."""
+        plan = self.plan_restart(job_ref, exclude_nodes, resume_step)
         if self.mode == "resubmit":
             calls = self._run(list(zip(["cancel", "submit"], plan)))
             if calls[-1].op == "submit" and calls[-1].status == "done":
+                self.restarts[job_ref] = self.restarts.get(job_ref, 0) + 1
                 new = calls[-1].output.split(";")[0].strip()
                 if JOB_ID.fullmatch(new):
                     self.resubmitted[self.current(job_ref)] = new
