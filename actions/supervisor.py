@@ -166,7 +166,7 @@ class Supervisor:
                  checkpoint_dir: str | None = None, grace_s: float = 10.0,
                  environ: dict | None = None, node: str | None = None, publish=None,
                  actions=None, clock=time.time, log=_log, poll_s: float = 0.1,
-                 world_size: int | None = None):
+                 world_size: int | None = None, instrument: bool = False):
         self.job = job
         self.cmd = list(cmd)
         self.max_restarts = max_restarts
@@ -180,6 +180,7 @@ class Supervisor:
         self.log = log
         self.poll_s = poll_s
         self.world_size = world_size or guess_world_size(self.cmd, self.environ)
+        self.instrument = instrument
         self.proc: subprocess.Popen | None = None
         self.incarnation = -1
         self.restarts = 0
@@ -306,6 +307,10 @@ class Supervisor:
             env["TRAINGUARD_EXCLUDE_NODES"] = ",".join(sorted(self.excluded))
         if self.rollback_step is not None:
             env["TRAINGUARD_ROLLBACK_STEP"] = str(self.rollback_step)
+        if self.instrument or env.get("TRAINGUARD_INSTRUMENT") == "1":
+            from trainguard.integrations.instrument import instrument_env
+
+            env.update(instrument_env(env))
         return env
 
     def _launch(self, resume: bool) -> None:
@@ -453,7 +458,8 @@ def main(args, config) -> int:
     feed.start()
     supervisor = Supervisor(job=args.job, cmd=cmd, max_restarts=args.max_restarts,
                             checkpoint_dir=args.checkpoint_dir, grace_s=args.grace,
-                            environ=dict(os.environ), publish=publish, actions=feed)
+                            environ=dict(os.environ), publish=publish, actions=feed,
+                            instrument=getattr(args, "instrument", False))
     old = {s: signal.signal(s, lambda signum, frame: supervisor.request_stop(signum))
            for s in (signal.SIGINT, signal.SIGTERM)}
     try:

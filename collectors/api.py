@@ -123,6 +123,7 @@ class StepContext:
 
     def __enter__(self) -> "StepContext":
         c = self._collector
+        c.explicit = True  # an integration watching the same process stands down
         outer = c._phase_state  # a user phase around the step comes back after it
         self._outer = None if outer[0] in ("init", "idle") else outer
         c._phase_state = ("step", c.clock())
@@ -239,6 +240,9 @@ class Collector:
         self._heartbeat_thread: threading.Thread | None = None
         self._dumper = None
         self._encoder = RecordEncoder(job=settings.job, node=settings.node, rank=settings.rank)
+        self.explicit = False  # the script called tg.step itself
+        self.implicit = False  # started by trainguard.integrations, not by the script
+        self.before_close: list[Callable[[], None]] = []
 
     # -- the training loop ------------------------------------------------------------------
     def step(self, step: int) -> StepContext:
@@ -264,6 +268,26 @@ class Collector:
         if timer not in self._ddp_timers:
             self._ddp_timers = (*self._ddp_timers, timer)
         return timer
+
+    def set_phase(self, name: str, since: float | None = None) -> tuple[str, float]:
+        """Show ``name`` in heartbeats from now (integrations); returns the previous phase."""
+        previous = self._phase_state
+        self._phase_state = (name, self.clock() if since is None else since)
+        return previous
+
+    def restore_phase(self, previous: tuple[str, float]) -> None:
+        self._phase_state = previous
+
+    def emit_step(self, step: int, step_time: float, compute_time: float | None,
+                  loss=None, grad_norm=None, tokens=None, loss_scale=None, lr=None,
+                  ts: float | None = None) -> None:
+        """Queue one ``step`` event measured by an integration (plain numbers or None)."""
+        values = (loss, grad_norm, tokens, loss_scale, lr, None)
+        if all(v is None for v in values):
+            values = None
+        self.last_step = step
+        self.producer.produce((_STEP, self.clock() if ts is None else ts, step, step_time,
+                               compute_time, values), self._key)
 
     @property
     def dropped(self) -> int:
@@ -324,6 +348,11 @@ class Collector:
             if self.closed or os.getpid() != self.pid:
                 return
             self.closed = True
+            for flush in self.before_close:
+                try:
+                    flush()
+                except Exception as exc:  # an integration's last step must not stop the exit
+                    log.warning("trainguard: flushing before close failed: %s", exc)
             self._stop.set()
             s = self.settings
             self.producer.produce(ev.encode(ev.Lifecycle(
@@ -361,6 +390,12 @@ class Collector:
         if record[0] == _STEP:
             return self._encoder.step(*record[1:])
         return self._encoder.heartbeat(record[1], self.pid, *record[2:])
+
+
+def running() -> Collector | None:
+    """This process's open collector, if any (started by ``init`` or an integration)."""
+    c = _ACTIVE
+    return c if c is not None and not c.closed and c.pid == os.getpid() else None
 
 
 def _merge(old: tuple, new: tuple) -> tuple:
@@ -410,8 +445,13 @@ def init(job: str, rank: int | None = None, local_rank: int | None = None,
     """
     global _ACTIVE
     if _ACTIVE is not None and not _ACTIVE.closed and _ACTIVE.pid == os.getpid():
-        log.warning("trainguard.init called twice; returning the running collector")
-        return _ACTIVE
+        if not _ACTIVE.implicit:
+            log.warning("trainguard.init called twice; returning the running collector")
+            return _ACTIVE
+        if _ACTIVE.settings.job == job:  # the script takes over what --instrument started
+            _ACTIVE.implicit = False
+            return _ACTIVE
+        _ACTIVE.close()  # the script's own job id wins
     environ = os.environ if environ is None else environ
     env_rank = env_int(environ, "RANK")
     env_world = env_int(environ, "WORLD_SIZE")

@@ -53,6 +53,9 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     run.add_argument("--checkpoint-dir", metavar="DIR", default=None)
     run.add_argument("--grace", type=float, default=10.0,
                      help="seconds between SIGTERM and SIGKILL on restart")
+    run.add_argument("--instrument", action="store_true",
+                     help="watch an unmodified PyTorch script through PyTorch's hooks "
+                          "(also TRAINGUARD_INSTRUMENT=1)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command")
     add_kafka_flags(run)
     run.set_defaults(func=delegate(".actions.supervisor"))

@@ -1,0 +1,134 @@
+"""Real 3-rank torchrun (gloo, CPU) jobs watched three ways, through the real broker:
+
+- ``examples/plain_ddp.py`` (imports nothing of trainguard) under ``--instrument``'s
+  environment (``TRAINGUARD_INSTRUMENT=1``, the site folder on ``PYTHONPATH``);
+- ``examples/hf_trainer.py``: a 2-layer GPT-2 from a config, ``TrainguardCallback``;
+- ``examples/lightning_job.py``: a small LightningModule, ``TrainguardCallback``.
+
+Rank 1 sleeps in every forward pass: every rank's steps arrive with step time, compute time,
+phases and loss, and ``trainguard analyze`` on a recording of the topic names rank 1 a
+straggler by ``compute_time``.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+
+import pytest
+
+from collector_harness import PYTHON, REPO, by_type, consume, job_env, start, stop
+
+pytestmark = [pytest.mark.slow, pytest.mark.broker]
+
+NPROC = 3
+SLOW_RANK = 1
+JOBS = {
+    "plain": (["examples/plain_ddp.py", "--steps", "40", "--step-sleep", "0.02"], True),
+    "hf": (["examples/hf_trainer.py", "--steps", "30", "--save-steps", "100"], False),
+    "lightning": (["examples/lightning_job.py", "--steps", "40", "--save-steps", "100"], False),
+}
+STEPS = {"plain": 40, "hf": 30, "lightning": 40}
+
+
+def run_job(name, bootstrap, prefix, tmp, extra_env=None, timeout=240):
+    from trainguard.broker import free_port
+    from trainguard.integrations.instrument import instrument_env
+
+    script, instrument = JOBS[name]
+    env = job_env(bootstrap, prefix, tmp / "home", TRAINGUARD_JOB=f"it-{name}",
+                  TRAINGUARD_CHECKPOINT_DIR=str(tmp / "ckpt"), HF_HUB_OFFLINE="1",
+                  TRANSFORMERS_OFFLINE="1", FAULT_SLOW=f"{SLOW_RANK}:0.06",
+                  TOKENIZERS_PARALLELISM="false", **(extra_env or {}))
+    if instrument:
+        env.update(instrument_env(env))
+    argv = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
+            "--master-port", str(free_port()), "--monitor-interval", "0.1",
+            str(REPO / script[0]), *script[1:]]
+    proc = start(argv, env, timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout + 5)
+    finally:
+        stop(proc)
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module", params=sorted(JOBS))
+def watched_job(request, tmp_path_factory, kafka_bootstrap):
+    from trainguard.config import Config, Topics
+    from trainguard.topics import TopicPlan, create_topics
+
+    import uuid
+
+    name = request.param
+    tmp = tmp_path_factory.mktemp(name)
+    prefix = f"tint{uuid.uuid4().hex[:8]}"
+    config = Config(bootstrap=kafka_bootstrap, topics=Topics(prefix=prefix))
+    create_topics(config, TopicPlan(telemetry_partitions=3, other_partitions=1))
+    code, out = run_job(name, kafka_bootstrap, prefix, tmp)
+    assert code == 0, out[-4000:]
+
+    def complete(events):
+        exits = [e for e in by_type(events, "lifecycle") if e.event == "exit"]
+        return len(exits) >= NPROC
+
+    events = consume(kafka_bootstrap, config.topics.telemetry, done=complete, timeout=40)
+    recording = tmp / "recording.jsonl"
+    from trainguard.events import encode
+
+    lines = []  # in event time, as a live `trainguard record` would have them
+    for e in sorted((e for e in events if not isinstance(e, Exception)), key=lambda e: e.ts):
+        if not isinstance(e, Exception):
+            key = e.extra.pop("_key", None)
+            lines.append(encode(e).decode() + "\n")
+            e.extra["_key"] = key
+    recording.write_text("".join(lines))
+    return name, events, recording
+
+
+def test_every_rank_sends_steps_with_times_phases_and_loss(watched_job):
+    name, events, _ = watched_job
+    assert not [e for e in events if isinstance(e, Exception)], "invalid events on the topic"
+    steps = by_type(events, "step")
+    per_rank = defaultdict(list)
+    for e in steps:
+        assert e.job == f"it-{name}"
+        per_rank[e.rank].append(e)
+    assert set(per_rank) == set(range(NPROC)), sorted(per_rank)
+    for rank, got in per_rank.items():
+        numbers = [e.step for e in got]
+        assert sorted(numbers) == list(range(STEPS[name])), (rank, numbers)
+        for e in got:
+            assert e.step_time > 0 and e.compute_time is not None
+            assert 0 <= e.compute_time <= e.step_time
+            assert e.loss is not None and e.lr is not None
+        assert sum(e.grad_norm is not None for e in got) >= len(got) - 2
+    if name == "hf":
+        assert all(e.tokens == 4 * 16 for e in steps)
+    phases = defaultdict(set)
+    for beat in by_type(events, "heartbeat"):
+        phases[beat.rank].add(beat.phase)
+    assert set(phases) == set(range(NPROC))
+    seen = set().union(*phases.values())
+    assert seen & {"forward", "backward", "optimizer", "data", "collective"}, seen
+    life = by_type(events, "lifecycle")
+    assert {e.rank for e in life if e.event == "start"} == set(range(NPROC))
+    assert {e.rank for e in life if e.event == "exit"} == set(range(NPROC))
+
+
+def test_the_rank_sleeping_in_its_forward_is_named_by_compute_time(watched_job):
+    from trainguard.detectors.offline import analyze_file
+
+    name, events, recording = watched_job
+    compute = defaultdict(list)
+    for e in by_type(events, "step"):
+        if e.step >= 3:
+            compute[e.rank].append(e.compute_time)
+    medians = {r: statistics.median(v) for r, v in compute.items()}
+    print(name, "compute_time medians", medians)
+    others = max(v for r, v in medians.items() if r != SLOW_RANK)
+    assert medians[SLOW_RANK] > 1.3 * others, medians
+    result = analyze_file(str(recording))
+    stragglers = [i for i in result["incidents"] if i["kind"] == "straggler"]
+    assert stragglers, json.dumps(result["incidents"])[:2000]
+    assert {tuple(i["ranks"]) for i in stragglers} == {(SLOW_RANK,)}, stragglers

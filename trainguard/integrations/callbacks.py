@@ -1,0 +1,127 @@
+"""What the framework callbacks share: :class:`CallbackWatch` and :func:`checkpoint_to_resume`.
+
+A callback starts (or joins) the process's :class:`~.torch_hooks.TorchHooks` in callback mode:
+the hooks still see the loss, the gradients, collectives, data fetches and saves, but the
+framework's own step counter ends steps (it survives a resume). Under ``--instrument`` the
+callback takes over the hooks already installed, so nothing is counted twice.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+
+from trainguard.collectors.resume import requested_resume_step, resume_requested, resume_step
+
+from .torch_hooks import TorchHooks, installed
+from .watcher import StepWatcher, job_id
+
+__all__ = ["CallbackWatch", "checkpoint_to_resume", "steps_in"]
+
+log = logging.getLogger(__name__)
+
+
+class CallbackWatch:
+    """The hooks and watcher of one callback. ``job``: the job id (default: ``TRAINGUARD_JOB``,
+    else the environment, else the run name given to :meth:`start`)."""
+
+    def __init__(self, job: str | None = None, environ=None):
+        self.job = job
+        self.environ = environ
+        self.hooks: TorchHooks | None = None
+        self.owned = False
+
+    @property
+    def watcher(self) -> StepWatcher | None:
+        return self.hooks.watcher if self.hooks is not None else None
+
+    def start(self, run_name: str | None = None, world_size: int = 1,
+              first_step: int = 0) -> None:
+        try:
+            hooks = installed()
+            if hooks is None:
+                topology = {"tp": 1, "pp": 1, "dp": world_size} if world_size > 1 else None
+                watcher = StepWatcher(lambda: self._collector(run_name, topology))
+                hooks = TorchHooks(watcher, end_steps_on_optimizer=False).install()
+                self.owned = True
+            hooks.end_steps_on_optimizer = False
+            hooks.watcher.thread_id = threading.get_ident()
+            hooks.watcher.next_step = first_step
+            self.hooks = hooks
+            hooks.watcher.live()
+        except Exception as exc:
+            log.warning("trainguard: not watching this run: %s", exc)
+
+    def _collector(self, run_name, topology):
+        from trainguard.collectors.api import init, running
+
+        collector = running()
+        if collector is not None:
+            return collector
+        environ = os.environ if self.environ is None else self.environ
+        job = self.job or job_id(environ, run_name=run_name)
+        return init(job=job, topology=topology, environ=environ)
+
+    def stop(self) -> None:
+        hooks, self.hooks = self.hooks, None
+        if hooks is None:
+            return
+        try:
+            hooks.watcher.flush()
+            if self.owned:
+                hooks.uninstall()
+        except Exception as exc:
+            log.debug("trainguard: stopping the watch failed: %s", exc)
+
+    # the marks, each safe to call at any time
+    def call(self, name: str, *args, **kwargs):
+        watcher = self.watcher
+        if watcher is None or not watcher.active:
+            return None
+        try:
+            return getattr(watcher, name)(*args, **kwargs)
+        except Exception as exc:
+            log.debug("trainguard: %s failed: %s", name, exc)
+            return None
+
+    def end_step(self, step: int, **values) -> None:
+        if self.hooks is None or not self.hooks.watcher.active:
+            return
+        try:
+            self.hooks.end_step(step=step, **values)
+        except Exception as exc:
+            log.debug("trainguard: step end failed: %s", exc)
+
+
+def steps_in(folder, pattern: str) -> dict[int, str]:
+    """``{step: path}`` of the entries of ``folder`` whose name matches ``pattern`` (its first
+    group is the step), e.g. ``checkpoint-(\\d+)`` for Hugging Face."""
+    found: dict[int, str] = {}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return found
+    regex = re.compile(pattern)
+    for name in names:
+        match = regex.search(name)
+        if match:
+            found[int(match.group(1))] = os.path.join(folder, name)
+    return found
+
+
+def checkpoint_to_resume(available: dict[int, str], given=None, environ=None):
+    """The checkpoint to hand to the framework: with ``TRAINGUARD_RESUME_STEP`` the newest at or
+    before it (trainguard's order wins over ``given``); on a relaunch by ``trainguard run``
+    without one, ``given`` or else the newest; on a first launch, ``given``."""
+    if requested_resume_step(environ) is not None:
+        step = resume_step(available, environ=environ)
+        if step is None:
+            log.warning("trainguard: no checkpoint at or before TRAINGUARD_RESUME_STEP=%s; "
+                        "starting without one", requested_resume_step(environ))
+            return None
+        return available[step]
+    if given is None and resume_requested(environ):
+        step = resume_step(available, environ=environ)
+        return available[step] if step is not None else None
+    return given

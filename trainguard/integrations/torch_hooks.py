@@ -1,0 +1,353 @@
+"""PyTorch's own global hooks, feeding a :class:`~.watcher.StepWatcher`: :class:`TorchHooks`.
+
+What is hooked, and what each tells:
+
+============================================  ================================================
+``torch.optim`` global step pre/post hooks     phase ``optimizer``; the end of a step (the
+                                               first optimizer that steps), its learning rate,
+                                               the step number (Adam's restored ``step``)
+module forward hooks (global while the first   phase ``forward`` (``eval`` without grad), the
+step discovers the top-level modules, then     start of a step, tokens (``input_ids`` or a 2-D
+only on those)                                 integer batch)
+``torch.autograd.backward``                    phase ``backward``; the loss is the tensor
+                                               backward is called on
+``register_post_accumulate_grad_hook`` on the  the moment this rank has all its gradients: from
+parameter whose gradient comes last            there to ``backward()``'s return it waits for
+                                               its peers (DDP's all-reduce, no comm hook)
+``torch.distributed.Work.wait``                phase ``collective``, time waiting for peers
+``torch.nn.utils.clip_grad_norm_``             the grad norm (its return value)
+``DataLoader`` iterators' ``__next__``         phase ``data``, the start of a step
+``torch.save``                                 phase ``checkpoint``
+============================================  ================================================
+
+Every hook is wrapped so that nothing it does can raise into the training script; the wrapped
+function's own result and exceptions pass through unchanged. One :class:`TorchHooks` is
+installed per process (:func:`installed`); ``uninstall`` puts everything back.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+from .watcher import StepWatcher, count_tokens
+
+__all__ = ["TorchHooks", "installed"]
+
+log = logging.getLogger(__name__)
+
+_INSTALLED: "TorchHooks | None" = None
+
+
+def installed() -> "TorchHooks | None":
+    return _INSTALLED
+
+
+def _quiet(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # a hook must never break the training loop
+        log.debug("trainguard hook %s failed: %s", getattr(fn, "__name__", fn), exc)
+        return None
+
+
+class TorchHooks:
+    """Global hooks for one watcher. ``end_steps_on_optimizer``: a step ends when the first
+    optimizer that ever stepped steps again (``--instrument``); the framework callbacks end
+    steps themselves and set it False."""
+
+    def __init__(self, watcher: StepWatcher, *, end_steps_on_optimizer: bool = True):
+        self.watcher = watcher
+        self.end_steps_on_optimizer = end_steps_on_optimizer
+        self._patched: list[tuple[object, str, object]] = []
+        self._handles: list = []
+        self._discovery: list = []
+        self._roots: "weakref.WeakSet" = weakref.WeakSet()
+        self._depth = 0
+        self._root_handles: list = []
+        self._optimizers: "weakref.WeakSet" = weakref.WeakSet()
+        self._primary = None
+        self._calibrated = False
+        self._grad_params: dict[int, object] = {}
+        self._grad_order: list[int] = []
+        self._grad_handles: list = []
+        self._grad_discovering = False
+        self._backward_depth = 0
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> "TorchHooks":
+        global _INSTALLED
+        if _INSTALLED is not None:
+            raise RuntimeError("trainguard: torch hooks are installed already")
+        import torch
+        import torch.nn.modules.module as module_mod
+        import torch.optim.optimizer as optim_mod
+        import torch.utils.data.dataloader as loader_mod
+
+        self._patch(torch.autograd, "backward", self._wrap_backward)
+        import torch.nn.utils as nn_utils
+        import torch.nn.utils.clip_grad as clip_mod
+
+        clip = self._wrap_clip(clip_mod.clip_grad_norm_)
+        for owner in (nn_utils, clip_mod):
+            self._set(owner, "clip_grad_norm_", clip)
+        self._patch(loader_mod._BaseDataLoaderIter, "__next__", self._wrap_next)
+        self._patch(torch, "save", self._wrap_save)
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available():
+                self._patch(dist.Work, "wait", self._wrap_wait)
+        except (ImportError, AttributeError):
+            pass
+        self._handles += [optim_mod.register_optimizer_step_pre_hook(self._optimizer_pre),
+                          optim_mod.register_optimizer_step_post_hook(self._optimizer_post)]
+        self._discovery = [
+            module_mod.register_module_forward_pre_hook(self._discover_pre),
+            module_mod.register_module_forward_hook(self._discover_post, always_call=True)]
+        _INSTALLED = self
+        return self
+
+    def uninstall(self) -> None:
+        global _INSTALLED
+        for owner, name, original in reversed(self._patched):
+            setattr(owner, name, original)
+        self._patched.clear()
+        for handle in (*self._handles, *self._discovery, *self._root_handles,
+                       *self._grad_handles):
+            _quiet(handle.remove)
+        self._handles, self._discovery, self._root_handles, self._grad_handles = [], [], [], []
+        if _INSTALLED is self:
+            _INSTALLED = None
+
+    def _set(self, owner, name, value) -> None:
+        self._patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def _patch(self, owner, name, wrap) -> None:
+        self._set(owner, name, wrap(getattr(owner, name)))
+
+    def _on_training_thread(self) -> bool:
+        w = self.watcher
+        return w.active and threading.get_ident() == w.thread_id
+
+    # ------------------------------------------------------------------ steps
+    def end_step(self, **values) -> None:
+        """End the current step (optimizer hook or a framework callback)."""
+        self.watcher.end(**values)
+        if self._discovery:
+            self._finish_discovery()
+
+    def _optimizer_pre(self, optimizer, args, kwargs) -> None:
+        if not self._on_training_thread():
+            return
+        if optimizer not in self._optimizers:
+            self._optimizers.add(optimizer)
+            _quiet(self._watch_gradients, optimizer)
+        if self.watcher.in_step:
+            self.watcher.phase("optimizer")
+
+    def _optimizer_post(self, optimizer, args, kwargs) -> None:
+        if not self.end_steps_on_optimizer or not self._on_training_thread():
+            return
+        if self._primary is None:
+            self._primary = weakref.ref(optimizer)
+        elif self._primary() is not optimizer:
+            return
+        try:
+            if not self._calibrated:
+                self._calibrated = True
+                done = _optimizer_steps(optimizer)
+                if done is not None and done >= 1:
+                    self.watcher.next_step = done - 1
+            lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+            self.end_step(lr=lr)
+        except Exception as exc:
+            log.debug("trainguard: step end failed: %s", exc)
+
+    # ------------------------------------------------------------------ forward
+    def _discover_pre(self, module, args) -> None:
+        self._depth += 1
+        if self._depth == 1 and self._on_training_thread():
+            self._roots.add(module)
+            _quiet(self._root_forward, module, args, None)
+
+    def _discover_post(self, module, args, output) -> None:
+        self._depth = max(0, self._depth - 1)
+
+    def _finish_discovery(self) -> None:
+        for handle in self._discovery:
+            _quiet(handle.remove)
+        self._discovery = []
+        for module in list(self._roots):
+            self._root_handles.append(module.register_forward_pre_hook(
+                self._root_pre, with_kwargs=True))
+
+    def _root_pre(self, module, args, kwargs):
+        if self._on_training_thread():
+            _quiet(self._root_forward, module, args, kwargs)
+        return None
+
+    def _root_forward(self, module, args, kwargs) -> None:
+        import torch
+
+        w = self.watcher
+        if torch.is_grad_enabled() and module.training:
+            w.begin()
+            if w.in_step:
+                w.add_tokens(count_tokens(args, kwargs))
+                w.phase("forward")
+        else:
+            w.abandon()
+            w.phase("eval")
+
+    # ------------------------------------------------------------------ backward
+    def _watch_gradients(self, optimizer) -> None:
+        """Discover which parameter gets its gradient last: hook every parameter for the next
+        backward, then keep only that one's hook."""
+        fresh = [p for group in optimizer.param_groups for p in group["params"]
+                 if getattr(p, "requires_grad", False) and id(p) not in self._grad_params]
+        if not fresh:
+            return
+        for handle in self._grad_handles:
+            _quiet(handle.remove)
+        self._grad_handles = []
+        for p in fresh:
+            self._grad_params[id(p)] = weakref.ref(p)
+        self._grad_order = []
+        for key, ref in self._grad_params.items():
+            p = ref()
+            if p is not None:
+                self._grad_handles.append(p.register_post_accumulate_grad_hook(
+                    self._make_discovery_hook(key)))
+        self._grad_discovering = True
+
+    def _make_discovery_hook(self, key: int):
+        order = self._grad_order
+
+        def hook(param):
+            order.append(key)
+        return hook
+
+    def _settle_gradients(self) -> None:
+        if not self._grad_order:
+            return
+        last = self._grad_params.get(self._grad_order[-1])
+        for handle in self._grad_handles:
+            _quiet(handle.remove)
+        self._grad_handles = []
+        self._grad_discovering = False
+        param = last() if last is not None else None
+        if param is not None:
+            self._grad_handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _grad_ready(self, param) -> None:
+        _quiet(self.watcher.grad_ready)
+
+    def _wrap_backward(self, original):
+        hooks = self
+
+        def backward(tensors, *args, **kwargs):
+            outer = hooks._backward_depth == 0 and hooks._on_training_thread()
+            if outer:
+                _quiet(hooks.watcher.backward_begin, _loss_of(tensors))
+            hooks._backward_depth += 1
+            try:
+                return original(tensors, *args, **kwargs)
+            finally:
+                hooks._backward_depth -= 1
+                if outer:
+                    _quiet(hooks._after_backward)
+        backward.__wrapped__ = original
+        return backward
+
+    def _after_backward(self) -> None:
+        self.watcher.backward_end()
+        if self._grad_discovering:
+            self._settle_gradients()
+        if self.watcher.in_step:
+            self.watcher.phase("step")
+
+    # ------------------------------------------------------------------ the rest
+    def _wrap_clip(self, original):
+        hooks = self
+
+        def clip_grad_norm_(*args, **kwargs):
+            norm = original(*args, **kwargs)
+            if hooks._on_training_thread():
+                _quiet(hooks.watcher.note_grad_norm, norm)
+            return norm
+        clip_grad_norm_.__wrapped__ = original
+        return clip_grad_norm_
+
+    def _wrap_wait(self, original):
+        hooks = self
+
+        def wait(work, *args, **kwargs):
+            if not (hooks.watcher.in_step and hooks._on_training_thread()):
+                return original(work, *args, **kwargs)
+            w = hooks.watcher
+            previous = _quiet(w.phase, "collective")
+            _quiet(w.wait_begin)
+            try:
+                return original(work, *args, **kwargs)
+            finally:
+                _quiet(w.wait_end)
+                _quiet(w.restore, previous)
+        wait.__wrapped__ = original
+        return wait
+
+    def _wrap_next(self, original):
+        hooks = self
+
+        def __next__(iterator):
+            if not hooks._on_training_thread():
+                return original(iterator)
+            w = hooks.watcher
+            _quiet(w.begin)
+            previous = _quiet(w.phase, "data")
+            try:
+                batch = original(iterator)
+            except StopIteration:
+                _quiet(w.abandon)
+                _quiet(w.restore, previous)
+                raise
+            _quiet(w.phase, "step") if w.in_step else _quiet(w.restore, previous)
+            return batch
+        __next__.__wrapped__ = original
+        return __next__
+
+    def _wrap_save(self, original):
+        hooks = self
+
+        def save(*args, **kwargs):
+            if not hooks._on_training_thread():
+                return original(*args, **kwargs)
+            previous = _quiet(hooks.watcher.phase, "checkpoint")
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _quiet(hooks.watcher.restore, previous)
+        save.__wrapped__ = original
+        return save
+
+
+def _loss_of(tensors):
+    if isinstance(tensors, (list, tuple)):
+        tensors = tensors[0] if len(tensors) == 1 else None
+    if tensors is not None and hasattr(tensors, "numel") and tensors.numel() == 1:
+        return tensors
+    return None
+
+
+def _optimizer_steps(optimizer) -> int | None:
+    """Updates an optimizer has made, from its (checkpoint-restored) state: Adam's ``step``."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            value = optimizer.state.get(p, {}).get("step")
+            if value is None:
+                continue
+            if getattr(value, "is_cuda", False):
+                return None  # reading it would synchronize
+            return int(value.item() if hasattr(value, "item") else value)
+    return None

@@ -1,0 +1,308 @@
+"""From training-loop marks to SPEC events: :class:`StepWatcher`.
+
+The hooks of :mod:`.torch_hooks` and the framework callbacks tell a watcher what the loop does
+(``begin`` a step, ``backward_begin``/``backward_end``, ``grad_ready``, ``wait_begin``/
+``wait_end`` around collectives, ``phase``, ``end`` of a step); the watcher keeps the
+heartbeat's phase on the rank's :class:`~trainguard.collectors.api.Collector` and queues one
+``step`` event per step with its ``step_time`` (host wall time), ``compute_time`` (a
+:class:`~trainguard.collectors.compute_timer.ComputeTimer`), loss, grad norm, learning rate and
+tokens.
+
+Nothing here forces a device synchronization: a CUDA loss or grad norm is copied to the host
+without blocking and the step's event is sent once the GPU is past the step (usually during the
+next step); values on the CPU are read at once. No method raises: the hooks call them inside the
+user's training loop, so every entry point is wrapped by the callers in ``try``/``except``.
+
+When the script itself calls ``tg.step`` (the explicit API of SPEC §5), the collector says so
+(``collector.explicit``) and the watcher stands down for good: the explicit calls win and no
+step is counted twice.
+
+>>> from trainguard.collectors.api import Collector, CollectorSettings
+>>> class Sink:
+...     dropped = 0
+...     def __init__(self): self.records = []
+...     def produce(self, record, key=None): self.records.append(record)
+>>> c = Collector(CollectorSettings(job="j1", rank=0, world_size=2), Sink())
+>>> ticks = iter(range(100))
+>>> w = StepWatcher(lambda: c, clock=lambda: float(next(ticks)), cuda=False)
+>>> w.begin(); w.backward_begin(2.5); w.grad_ready(); w.backward_end(); w.end(lr=0.1)
+>>> _, _, step, step_time, compute, values = c.producer.records[-1]
+>>> step, step_time, compute, values[0], values[4]
+(0, 8.0, 5.0, 2.5, 0.1)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from trainguard.collectors.compute_timer import make_compute_timer
+
+__all__ = ["StepWatcher", "job_id", "count_tokens"]
+
+log = logging.getLogger(__name__)
+
+_BAD_JOB_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def job_id(environ=None, run_name: str | None = None) -> str:
+    """The job id: ``TRAINGUARD_JOB`` (set by ``trainguard run``), else ``TRAINGUARD_JOB_ID``,
+    else the framework's run name, else the script's name; made SPEC-valid.
+
+    >>> job_id({"TRAINGUARD_JOB": "llama-7b"})
+    'llama-7b'
+    >>> job_id({}, run_name="runs/May 3 12:00")
+    'runs-May-3-12-00'
+    """
+    environ = os.environ if environ is None else environ
+    raw = (environ.get("TRAINGUARD_JOB") or environ.get("TRAINGUARD_JOB_ID") or run_name
+           or os.path.splitext(os.path.basename(sys.argv[0] if sys.argv and sys.argv[0]
+                                                else "python"))[0] or "job")
+    return _BAD_JOB_CHARS.sub("-", str(raw)).strip("-")[:128] or "job"
+
+
+def count_tokens(args: tuple, kwargs: dict | None) -> int | None:
+    """Tokens in a model call: the size of ``input_ids``, else of the first integer tensor
+    with two or more dimensions (a batch of token ids) among the arguments."""
+    if kwargs:
+        ids = kwargs.get("input_ids")
+        if ids is not None and hasattr(ids, "numel"):
+            return int(ids.numel())
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, dict):
+            found = count_tokens((), value)
+        elif isinstance(value, (list, tuple)) and len(value) <= 8:
+            found = count_tokens(tuple(value), None)
+        else:
+            found = _token_tensor_size(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _token_tensor_size(value) -> int | None:
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or getattr(value, "dim", None) is None:
+        return None
+    if value.dim() >= 2 and not dtype.is_floating_point and not dtype.is_complex and \
+            str(dtype) != "torch.bool":
+        return int(value.numel())
+    return None
+
+
+def _host_value(value):
+    """A number now, or a deferred host copy of a device tensor, or None."""
+    if value is None or type(value) is float or type(value) is int:
+        return value
+    try:
+        if getattr(value, "is_cuda", False):
+            return _Deferred(value.detach().to("cpu", non_blocking=True))
+        if hasattr(value, "numel") and value.numel() != 1:
+            return None
+        return float(value.item()) if hasattr(value, "item") else float(value)
+    except Exception:
+        return None
+
+
+class _Deferred:
+    """A device-to-host copy queued without blocking; read once the step's reading is ready."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def get(self):
+        try:
+            return float(self.tensor.item())
+        except Exception:
+            return None
+
+
+def _resolve(value):
+    return value.get() if type(value) is _Deferred else value
+
+
+class StepWatcher:
+    """One rank's steps from marks. ``start_collector()`` returns the collector to send to
+    (started on first need; None disables the watcher). ``cuda`` picks the compute timer
+    (None: decided at the first step, CUDA when ``torch.cuda`` is initialized)."""
+
+    def __init__(self, start_collector: Callable, *, clock: Callable[[], float] = time.perf_counter,
+                 cuda: bool | None = None, first_step: int = 0, max_pending: int = 64):
+        self.start_collector = start_collector
+        self.clock = clock
+        self.cuda = cuda
+        self.next_step = first_step
+        self.max_pending = max_pending
+        self.active = True
+        self.thread_id = threading.get_ident()
+        self.collector = None
+        self.timer = None
+        self.in_step = False
+        self.saw_backward = False
+        self._t0 = 0.0
+        self._waiting_ready = False
+        self._loss = self._grad_norm = self._lr = None
+        self._tokens: int | None = None
+        self._pending: deque = deque()
+
+    # -- the collector -----------------------------------------------------------------------
+    def live(self):
+        """The collector to send to, or None once the watcher stood down."""
+        c = self.collector
+        if c is None:
+            if not self.active:
+                return None
+            try:
+                c = self.collector = self.start_collector()
+            except Exception as exc:
+                log.warning("trainguard: watching disabled: %s", exc)
+                c = None
+            if c is None:
+                self.active = False
+                return None
+            c.before_close.append(self.flush)
+        if c.explicit or c.closed:
+            self.stand_down()
+            return None
+        return c
+
+    def stand_down(self) -> None:
+        self.active = False
+        self.in_step = False
+        self._pending.clear()
+
+    def phase(self, name: str):
+        """Show ``name`` in heartbeats; returns the previous phase (for :meth:`restore`)."""
+        c = self.live() if self.active else None
+        return c.set_phase(name) if c is not None else None
+
+    def restore(self, previous) -> None:
+        c = self.collector
+        if previous is not None and c is not None and self.active:
+            c.restore_phase(previous)
+
+    # -- the step ----------------------------------------------------------------------------
+    def begin(self) -> None:
+        """The step's work starts (first data fetch, forward or backward after the last step)."""
+        if self.in_step or not self.active or self.live() is None:
+            return
+        if self.timer is None:
+            if self.cuda is None:
+                self.cuda = _cuda_in_use()
+            self.timer = make_compute_timer(self.cuda, clock=self.clock)
+        self.in_step = True
+        self.saw_backward = False
+        self._waiting_ready = False
+        self._loss = self._grad_norm = None
+        self._tokens = None
+        self._t0 = self.clock()
+        self.timer.begin()
+
+    def abandon(self) -> None:
+        """What began was not a training step (an eval loop fetched data): forget it."""
+        if self.in_step and not self.saw_backward:
+            self.in_step = False
+
+    def add_tokens(self, n: int | None) -> None:
+        if n is not None and self.in_step:
+            self._tokens = (self._tokens or 0) + n
+
+    def backward_begin(self, loss) -> None:
+        self.begin()
+        if not self.in_step:
+            return
+        self.saw_backward = True
+        if loss is not None:
+            self._loss = loss.detach() if hasattr(loss, "detach") else loss
+        self.phase("backward")
+
+    def grad_ready(self) -> None:
+        """The last gradient of this backward pass is computed; from here the rank waits."""
+        if self.in_step and not self._waiting_ready:
+            self._waiting_ready = True
+            self.timer.wait_begin()
+
+    def backward_end(self) -> None:
+        if self._waiting_ready:
+            self._waiting_ready = False
+            self.timer.wait_end()
+
+    def wait_begin(self) -> None:
+        if self.in_step:
+            self.timer.wait_begin()
+
+    def wait_end(self) -> None:
+        if self.in_step:
+            self.timer.wait_end()
+
+    def note_grad_norm(self, value) -> None:
+        if self.in_step:
+            self._grad_norm = value
+
+    def note_loss(self, value) -> None:
+        if self.in_step and value is not None:
+            self._loss = value
+
+    def end(self, step: int | None = None, lr=None, loss=None, grad_norm=None,
+            tokens: int | None = None) -> None:
+        """The step is over (optimizer stepped, or the framework says so); ``step`` is its
+        number (default: one more than the last)."""
+        c = self.live() if self.active else None
+        if c is None:
+            return
+        if not self.in_step:  # no mark seen since the last step: it began when that one ended
+            self.begin()
+        now = self.clock()
+        self.backward_end()
+        if step is None:
+            step = self.next_step
+        self.next_step = step + 1
+        record = [step, c.clock(), now - self._t0,
+                  _host_value(self._loss if loss is None else loss),
+                  _host_value(self._grad_norm if grad_norm is None else grad_norm),
+                  self._tokens if tokens is None else tokens, _host_value(lr)]
+        reading = self.timer.end()
+        self.in_step = False
+        self._loss = self._grad_norm = None
+        self._pending.append((record, reading))
+        if len(self._pending) > self.max_pending:  # the device never caught up: drop the oldest
+            self._pending.popleft()
+        self.drain(c)
+        c.set_phase("idle")
+
+    def drain(self, c, block: bool = False) -> None:
+        """Send the pending steps whose readings are ready, in order."""
+        pending = self._pending
+        while pending:
+            record, reading = pending[0]
+            if not block and not reading.ready():
+                return
+            pending.popleft()
+            step, ts, step_time, loss, grad_norm, tokens, lr = record
+            compute = reading.value()
+            if compute is not None and compute > step_time:  # the clocks differ by a hair
+                compute = step_time
+            c.emit_step(step, step_time, compute, loss=_resolve(loss),
+                        grad_norm=_resolve(grad_norm), tokens=tokens, lr=_resolve(lr), ts=ts)
+
+    def flush(self) -> None:
+        """Send what is pending, waiting for the device if need be (at close)."""
+        c = self.collector
+        if c is not None and self.active and not c.explicit:
+            self.drain(c, block=True)
+
+
+def _cuda_in_use() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_available()
+                    and torch.cuda.is_initialized())
+    except Exception:
+        return False
