@@ -104,7 +104,8 @@ def test_every_rank_sends_steps_with_times_phases_and_loss(watched_job):
             assert e.loss is not None and e.lr is not None
         assert sum(e.grad_norm is not None for e in got) >= len(got) - 2
     if name == "hf":
-        assert all(e.tokens == 4 * 16 for e in steps)
+        # the first step finds the top-level modules through hooks that see no kwargs
+        assert {e.tokens for e in steps if e.step >= 1} == {4 * 16}
     phases = defaultdict(set)
     for beat in by_type(events, "heartbeat"):
         phases[beat.rank].add(beat.phase)

@@ -15,7 +15,8 @@ only on those)                                 integer batch)
 parameter whose gradient comes last            there to ``backward()``'s return it waits for
                                                its peers (DDP's all-reduce, no comm hook)
 ``torch.distributed.Work.wait``                phase ``collective``, time waiting for peers
-``torch.nn.utils.clip_grad_norm_``             the grad norm (its return value)
+``torch.nn.utils.clip_grad_norm_``,           the grad norm (its return value, or the norm
+``clip_grads_with_norm_``                      clipped with)
 ``DataLoader`` iterators' ``__next__``         phase ``data``, the start of a step
 ``torch.save``                                 phase ``checkpoint``
 ============================================  ================================================
@@ -91,6 +92,8 @@ class TorchHooks:
         clip = self._wrap_clip(clip_mod.clip_grad_norm_)
         for owner in (nn_utils, clip_mod):
             self._set(owner, "clip_grad_norm_", clip)
+        if hasattr(nn_utils, "clip_grads_with_norm_"):  # norm computed apart (accelerate)
+            self._patch(nn_utils, "clip_grads_with_norm_", self._wrap_clip_with_norm)
         self._patch(loader_mod._BaseDataLoaderIter, "__next__", self._wrap_next)
         self._patch(torch, "save", self._wrap_save)
         try:
@@ -279,6 +282,16 @@ class TorchHooks:
             return norm
         clip_grad_norm_.__wrapped__ = original
         return clip_grad_norm_
+
+    def _wrap_clip_with_norm(self, original):
+        hooks = self
+
+        def clip_grads_with_norm_(parameters, max_norm, total_norm, *args, **kwargs):
+            if hooks._on_training_thread():
+                _quiet(hooks.watcher.note_grad_norm, total_norm)
+            return original(parameters, max_norm, total_norm, *args, **kwargs)
+        clip_grads_with_norm_.__wrapped__ = original
+        return clip_grads_with_norm_
 
     def _wrap_wait(self, original):
         hooks = self
