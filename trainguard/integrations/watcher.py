@@ -287,7 +287,9 @@ class StepWatcher:
             pending.popleft()
             step, ts, step_time, loss, grad_norm, tokens, lr = record
             compute = reading.value()
-            if compute is not None and compute > step_time:  # the clocks differ by a hair
+            if c.settings.world_size == 1:  # nobody to wait for, as in the explicit API
+                compute = step_time
+            elif compute is not None and compute > step_time:  # the clocks differ by a hair
                 compute = step_time
             c.emit_step(step, step_time, compute, loss=_resolve(loss),
                         grad_norm=_resolve(grad_norm), tokens=tokens, lr=_resolve(lr), ts=ts)

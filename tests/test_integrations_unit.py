@@ -1,0 +1,280 @@
+"""Integrations without a broker: the compute timers (CUDA path on fake events), resume,
+the watcher, the hooks on a real one-process training loop, explicit calls winning, hooks
+never raising, and the ``--instrument`` environment in a fresh interpreter."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainguard.collectors.api import Collector, CollectorSettings
+from trainguard.collectors.compute_timer import CudaComputeTimer, HostComputeTimer
+from trainguard.collectors.resume import requested_resume_step, resume_step
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Sink:
+    dropped = 0
+
+    def __init__(self):
+        self.records = []
+
+    def produce(self, record, key=None):
+        self.records.append(record)
+
+
+def steps_of(sink):
+    return [r for r in sink.records if type(r) is tuple and r[0] == 1]
+
+
+# ---------------------------------------------------------------------- compute timers
+class FakeGpu:
+    """A GPU timeline: events complete when the test says the device got that far."""
+
+    def __init__(self):
+        self.now_ms = 0.0
+        self.done_until = -1.0
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            def record(self):
+                self.at = gpu.now_ms
+
+            def query(self):
+                return self.at <= gpu.done_until
+
+            def synchronize(self):
+                gpu.done_until = max(gpu.done_until, self.at)
+
+            def elapsed_time(self, other):
+                assert self.query() and other.query(), "read before the device was done"
+                return other.at - self.at
+        return Event()
+
+
+def test_cuda_timer_subtracts_stream_stalls_and_reads_one_step_late():
+    gpu = FakeGpu()
+    timer = CudaComputeTimer(event_factory=gpu.event)
+    timer.begin()
+    gpu.now_ms = 40.0          # forward + backward compute
+    timer.wait_begin()          # last gradient ready: the stream waits for the all-reduce
+    gpu.now_ms = 70.0
+    timer.wait_end()
+    gpu.now_ms = 80.0          # optimizer
+    reading = timer.end()
+    assert not reading.ready()  # the host is ahead of the device: nothing is read yet
+    gpu.done_until = 80.0       # during the next step the device gets past this one
+    assert reading.ready()
+    assert reading.value() == pytest.approx(0.050)   # 80 ms - 30 ms stalled
+    assert len(timer._free) == 4                     # events go back to the pool
+
+
+def test_cuda_timer_nested_waits_count_once_and_close_waits_for_the_device():
+    gpu = FakeGpu()
+    timer = CudaComputeTimer(event_factory=gpu.event)
+    timer.begin()
+    timer.wait_begin()
+    gpu.now_ms = 10.0
+    timer.wait_begin()
+    gpu.now_ms = 20.0
+    timer.wait_end()
+    gpu.now_ms = 30.0
+    timer.wait_end()
+    gpu.now_ms = 100.0
+    reading = timer.end()
+    assert reading.value() == pytest.approx(0.070)   # value() synchronizes at close only
+
+
+def test_host_timer_marks_from_another_thread_and_an_unclosed_wait():
+    ticks = iter([0.0, 1.0, 3.0])
+    timer = HostComputeTimer(clock=lambda: next(ticks))
+    timer.begin()
+    timer.wait_begin()  # an exception skipped the wait's end: the step's end closes it
+    assert timer.end().value() == 1.0
+
+
+# ---------------------------------------------------------------------- resume
+def test_resume_step_and_bad_values():
+    assert resume_step([10, 20, 30], environ={"TRAINGUARD_ROLLBACK_STEP": "25"}) == 20
+    assert requested_resume_step({"TRAINGUARD_RESUME_STEP": "soon"}) is None
+    assert requested_resume_step({"TRAINGUARD_RESUME_STEP": "-3"}) is None
+    import trainguard
+
+    assert trainguard.resume_step([5, 9], environ={}) == 9
+
+
+def test_checkpoint_to_resume_order_of_precedence():
+    from trainguard.integrations.callbacks import checkpoint_to_resume
+
+    found = {10: "c10", 20: "c20", 30: "c30"}
+    assert checkpoint_to_resume(found, "mine", {}) == "mine"                      # first launch
+    assert checkpoint_to_resume(found, None, {"TRAINGUARD_RESUME": "1"}) == "c30"  # relaunch
+    assert checkpoint_to_resume(found, "mine", {"TRAINGUARD_RESUME": "1"}) == "mine"
+    assert checkpoint_to_resume(found, "mine", {"TRAINGUARD_RESUME_STEP": "25"}) == "c20"
+    assert checkpoint_to_resume(found, "mine", {"TRAINGUARD_RESUME_STEP": "5"}) is None
+
+
+def test_hf_resume_checkpoint_lists_checkpoint_folders(tmp_path):
+    pytest.importorskip("transformers")
+    from trainguard.integrations.hf import resume_checkpoint
+
+    for step in (10, 20, 30):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "runs").mkdir()
+    env = {"TRAINGUARD_RESUME_STEP": "29"}
+    assert resume_checkpoint(tmp_path, None, env) == str(tmp_path / "checkpoint-20")
+    assert resume_checkpoint(tmp_path, True, {}) == str(tmp_path / "checkpoint-30")
+
+
+# ---------------------------------------------------------------------- hooks on a real loop
+@pytest.fixture
+def watched():
+    """Hooks installed on a collector with a stand-in producer; removed afterwards."""
+    torch = pytest.importorskip("torch")
+    from trainguard.integrations.torch_hooks import TorchHooks
+    from trainguard.integrations.watcher import StepWatcher
+
+    sink = Sink()
+    collector = Collector(CollectorSettings(job="unit", rank=0, world_size=1), sink)
+    hooks = TorchHooks(StepWatcher(lambda: collector, cuda=False)).install()
+    try:
+        yield torch, hooks, collector, sink
+    finally:
+        hooks.uninstall()
+
+
+def train(torch, steps, explicit=None, bad_clip=False):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(steps * 2, 4), torch.randn(steps * 2, 1)), batch_size=2)
+    for i, (x, y) in enumerate(data):
+        ctx = explicit.step(100 + i) if explicit is not None else None
+        if ctx is not None:
+            ctx.__enter__()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():  # an eval pass between steps is not a step
+            model(x)
+        torch.save({"w": 1}, os.devnull)
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    return model, opt
+
+
+def test_hooks_send_one_step_per_optimizer_step_with_values(watched):
+    torch, hooks, collector, sink = watched
+    train(torch, 6)
+    steps = steps_of(sink)
+    assert [r[2] for r in steps] == list(range(6))
+    for _, _, _, step_time, compute, values in steps:
+        loss, grad_norm, tokens, _, lr, _ = values
+        assert step_time > 0 and compute == step_time  # one rank: nothing to wait for
+        assert loss > 0 and grad_norm > 0 and lr == 0.01
+    assert len(hooks._grad_handles) == 1   # the last-gradient hook alone is left
+    assert hooks._discovery == [] and hooks._root_handles
+    assert collector.phase_now[0] == "eval"  # the no-grad pass after the last step
+
+
+def test_explicit_api_wins_and_nothing_is_counted_twice(watched):
+    torch, hooks, collector, sink = watched
+    train(torch, 4, explicit=collector)
+    numbers = [r[2] for r in steps_of(sink)]
+    assert numbers == [100, 101, 102, 103]   # the explicit steps only
+    assert not hooks.watcher.active
+
+
+def test_a_failing_watcher_never_raises_into_the_loop(watched, monkeypatch):
+    torch, hooks, collector, sink = watched
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+    for name in ("begin", "backward_begin", "backward_end", "note_grad_norm", "phase",
+                 "grad_ready", "wait_begin", "end", "abandon", "add_tokens"):
+        monkeypatch.setattr(hooks.watcher, name, broken)
+    model, _ = train(torch, 3)
+    assert model(torch.randn(1, 4)).shape == (1, 1)
+
+
+def test_uninstall_restores_torch(watched):
+    torch, hooks, _, _ = watched
+    patched = (torch.autograd.backward, torch.nn.utils.clip_grad_norm_, torch.save,
+               torch.utils.data.dataloader._BaseDataLoaderIter.__next__)
+    assert {f.__module__ for f in patched} == {"trainguard.integrations.torch_hooks"}
+    hooks.uninstall()
+    restored = (torch.autograd.backward, torch.nn.utils.clip_grad_norm_, torch.save,
+                torch.utils.data.dataloader._BaseDataLoaderIter.__next__)
+    assert all(f.__module__.startswith("torch") for f in restored)
+
+
+# ---------------------------------------------------------------------- --instrument
+INSTRUMENTED = r'''
+import json, os, sys
+import torch
+from trainguard.collectors import api
+c = api.running()
+print(json.dumps({"collector": c is not None, "job": c.settings.job if c else None,
+                  "implicit": c.implicit if c else None,
+                  "wrapped": hasattr(torch.autograd.backward, "__wrapped__"),
+                  "chained": os.environ.get("CHAINED_SITE") == "1" or "chained" in sys.modules}))
+'''
+
+
+def run_instrumented(tmp_path, code, **env):
+    from trainguard.integrations.instrument import instrument_env
+
+    other = tmp_path / "other_site"
+    other.mkdir(exist_ok=True)
+    (other / "sitecustomize.py").write_text("import sys, types\n"
+                                            "sys.modules['chained'] = types.ModuleType('c')\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    base.update(TRAINGUARD_BOOTSTRAP="127.0.0.1:1", TRAINGUARD_HOME=str(tmp_path / "home"),
+                PYTHONPATH=str(other), **env)
+    base.update(instrument_env(base))
+    out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_instrument_env_loads_the_hooks_in_a_torchrun_worker(tmp_path):
+    got = run_instrumented(tmp_path, INSTRUMENTED, RANK="0", WORLD_SIZE="1",
+                           TRAINGUARD_JOB="inst-1")
+    assert got == {"collector": True, "job": "inst-1", "implicit": True, "wrapped": True,
+                   "chained": True}
+
+
+@pytest.mark.slow
+def test_instrument_waits_for_training_outside_torchrun(tmp_path):
+    got = run_instrumented(tmp_path, INSTRUMENTED)  # e.g. the torchrun agent: no collector
+    assert got["collector"] is False and got["wrapped"] is True
+
+
+def test_supervisor_passes_the_instrument_environment():
+    from trainguard.actions.supervisor import Supervisor
+    from trainguard.integrations.instrument import SITE_DIR
+
+    sup = Supervisor(job="j", cmd=["true"], environ={"PYTHONPATH": "/x"}, instrument=True)
+    env = sup._env(resume=False)
+    assert env["TRAINGUARD_INSTRUMENT"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep) == [SITE_DIR, "/x"]
+    plain = Supervisor(job="j", cmd=["true"], environ={}, instrument=False)._env(resume=False)
+    assert "TRAINGUARD_INSTRUMENT" not in plain
+
+
+def test_run_accepts_the_instrument_flag():
+    from trainguard.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--job", "j", "--instrument", "--", "python", "t"])
+    assert args.instrument and args.cmd[-2:] == ["python", "t"]
