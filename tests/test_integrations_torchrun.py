@@ -36,10 +36,10 @@ def run_job(name, bootstrap, prefix, tmp, extra_env=None, timeout=240):
     from trainguard.integrations.instrument import instrument_env
 
     script, instrument = JOBS[name]
-    env = job_env(bootstrap, prefix, tmp / "home", TRAINGUARD_JOB=f"it-{name}",
-                  TRAINGUARD_CHECKPOINT_DIR=str(tmp / "ckpt"), HF_HUB_OFFLINE="1",
-                  TRANSFORMERS_OFFLINE="1", FAULT_SLOW=f"{SLOW_RANK}:0.06",
-                  TOKENIZERS_PARALLELISM="false", **(extra_env or {}))
+    env = job_env(bootstrap, prefix, tmp / "home", **{
+        "TRAINGUARD_JOB": f"it-{name}", "TRAINGUARD_CHECKPOINT_DIR": str(tmp / "ckpt"),
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "FAULT_SLOW": f"{SLOW_RANK}:0.06", **(extra_env or {})})
     if instrument:
         env.update(instrument_env(env))
     argv = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
