@@ -75,3 +75,41 @@ def test_plain_script_hang_and_crash_are_found_and_resumed(kafka_config, tmp_pat
         procs.stop_all(grace=10.0)
         for c in seen.values():
             c.close()
+
+
+@pytest.mark.parametrize("name", ["hf", "lightning"])
+def test_callback_jobs_resume_where_trainguard_says(name, kafka_config, tmp_path):
+    """A 2-rank HF / Lightning job under ``trainguard run`` loses rank 1 (SIGKILL) after step
+    22; the relaunch resumes, with no line of resume code in the script, from the checkpoint
+    ``TRAINGUARD_RESUME_STEP=10`` names (not the newest, step 20), and finishes."""
+    script = {"hf": ["examples/hf_trainer.py", "--steps", "26", "--save-steps", "10"],
+              "lightning": ["examples/lightning_job.py", "--steps", "26", "--save-steps",
+                            "10"]}[name]
+    env = {"TRAINGUARD_BOOTSTRAP": kafka_config.bootstrap,
+           "TRAINGUARD_TOPIC_PREFIX": kafka_config.topics.prefix,
+           "TRAINGUARD_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "FAULT_KILL": "1:22",
+           "TRAINGUARD_RESUME_STEP": "10"}
+    telemetry = Collector(kafka_config, kafka_config.topics.telemetry)
+    procs = Procs(tmp_path)
+    try:
+        job = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(REPO / script[0]), *script[1:]]
+        run = procs.trainguard("run", "run", "--job", f"resume-{name}", "--max-restarts", "2",
+                               "--grace", "5", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                               "--", *job, env=env, limit_s=300)
+        wait_for(lambda: run.poll() is not None, timeout=290, interval=0.5,
+                 what="the job's end")
+        assert run.returncode == 0, procs.log("run")[-3000:]
+        events = [e for e in telemetry.drain(2.0) if e.job == f"resume-{name}"]
+        launches = sorted(e.ts for e in events if e.type == "lifecycle" and e.rank is None
+                          and e.event == "start")
+        assert len(launches) == 2, launches
+        steps = [e for e in events if e.type == "step"]
+        before = [e.step for e in steps if e.ts < launches[1]]
+        after = sorted({e.step for e in steps if e.ts > launches[1]})
+        assert max(before) >= 20, before
+        assert after[0] == 10 and after[-1] == 25, after   # resumed at 10, not at 20
+    finally:
+        procs.stop_all(grace=10.0)
+        telemetry.close()

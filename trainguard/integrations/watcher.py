@@ -25,10 +25,10 @@ step is counted twice.
 >>> c = Collector(CollectorSettings(job="j1", rank=0, world_size=2), Sink())
 >>> ticks = iter(range(100))
 >>> w = StepWatcher(lambda: c, clock=lambda: float(next(ticks)), cuda=False)
->>> w.begin(); w.backward_begin(2.5); w.grad_ready(); w.backward_end(); w.end(lr=0.1)
+>>> w.begin(); w.backward_begin(2.5); w.grad_ready(); w.backward_end(); w.end(lr=0.1)  # 1 s waits
 >>> _, _, step, step_time, compute, values = c.producer.records[-1]
 >>> step, step_time, compute, values[0], values[4]
-(0, 8.0, 5.0, 2.5, 0.1)
+(0, 4.0, 3.0, 2.5, 0.1)
 """
 from __future__ import annotations
 
