@@ -278,3 +278,18 @@ def test_run_accepts_the_instrument_flag():
 
     args = build_parser().parse_args(["run", "--job", "j", "--instrument", "--", "python", "t"])
     assert args.instrument and args.cmd[-2:] == ["python", "t"]
+
+
+def test_resuming_replaces_the_checkpoint_given_by_position_or_keyword():
+    from trainguard.integrations.callbacks import resuming
+
+    seen = []
+    wrapped = resuming(lambda ckpt, *a, **k: seen.append((ckpt, a, k)),
+                       lambda given: "c20" if given is None else given)
+    wrapped()
+    wrapped("mine", 1, trial=2)
+    wrapped(resume_from_checkpoint="kw")
+    assert seen == [("c20", (), {}), ("mine", (1,), {"trial": 2}), ("kw", (), {})]
+    off = resuming(lambda ckpt: seen.append(ckpt), lambda given: "c20", applies=lambda: False)
+    off()
+    assert seen[-1] is None

@@ -7,6 +7,7 @@ callback takes over the hooks already installed, so nothing is counted twice.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -17,7 +18,7 @@ from trainguard.collectors.resume import requested_resume_step, resume_requested
 from .torch_hooks import TorchHooks, installed
 from .watcher import StepWatcher, job_id
 
-__all__ = ["CallbackWatch", "checkpoint_to_resume", "steps_in"]
+__all__ = ["CallbackWatch", "checkpoint_to_resume", "steps_in", "resuming"]
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +126,26 @@ def checkpoint_to_resume(available: dict[int, str], given=None, environ=None):
         step = resume_step(available, environ=environ)
         return available[step] if step is not None else None
     return given
+
+
+def resuming(original, choose, applies=lambda: True):
+    """``original(checkpoint, ...)`` with its first argument replaced by ``choose(given)``
+    (the framework's resume entry point: HF ``train``, Lightning ``resume_start``), while
+    ``applies()``; a failing choice keeps what was given."""
+    @functools.wraps(original)
+    def wrapper(given=None, *args, **kwargs):
+        for name in ("resume_from_checkpoint", "checkpoint_path"):  # given by keyword
+            if name in kwargs:
+                given = kwargs.pop(name)
+        if not applies():
+            return original(given, *args, **kwargs)
+        try:
+            chosen = choose(given)
+        except Exception as exc:
+            log.warning("trainguard: cannot pick the checkpoint to resume from: %s", exc)
+            chosen = given
+        if chosen is not None and chosen != given:
+            log.warning("trainguard: resuming from %s", chosen)
+        return original(chosen, *args, **kwargs)
+    wrapper._trainguard = True
+    return wrapper

@@ -15,14 +15,13 @@ Requires ``pip install trainguard[hf]``; importing this module imports ``transfo
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
 
 from transformers import Trainer, TrainerCallback
 
-from .callbacks import CallbackWatch, checkpoint_to_resume, steps_in
+from .callbacks import CallbackWatch, checkpoint_to_resume, resuming, steps_in
 
 __all__ = ["TrainguardCallback", "resume_checkpoint"]
 
@@ -111,14 +110,4 @@ def _calling_trainer():
 
 
 def _resuming(trainer, train):
-    @functools.wraps(train)
-    def resuming_train(resume_from_checkpoint=None, *args, **kwargs):
-        try:
-            chosen = resume_checkpoint(trainer.args.output_dir, resume_from_checkpoint)
-        except Exception as exc:
-            log.warning("trainguard: cannot pick the checkpoint to resume from: %s", exc)
-            chosen = resume_from_checkpoint
-        if chosen is not None and chosen != resume_from_checkpoint:
-            log.warning("trainguard: resuming from %s", chosen)
-        return train(chosen, *args, **kwargs)
-    return resuming_train
+    return resuming(train, lambda given: resume_checkpoint(trainer.args.output_dir, given))

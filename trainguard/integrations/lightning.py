@@ -17,7 +17,6 @@ Requires ``pip install trainguard[lightning]``; importing this module imports ``
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 try:
@@ -25,7 +24,7 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback
 
-from .callbacks import CallbackWatch, checkpoint_to_resume, steps_in
+from .callbacks import CallbackWatch, checkpoint_to_resume, resuming, steps_in
 from .watcher import count_tokens
 
 __all__ = ["TrainguardCallback", "resume_checkpoint"]
@@ -116,18 +115,7 @@ def _learning_rate(trainer):
 
 
 def _resuming(trainer, start):
-    @functools.wraps(start)
-    def resume_start(checkpoint_path=None, *args, **kwargs):
+    def fitting():
         fn = getattr(getattr(trainer, "state", None), "fn", None)
-        if getattr(fn, "value", fn) != "fit":
-            return start(checkpoint_path, *args, **kwargs)
-        try:
-            chosen = resume_checkpoint(trainer, checkpoint_path)
-        except Exception as exc:
-            log.warning("trainguard: cannot pick the checkpoint to resume from: %s", exc)
-            chosen = checkpoint_path
-        if chosen is not None and chosen != checkpoint_path:
-            log.warning("trainguard: resuming from %s", chosen)
-        return start(chosen, *args, **kwargs)
-    resume_start._trainguard = True
-    return resume_start
+        return getattr(fn, "value", fn) == "fit"
+    return resuming(start, lambda given: resume_checkpoint(trainer, given), fitting)
