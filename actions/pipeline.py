@@ -4,10 +4,12 @@ Every stage is a small object called with the :class:`Work` of one anomaly; it a
 and returns True to go on, or sets ``work.dropped`` and returns False to stop. The chain is
 assembled in one place, :func:`build_pipeline`::
 
-    correlate -> dedup -> investigate -> decide -> limit -> act -> record -> notify
+    correlate -> dedup -> confirm -> investigate -> confirm -> decide -> limit -> act
+              -> record -> notify
 
 ``investigate`` (capture and aggregate the stacks) sits before ``decide`` because the
-policy of a hang needs its suspects. The decisions themselves (``decide`` and
+policy of a hang needs its suspects. ``confirm`` (:mod:`trainguard.actions.confirm`), before
+and again after the capture, closes a hang whose job moved on as a false alarm. The decisions themselves (``decide`` and
 ``apply_limits`` of :mod:`trainguard.actions.policy`) are pure; I/O comes in through
 injected objects: ``capturer`` (a :class:`~trainguard.actions.capture.StackCapture`),
 ``recorder`` (``write(action_event)`` and ``flush()``), ``notify`` (``AlertMessage ->
@@ -28,17 +30,20 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from trainguard import events as ev
+from trainguard.actions.confirm import Confirm
 from trainguard.actions.policy import (JOB_ACTIONS, Decision, Incident, Policy, apply_limits,
                                        covering_restart, decide, ladder_kind, restart_over)
+from trainguard.actions.waits import drive
 
 __all__ = ["Work", "Pipeline", "build_pipeline", "apply_limits", "covering_restart",
            "incident_of", "incident_from", "driver_actions", "ListRecorder",
-           "Correlate", "Dedup", "Investigate", "Decide", "Limit", "Act", "Record", "Notify",
-           "action_event"]
+           "Correlate", "Dedup", "Confirm", "Investigate", "Decide", "Limit", "Act", "Record",
+           "Notify", "action_event", "record_drop"]
 
 
 @dataclass(kw_only=True)
@@ -52,6 +57,8 @@ class Work:
     decisions: list = field(default_factory=list)
     records: list = field(default_factory=list)
     dropped: str | None = None
+    false_alarm: dict | None = None
+    lock: object = field(default_factory=threading.RLock, repr=False)
 
 
 def incident_of(anomaly: ev.Anomaly) -> Incident:
@@ -216,9 +223,12 @@ class Dedup:
 
 class Investigate:
     """Captures and aggregates the stacks of all ranks when the ladder the incident gets
-    (:func:`~trainguard.actions.policy.ladder_kind`) asks for it."""
+    (:func:`~trainguard.actions.policy.ladder_kind`) asks for it. It waits for the replies
+    without the pipeline's lock (a waiting generator, see :mod:`trainguard.actions.waits`),
+    so that the scheduler can go on with other jobs meanwhile."""
 
     name = "investigate"
+    exclusive = False
 
     def __init__(self, policy: Policy, capturer=None, directory=None, localize=None):
         self.policy = policy
@@ -226,7 +236,7 @@ class Investigate:
         self.directory = directory
         self.localize = localize
 
-    def __call__(self, work: Work) -> bool:
+    def __call__(self, work: Work):
         incident = work.incident
         if not self.policy.wants_capture(ladder_kind(self.policy, incident)) \
                 or self.capturer is None:
@@ -238,8 +248,12 @@ class Investigate:
         if info.world_size is None and isinstance(world, int) and world > 0:
             info.world_size = world
         try:
-            result = self.capturer.capture(incident.job, info.expected_ranks(),
-                                           label=incident.id)
+            if hasattr(self.capturer, "rounds"):
+                result = yield from self.capturer.rounds(incident.job, info.expected_ranks(),
+                                                         label=incident.id)
+            else:
+                result = self.capturer.capture(incident.job, info.expected_ranks(),
+                                               label=incident.id)
             loc = (self.localize or localize)(result, info)
         except Exception as exc:  # no evidence must not mean no recovery
             work.decisions.append(Decision(
@@ -375,9 +389,12 @@ class Record:
 
 class Notify:
     """Sends the planned alerts (one message per incident: what happened, where, what was
-    done, what the stacks showed) and records how each sink took it."""
+    done, what the stacks showed) and records how each sink took it. The sending happens
+    outside the pipeline's lock (a slow alert sink holds up no other job); the records are
+    written under it."""
 
     name = "notify"
+    exclusive = False
 
     def __init__(self, recorder, state, notify=None, log: Callable[[str], None] | None = None,
                  clock: Callable[[], float] | None = None):
@@ -404,6 +421,12 @@ class Notify:
         base = replace(alerts[0], severity=severity, reason=reasons,
                        targets={**alerts[0].targets, **{k: v for d in alerts[1:]
                                                         for k, v in d.targets.items()}})
+        with work.lock:
+            self._record(work, base, reasons, outcomes)
+        return True
+
+    def _record(self, work: Work, base: Decision, reasons: str, outcomes: list) -> None:
+        incident = work.incident
         for result in outcomes:
             if result is None:
                 d = base.with_status("done", f"{reasons} (logged; no alert sink sent it)")
@@ -419,7 +442,6 @@ class Notify:
             self.state.note(d, incident, ts)
         self.recorder.flush()
         self.state.save(work.now)
-        return True
 
     def _message(self, work: Work, severity: str, reasons: str):
         try:
@@ -439,37 +461,94 @@ class Notify:
 
 
 class Pipeline:
-    """The stages in order; :meth:`process` runs one anomaly through them."""
+    """The stages in order. :meth:`run` runs one anomaly through them as a waiting generator
+    (it yields the waits of the stages that wait, see :mod:`trainguard.actions.waits`), so
+    that many anomalies can be under way at once: stages run under one lock (the state,
+    the correlator and the safety caps are shared), held from one stage to the next and let
+    go only around the stages marked ``exclusive = False`` (those that wait or send), so
+    that no two anomalies interleave between a cap's check and its record. :meth:`process`
+    runs one anomaly to its end, blocking on each wait."""
 
-    def __init__(self, stages: list):
+    def __init__(self, stages: list, on_drop: Callable | None = None):
         self.stages = stages
+        self.lock = threading.RLock()
+        self.on_drop = on_drop
+
+    def run(self, anomaly: ev.Anomaly, now: float):
+        work = Work(anomaly=anomaly, now=now, lock=self.lock)
+        held = False
+        try:
+            for stage in self.stages:
+                if getattr(stage, "exclusive", True):
+                    if not held:
+                        self.lock.acquire()
+                        held = True
+                    go_on = stage(work)
+                else:
+                    if held:
+                        self.lock.release()
+                        held = False
+                    go_on = stage(work)
+                    if inspect.isgenerator(go_on):
+                        go_on = yield from go_on
+                if not go_on:
+                    break
+        finally:
+            if held:
+                self.lock.release()
+        return work
 
     def process(self, anomaly: ev.Anomaly, now: float) -> Work:
-        work = Work(anomaly=anomaly, now=now)
-        for stage in self.stages:
-            if not stage(work):
-                break
-        return work
+        return drive(self.run(anomaly, now))
+
+    def drop(self, anomaly: ev.Anomaly, reason: str, now: float) -> ev.Action | None:
+        """An anomaly the scheduler let go without handling it: recorded (``on_drop``)."""
+        if self.on_drop is None:
+            return None
+        with self.lock:
+            return self.on_drop(anomaly, reason, now)
 
     def __repr__(self) -> str:
         return "Pipeline(" + " -> ".join(s.name for s in self.stages) + ")"
 
 
+def record_drop(recorder, state, clock: Callable[[], float] | None = None):
+    """``on_drop`` of :class:`Pipeline`: an ``action`` record ``none``, status
+    ``rate_limited``, with the reason (it starts with a name such as ``backlog_full:``), for
+    the anomaly's own incident; its id is remembered as handled."""
+    def drop(anomaly: ev.Anomaly, reason: str, now: float) -> ev.Action:
+        incident = incident_of(anomaly)
+        decision = Decision(action="none", status="rate_limited", reason=reason,
+                            severity="info", targets={"job": anomaly.job, "dropped": True})
+        event = action_event(decision, incident, clock() if clock else now)
+        recorder.write(event)
+        recorder.flush()
+        state.note_incident(incident, now)
+        state.note(decision, incident, event.ts)
+        return event
+    return drop
+
+
 def build_pipeline(*, policy: Policy, state, recorder, capturer=None, directory=None,
                    notify=None, drivers: dict | None = None, correlator=None,
                    log: Callable[[str], None] | None = None,
-                   clock: Callable[[], float] | None = None) -> Pipeline:
-    """The one place where the chain is assembled."""
+                   clock: Callable[[], float] | None = None, progress=None) -> Pipeline:
+    """The one place where the chain is assembled. ``progress`` (a
+    :class:`~trainguard.actions.confirm.JobProgress`) is where :class:`Confirm` looks whether
+    a stalled job moved on, before and again after the stack capture."""
+    record = Record(recorder, state, clock)
     return Pipeline([
         Correlate(correlator, state, directory, policy.limits.restart_settle_s),
         Dedup(state, policy),
+        Confirm(policy, progress, record, when="before_capture", clock=clock),
         Investigate(policy, capturer, directory),
+        Confirm(policy, progress, record, when="after_capture", clock=clock),
         Decide(policy, state),
         Limit(policy, state, directory),
         Act(drivers),
-        Record(recorder, state, clock),
+        record,
         Notify(recorder, state, notify, log=log or (lambda m: None), clock=clock),
-    ])
+    ], on_drop=record_drop(recorder, state, clock))
 
 
 def _stderr(message: str) -> None:

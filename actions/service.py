@@ -25,13 +25,15 @@ import signal
 import sys
 import threading
 import time
-import traceback
+from collections import Counter
 from pathlib import Path
 
 from trainguard import events as ev
 from trainguard.actions.capture import JobDirectory, StackCapture, StackGatherer
+from trainguard.actions.confirm import JobProgress
 from trainguard.actions.pipeline import build_pipeline
-from trainguard.actions.policy import Policy, PolicyError, load_policy
+from trainguard.actions.policy import BacklogSettings, Policy, PolicyError, load_policy
+from trainguard.actions.scheduler import OffsetTracker, Scheduler
 from trainguard.actions.state import ServiceState
 from trainguard.errors import UserError
 
@@ -128,6 +130,9 @@ class KafkaSource:
         if msg is None or msg.error():
             return None
         value = msg.value()
+        if not value:  # an empty message (a tombstone, or a careless client): not an event
+            self.invalid += 1
+            return None
         if self.want and not any(w in value for w in self.want):
             return None
         try:
@@ -190,13 +195,19 @@ class KafkaRecorder:
 
 
 class _DirectoryWatcher(threading.Thread):
-    """Feeds one topic's events to the job directory, until ``stop``."""
+    """Feeds one topic's events to the job directory (and to ``also``: more observers),
+    until ``stop``. Messages it cannot decode are skipped and counted (the stream worker
+    dead-letters those of the telemetry topic); the count is logged at most once a
+    minute."""
 
-    def __init__(self, source: KafkaSource, directory: JobDirectory, stop: threading.Event):
+    def __init__(self, source: KafkaSource, directory: JobDirectory, stop: threading.Event,
+                 also: tuple = ()):
         super().__init__(name=f"trainguard-watch-{source.topic}", daemon=True)
         self.source, self.directory, self.stop = source, directory, stop
+        self.observers = (directory, *also)
 
     def run(self) -> None:
+        told, next_tell = 0, time.monotonic() + 60.0
         while not self.stop.is_set():
             try:
                 event = self.source.poll(0.5)
@@ -205,30 +216,55 @@ class _DirectoryWatcher(threading.Thread):
                 time.sleep(1.0)
                 continue
             if event is not None:
-                self.directory.observe(event)
+                for observer in self.observers:
+                    observer.observe(event)
+            if self.source.invalid != told and time.monotonic() >= next_tell:
+                _log(f"watching {self.source.topic}: skipped {self.source.invalid - told} "
+                     f"empty or invalid message(s) ({self.source.invalid} in all)")
+                told, next_tell = self.source.invalid, time.monotonic() + 60.0
         self.source.close()
 
 
 class ActionService:
     """The consume loop around a pipeline; I/O objects are given, so tests can drive
-    :meth:`handle` directly."""
+    :meth:`handle` (one anomaly, blocking) or the :attr:`scheduler` directly. In
+    :meth:`run_kafka`, anomalies go through the scheduler (:mod:`trainguard.actions.
+    scheduler`): many at once, the most severe first, a bounded backlog; ``pump`` reads the
+    stack replies that parked anomalies wait for."""
 
-    def __init__(self, *, pipeline, state: ServiceState, clock=time.time, log=_log):
+    def __init__(self, *, pipeline, state: ServiceState, clock=time.time, log=_log,
+                 settings: BacklogSettings = BacklogSettings(), pump=None):
         self.pipeline = pipeline
         self.state = state
         self.clock = clock
         self.log = log
+        self.offsets = OffsetTracker()
+        self.counts: Counter = Counter()
+        self.scheduler = Scheduler(pipeline=pipeline, settings=settings, pump=pump,
+                                   on_done=self._done, clock=clock, log=log)
 
     def handle(self, anomaly: ev.Anomaly):
         work = self.pipeline.process(anomaly, now=self.clock())
+        self._tell(work)
+        return work
+
+    def _tell(self, work) -> None:
+        anomaly = work.anomaly
         if work.dropped:
+            self.counts[f"dropped_{work.dropped.split(':', 1)[0]}"] += 1
             self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}): "
                      f"{work.dropped}")
         else:
+            self.counts["false_alarms" if work.false_alarm else "handled"] += 1
             done = ", ".join(f"{r.action} {r.status}" for r in work.records) or "nothing"
             self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}) -> "
                      f"incident {work.incident.id}: {done}")
-        return work
+
+    def _done(self, token, work) -> None:
+        if work is not None:
+            self._tell(work)
+        if token is not None:
+            self.offsets.finished(*token)
 
     def run_kafka(self, config, stop: threading.Event, deadletter=None) -> None:
         from confluent_kafka import Consumer
@@ -237,30 +273,56 @@ class ActionService:
             "group.id": f"trainguard-actions.{config.topics.prefix}",
             "enable.auto.commit": False, "auto.offset.reset": "earliest"}),
             logger=quiet_logger())
-        consumer.subscribe([config.topics.anomalies])
+        topic = config.topics.anomalies
+        consumer.subscribe([topic])
+        loop_stop = threading.Event()
+        loop = threading.Thread(target=self.scheduler.run, args=(loop_stop,), daemon=True,
+                                name="trainguard-actions-scheduler")
+        loop.start()
+        next_commit = 0.0
         try:
             while not stop.is_set():
-                msg = consumer.poll(0.5)
+                msg = consumer.poll(0.2)
+                if time.monotonic() >= next_commit:
+                    self._commit(consumer, topic)
+                    next_commit = time.monotonic() + 0.5
                 if msg is None:
                     continue
                 if msg.error():
                     self.log(f"consumer: {msg.error().str()}")
                     continue
+                token = (msg.partition(), msg.offset())
+                self.offsets.started(*token)
                 try:
-                    event = ev.decode(msg.value())
+                    event = ev.decode(msg.value()) if msg.value() else None
+                    reason = None if event is not None else "empty message"
                 except ev.InvalidEvent as exc:
+                    event, reason = None, str(exc)
+                if reason is not None:
+                    self.counts["invalid"] += 1
                     if deadletter:
-                        deadletter(msg, str(exc))
-                    event = None
+                        deadletter(msg, reason)
                 if isinstance(event, ev.Anomaly):
-                    try:
-                        self.handle(event)
-                    except Exception:
-                        self.log(f"anomaly {event.id}: internal error, skipped:\n"
-                                 f"{traceback.format_exc()}")
-                consumer.commit(message=msg, asynchronous=False)
+                    self.scheduler.submit(event, token)
+                else:
+                    self.offsets.finished(*token)
         finally:
+            loop_stop.set()
+            loop.join(timeout=30)
+            self._commit(consumer, topic)
             consumer.close()
+
+    def _commit(self, consumer, topic: str) -> None:
+        from confluent_kafka import KafkaException, TopicPartition
+
+        points = self.offsets.committable()
+        if not points:
+            return
+        try:
+            consumer.commit(offsets=[TopicPartition(topic, p, o) for p, o in points.items()],
+                            asynchronous=False)
+        except KafkaException as exc:  # e.g. a rebalance took the partition away
+            self.log(f"commit of {points}: {exc}")
 
 
 def load_service_config(path: str | None, dry_run: bool = False
@@ -332,9 +394,11 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
     directory = JobDirectory()
     stop = stop or threading.Event()
     since = time.time() - LIFECYCLE_LOOKBACK_S
+    progress = JobProgress()  # steps and heartbeats: is a stalled job still stalled?
     watchers = [
         _DirectoryWatcher(KafkaSource(config, topics.telemetry, since=since,
-                                      want=(b'"lifecycle"',)), directory, stop),
+                                      want=(b'"lifecycle"', b'"step"', b'"heartbeat"')),
+                          directory, stop, also=(progress,)),
         # trainguard run's answers to restart orders it had carried out already
         _DirectoryWatcher(KafkaSource(config, topics.actions, since=since,
                                       want=(b"already_satisfied",)), directory, stop)]
@@ -344,10 +408,10 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
     commands = KafkaRecorder(producer, topics.commands)
 
     def send(command: ev.Command) -> None:
-        commands.write(command)
-        commands.flush()
+        commands.write(command)  # sent within linger.ms; a flush here would wait for acks
 
-    capturer = StackCapture(send=send, gatherer=StackGatherer(stacks), settings=policy.capture)
+    gatherer = StackGatherer(stacks)
+    capturer = StackCapture(send=send, gatherer=gatherer, settings=policy.capture)
     notify = None
     if sinks:
         from trainguard.actions.alerts import send_all
@@ -361,8 +425,9 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
                               recorder=KafkaRecorder(producer, topics.actions),
                               capturer=capturer, directory=directory, notify=notify,
                               drivers=drivers, correlator=Correlator(), log=log,
-                              clock=time.time)
-    service = ActionService(pipeline=pipeline, state=state, log=log)
+                              clock=time.time, progress=progress)
+    service = ActionService(pipeline=pipeline, state=state, log=log, settings=policy.backlog,
+                            pump=lambda timeout: gatherer.pump(timeout, max_events=500))
 
     def close() -> None:
         stop.set()
