@@ -191,3 +191,35 @@ def test_offsets_are_committed_up_to_the_oldest_unfinished(order):
         seen.append(t.committable().get(0))
     assert seen[-1] == 14 and all(s is None or s <= 14 for s in seen)
     assert [s for s in seen if s is not None] == sorted(s for s in seen if s is not None)
+
+
+class _Message:
+    def __init__(self, value):
+        self._value = value
+
+    def error(self):
+        return None
+
+    def value(self):
+        return self._value
+
+
+class _Consumer:
+    def __init__(self, values):
+        self.messages = [_Message(v) for v in values]
+
+    def poll(self, timeout):
+        return self.messages.pop(0) if self.messages else None
+
+
+def test_the_telemetry_watchers_source_skips_empty_messages_and_counts_them():
+    from trainguard.actions.service import KafkaSource
+
+    life = ev.encode(ev.Lifecycle(job="j1", ts=T0, node="n0", rank=0, event="start", pid=1,
+                                  world_size=2))
+    source = object.__new__(KafkaSource)  # its consumer only: no broker here
+    source.topic, source.want, source.invalid = "tg.telemetry", (b'"lifecycle"',), 0
+    source.consumer = _Consumer([None, b"", b"{\"type\": \"lifecycle\", trunc", life])
+    got = [source.poll(0.1) for _ in range(4)]
+    assert got[:3] == [None, None, None] and got[3].job == "j1"
+    assert source.invalid == 3
