@@ -38,7 +38,7 @@ from trainguard import events as ev
 from trainguard.actions.confirm import Confirm
 from trainguard.actions.policy import (JOB_ACTIONS, Decision, Incident, Policy, apply_limits,
                                        covering_restart, decide, ladder_kind, restart_over)
-from trainguard.actions.waits import drive
+from trainguard.actions.waits import Blocking, drive
 
 __all__ = ["Work", "Pipeline", "build_pipeline", "apply_limits", "covering_restart",
            "incident_of", "incident_from", "driver_actions", "ListRecorder",
@@ -414,7 +414,9 @@ class Notify:
         reasons = "; ".join(d.reason for d in alerts)
         message = self._message(work, severity, reasons)
         self.log(message.text() if message is not None else reasons)
-        results = self.notify(message) if (self.notify and message is not None) else []
+        results = []
+        if self.notify and message is not None:
+            results = yield Blocking(lambda: self.notify(message))
         outcomes = [r for r in results if r.action_status]
         if not outcomes:
             outcomes = [None]

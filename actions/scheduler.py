@@ -13,8 +13,10 @@ behind every junk anomaly before it. Here:
   job (a job's anomalies stay in order, so that correlation and de-duplication see them as
   before). Each runs down the pipeline as a waiting generator
   (:meth:`~trainguard.actions.pipeline.Pipeline.run`): while it waits for stacks it is
-  *parked*, which costs no thread; the scheduler's loop polls the parked waits and hands
-  the runnable pieces to ``workers`` threads;
+  *parked*, which costs no thread. The scheduler's own thread runs the pieces between two
+  waits (they are short: no thread hand-offs, which under the GIL cost more than the work)
+  and polls the parked waits; a blocking call (an alert sink's HTTP request) is a wait too
+  (:class:`~trainguard.actions.waits.Blocking`), run on one of ``workers`` threads;
 - the :class:`OffsetTracker` says which consumer offsets may be committed: up to the oldest
   anomaly still under way, so that a restart of the service re-reads nothing it lost (and
   de-duplication drops what it had finished).
@@ -292,7 +294,7 @@ class Scheduler:
         return started
 
     def run(self, stop: threading.Event, idle_s: float = 0.05) -> None:
-        """Loop until ``stop``; pieces run on ``settings.workers`` threads."""
+        """Loop until ``stop``; blocking calls run on ``settings.workers`` threads."""
         next_status = time.monotonic() + self.status_every_s
         last = None
         with ThreadPoolExecutor(self.settings.workers,
@@ -319,10 +321,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ pieces
     def _dispatch(self, run: _Run, value, error: BaseException | None = None) -> None:
-        if self._executor is not None:
-            self._executor.submit(self._piece, run, value, error)
-        else:
-            self._piece(run, value, error)
+        self._piece(run, value, error)
 
     def _piece(self, run: _Run, value, error: BaseException | None) -> None:
         """Run ``run`` until its next wait (then park it) or its end."""
@@ -338,9 +337,11 @@ class Scheduler:
             self._finish(run, None)
             return
         run.wait = wait
+        start = getattr(wait, "start_on", None)
+        if start is not None:  # a blocking call: on a worker thread (inline without run())
+            start(self._executor)
         with self._lock:
             self._parked.append(run)
-        self._wake.set()
 
     def _finish(self, run: _Run, work) -> None:
         with self._lock:

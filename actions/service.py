@@ -43,6 +43,7 @@ __all__ = ["main", "ActionService", "KafkaSource", "KafkaRecorder", "read_back",
 PRODUCER_SETTINGS = {"linger.ms": 5, "acks": "all", "enable.idempotence": True,
                      "partitioner": "murmur2_random", "message.timeout.ms": 30000}
 LIFECYCLE_LOOKBACK_S = 600.0
+STATE_SAVE_EVERY_S = 1.0  # the ledger file at most once a second (docs/POLICY.md, State file)
 
 
 def _log(message: str) -> None:
@@ -284,7 +285,7 @@ class ActionService:
             while not stop.is_set():
                 msg = consumer.poll(0.2)
                 if time.monotonic() >= next_commit:
-                    self._commit(consumer, topic)
+                    self._save_and_commit(consumer, topic)
                     next_commit = time.monotonic() + 0.5
                 if msg is None:
                     continue
@@ -309,12 +310,14 @@ class ActionService:
         finally:
             loop_stop.set()
             loop.join(timeout=30)
-            self._commit(consumer, topic)
+            self._save_and_commit(consumer, topic)
             consumer.close()
 
-    def _commit(self, consumer, topic: str) -> None:
+    def _save_and_commit(self, consumer, topic: str) -> None:
         from confluent_kafka import KafkaException, TopicPartition
 
+        with self.pipeline.lock:
+            self.state.save_pending(self.clock())
         points = self.offsets.committable()
         if not points:
             return
@@ -453,7 +456,7 @@ def main(args, config) -> int:
     _check_kafka(config, [topics.anomalies, topics.actions, topics.commands, topics.stacks,
                           topics.telemetry])
     state_path = Path(args.state) if getattr(args, "state", None) else default_state_path(config)
-    state = ServiceState.load(state_path, log=_log)
+    state = ServiceState.load(state_path, log=_log, save_every_s=STATE_SAVE_EVERY_S)
     restored = read_back(config, topics.actions, time.time() - state.horizon_s, state.absorb)
     state.save(time.time())
     _log(f"policy {'(dry-run) ' if policy.dry_run else ''}{args.policy or 'defaults'}; "

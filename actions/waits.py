@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Generator, Protocol
 
-__all__ = ["Wait", "Pause", "drive"]
+__all__ = ["Wait", "Pause", "Blocking", "drive"]
 
 
 class Wait(Protocol):
@@ -54,6 +54,39 @@ class Pause:
 
     def __repr__(self) -> str:
         return f"Pause({self.seconds:g}s)"
+
+
+class Blocking:
+    """A blocking call (``call()``), made where it holds up nobody: on a worker thread of the
+    scheduler, which calls :meth:`start_on` with its executor when the wait is parked
+    (inline when there is none), or at once by :meth:`block`."""
+
+    def __init__(self, call: Callable[[], object]):
+        self.call = call
+        self.future = None
+
+    def start_on(self, executor) -> None:
+        if executor is not None:
+            self.future = executor.submit(self.call)
+        else:
+            from concurrent.futures import Future
+
+            self.future = Future()
+            try:
+                self.future.set_result(self.call())
+            except Exception as exc:
+                self.future.set_exception(exc)
+
+    def poll(self) -> tuple[bool, object]:
+        if self.future is None or not self.future.done():
+            return False, None
+        return True, self.future.result()  # its exception, if any, goes to the stage
+
+    def block(self) -> object:
+        return self.call()
+
+    def __repr__(self) -> str:
+        return f"Blocking({getattr(self.call, '__name__', 'call')})"
 
 
 def drive(steps: Generator):

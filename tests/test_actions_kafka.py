@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from actions_harness import (PYTHON, Collector, Procs, produce, read_log, wait_for,
-                             write_child)
+from actions_harness import (PYTHON, Collector, Procs, answer_captures, produce, read_log,
+                             wait_for, write_child)
 from trainguard import events as ev
 from trainguard.actions.policy import CaptureSettings, Policy
 from trainguard.actions.service import build_service, read_back
@@ -117,31 +117,6 @@ def test_a_restarted_service_with_a_lost_state_file_does_not_restart_again(kafka
         assert second.status == "rate_limited" and second.reason.startswith("covered:")
     finally:
         actions.close()
-
-
-def answer_captures(config, stop, ranks=4, stuck=2, node="hostA", jobs=None):
-    """A stand-in node agent: answers capture_stacks (of ``jobs``, default all) with rank
-    ``stuck`` in load_batch."""
-    from trainguard.actions.service import KafkaSource
-
-    commands = KafkaSource(config, config.topics.commands, since=time.time() - 5)
-    try:
-        while not stop.is_set():
-            cmd = commands.poll(0.1)
-            if not isinstance(cmd, ev.Command) or (jobs is not None and cmd.job not in jobs):
-                continue
-            replies = []
-            for rank in range(ranks):
-                fn = "load_batch" if rank == stuck else "all_reduce"
-                frames = [{"function": fn, "file": "/w/train.py", "line": 1},
-                          {"function": "main", "file": "/w/train.py", "line": 2}]
-                replies.append(ev.Stack(job=cmd.job, ts=time.time(), node=node, rank=rank,
-                                        capture_id=cmd.capture_id, pid=100 + rank,
-                                        method="py-spy", threads=[
-                                            {"name": "MainThread", "id": 1, "frames": frames}]))
-            produce(config, config.topics.stacks, *replies)
-    finally:
-        commands.close()
 
 
 @pytest.mark.slow

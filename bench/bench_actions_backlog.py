@@ -1,0 +1,137 @@
+"""Actions backlog: seconds from the anomaly of a real hang to its order (the restart), when it
+arrives behind 1,000 junk anomalies of other jobs whose stack captures nobody answers, against
+the same hang alone, in the same run.
+
+Everything on the real path: a Kafka broker (``$TRAINGUARD_BOOTSTRAP``, else one started here
+with the project's broker module), topics of a fresh prefix with *one* partition for the
+anomalies (so that the hang really is the 1,001st message the service reads), and the real
+``trainguard actions`` process with the default policy (two capture rounds 2 s apart, a 10 s
+deadline per round). A thread stands in for the node agent of the hang's job (as in
+tests/test_actions_kafka.py): it answers that job's ``capture_stacks`` commands with four
+ranks' stacks, rank 2 stuck in its data loading. The hang's job has telemetry of its own on the
+telemetry topic (its ranks' lifecycle starts, steps up to 40 and none after), so the service
+knows its world size and that it is still stalled (confirm before acting). The junk
+anomalies are critical hangs of 1,000 other jobs that sent nothing else: each one's capture
+waits out its whole deadline, and then gets its own restart order.
+
+A subprocess, not the pipeline in process: so the number includes reading the anomalies from
+Kafka, the scheduler, sending commands, reading the stacks topic and writing the records, as
+the service does them, with its own interpreter (and GIL).
+
+``alone_s``   the hang alone: from writing its anomaly to its restart record (``planned``);
+``behind_s``  the same for a hang written right after the 1,000 junk anomalies (the clock
+              starts before the junk is written);
+``ratio``     ``behind_s / alone_s``.
+The target is ``behind_s`` ≤ 5 s. ``junk_done_s``: when the last junk anomaly got its
+restart record (its capture deadline included).
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+JUNK = 1000
+TARGET_S = 5.0
+TIMEOUT_S = 120.0
+
+
+def _hang(job: str, now: float):
+    from trainguard import events as ev
+
+    return ev.Anomaly(job=job, ts=now, id=f"hang-{job}", kind="hang", severity="critical",
+                      ranks=[], nodes=[], step=40, onset_ts=now - 60.0, detected_ts=now,
+                      detector="hang", summary=f"the job made no progress for 60s ({job})")
+
+
+def _telemetry(job: str, now: float) -> list:
+    """Four ranks that started and stepped up to step 40, a minute ago."""
+    from trainguard import events as ev
+
+    events = [ev.Lifecycle(job=job, ts=now - 120.0, node="hostA", rank=r, event="start",
+                           pid=100 + r, world_size=4) for r in range(4)]
+    events += [ev.Step(job=job, ts=now - 100.0 + step, node="hostA", rank=r, step=step,
+                       step_time=1.0) for step in range(41) for r in range(4)]
+    return events
+
+
+def _restart_ts(actions, job: str, timeout: float = TIMEOUT_S) -> float:
+    found = actions.wait(lambda es: [e for e in es if e.job == job and e.action == "restart"
+                                     and e.status == "planned"], timeout=timeout,
+                         what=f"the restart of {job}")
+    return found[0].ts
+
+
+def run() -> dict:
+    from actions_harness import Collector, Procs, answer_captures, produce, producer, wait_for
+    from bench_collector_overhead import _broker
+    from trainguard.config import Config, Topics
+    from trainguard.topics import TopicPlan, create_topics
+
+    bootstrap, stop_broker = _broker()
+    folder = Path(tempfile.mkdtemp(prefix="tg-bench-actions-backlog-"))
+    procs = Procs(folder)
+    stop = threading.Event()
+    try:
+        config = Config(bootstrap=bootstrap, topics=Topics(prefix=f"bench{uuid.uuid4().hex[:8]}"))
+        create_topics(config, TopicPlan(telemetry_partitions=2, other_partitions=1))
+        topics = config.topics
+        now = time.time()
+        produce(config, topics.telemetry, *_telemetry("real-alone", now),
+                *_telemetry("real-behind", now))
+        agent = threading.Thread(target=answer_captures, args=(config, stop), daemon=True,
+                                 kwargs={"jobs": {"real-alone", "real-behind"}})
+        agent.start()
+        actions = Collector(config, topics.actions)
+        env = {"TRAINGUARD_BOOTSTRAP": bootstrap, "TRAINGUARD_TOPIC_PREFIX": topics.prefix,
+               "TRAINGUARD_HOME": str(folder / "home")}
+        procs.trainguard("actions", "actions", "--state", str(folder / "state.json"), env=env,
+                         limit_s=600)
+        wait_for(lambda: "consuming" in procs.log("actions"), timeout=60,
+                 what=f"the action service: {procs.log('actions')[-500:]}")
+        time.sleep(2.0)  # its telemetry watcher reads the steps of the two jobs
+
+        start = time.time()
+        produce(config, topics.anomalies, _hang("real-alone", start))
+        alone = _restart_ts(actions, "real-alone") - start
+
+        p = producer(config)
+        from trainguard import events as ev
+
+        start = time.time()
+        for i in range(JUNK):
+            p.produce(topics.anomalies, key=f"junk-{i:04d}".encode(),
+                      value=ev.encode(_hang(f"junk-{i:04d}", start)))
+        p.produce(topics.anomalies, key=b"real-behind",
+                  value=ev.encode(_hang("real-behind", time.time())))
+        assert p.flush(30) == 0
+        behind = _restart_ts(actions, "real-behind") - start
+        junk_before = sum(1 for e in actions.events if e.job.startswith("junk")
+                          and e.action == "restart" and e.ts <= start + behind)
+        actions.wait(lambda es: len({e.job for e in es if e.job.startswith("junk")
+                                     and e.action == "restart"}) >= JUNK,
+                     timeout=TIMEOUT_S, what="every junk anomaly's restart")
+        junk_done = max(e.ts for e in actions.events if e.job.startswith("junk")
+                        and e.action == "restart") - start
+        actions.close()
+        return {"junk": JUNK, "alone_s": round(alone, 2), "behind_s": round(behind, 2),
+                "ratio": round(behind / alone, 2), "junk_done_s": round(junk_done, 2),
+                "junk_restarts_before_the_hangs": junk_before,
+                "capture": "default policy: 2 rounds 2 s apart, 10 s deadline per round",
+                "target_behind_s": TARGET_S, "ok": behind <= TARGET_S}
+    finally:
+        stop.set()
+        procs.stop_all()
+        stop_broker()
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=2))
