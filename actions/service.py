@@ -177,22 +177,36 @@ def read_back(config, topic: str, since: float, apply, timeout: float = 30.0) ->
 
 
 class KafkaRecorder:
-    """Writes events to a topic, keyed by job (so one job's records stay in order)."""
+    """Writes events to a topic, keyed by job (so one job's records stay in order). With
+    ``deferred``, :meth:`flush` only serves delivery reports: the records go out within the
+    producer's ``linger.ms`` all the same, and whoever commits the consumer's offsets calls
+    :meth:`flush_now` first (waiting for acks after every anomaly would make a burst of
+    anomalies wait on the broker's round trips one by one)."""
 
-    def __init__(self, producer, topic: str, flush_timeout: float = 10.0):
+    def __init__(self, producer, topic: str, flush_timeout: float = 10.0,
+                 deferred: bool = False):
         self.producer = producer
         self.topic = topic
         self.flush_timeout = flush_timeout
+        self.deferred = deferred
 
     def write(self, event: ev.Event) -> None:
         self.producer.produce(self.topic, key=event.job.encode(), value=ev.encode(event))
         self.producer.poll(0)
 
     def flush(self) -> None:
+        if self.deferred:
+            self.producer.poll(0)
+        else:
+            self.flush_now()
+
+    def flush_now(self) -> int:
+        """Wait for every record's delivery; returns how many are still unsent."""
         left = self.producer.flush(self.flush_timeout)
         if left:
             _log(f"{left} record(s) to {self.topic} still unsent after "
                  f"{self.flush_timeout:g}s")
+        return left
 
 
 class _DirectoryWatcher(threading.Thread):
@@ -234,11 +248,13 @@ class ActionService:
     stack replies that parked anomalies wait for."""
 
     def __init__(self, *, pipeline, state: ServiceState, clock=time.time, log=_log,
-                 settings: BacklogSettings = BacklogSettings(), pump=None):
+                 settings: BacklogSettings = BacklogSettings(), pump=None,
+                 before_commit=None):
         self.pipeline = pipeline
         self.state = state
         self.clock = clock
         self.log = log
+        self.before_commit = before_commit  # () -> records still unsent (then no commit)
         self.offsets = OffsetTracker()
         self.counts: Counter = Counter()
         self.scheduler = Scheduler(pipeline=pipeline, settings=settings, pump=pump,
@@ -318,6 +334,8 @@ class ActionService:
 
         with self.pipeline.lock:
             self.state.save_pending(self.clock())
+        if self.before_commit is not None and self.before_commit():
+            return  # records of finished anomalies are unsent: their offsets wait
         points = self.offsets.committable()
         if not points:
             return
@@ -424,13 +442,14 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
 
     from trainguard.detectors.correlate import Correlator
 
-    pipeline = build_pipeline(policy=policy, state=state,
-                              recorder=KafkaRecorder(producer, topics.actions),
+    records = KafkaRecorder(producer, topics.actions, deferred=True)
+    pipeline = build_pipeline(policy=policy, state=state, recorder=records,
                               capturer=capturer, directory=directory, notify=notify,
                               drivers=drivers, correlator=Correlator(), log=log,
                               clock=time.time, progress=progress)
     service = ActionService(pipeline=pipeline, state=state, log=log, settings=policy.backlog,
-                            pump=lambda timeout: gatherer.pump(timeout, max_events=500))
+                            pump=lambda timeout: gatherer.pump(timeout, max_events=500),
+                            before_commit=records.flush_now)
 
     def close() -> None:
         stop.set()

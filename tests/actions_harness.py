@@ -181,6 +181,7 @@ def answer_captures(config, stop, ranks=4, stuck=2, node="hostA", jobs=None):
     from trainguard.actions.service import KafkaSource
 
     commands = KafkaSource(config, config.topics.commands, since=time.time() - 5)
+    out = producer(config)
     try:
         while not stop.is_set():
             cmd = commands.poll(0.1)
@@ -195,7 +196,9 @@ def answer_captures(config, stop, ranks=4, stuck=2, node="hostA", jobs=None):
                                         capture_id=cmd.capture_id, pid=100 + rank,
                                         method="py-spy", threads=[
                                             {"name": "MainThread", "id": 1, "frames": frames}]))
-            produce(config, config.topics.stacks, *replies)
+            for reply in replies:
+                out.produce(config.topics.stacks, key=reply.job.encode(), value=ev.encode(reply))
+            out.flush(10)
     finally:
         commands.close()
 
