@@ -9,9 +9,9 @@ assembled in one place, :func:`build_pipeline`::
 
 ``investigate`` (capture and aggregate the stacks) sits before ``decide`` because the
 policy of a hang needs its suspects. ``confirm`` (:mod:`trainguard.actions.confirm`), before
-and again after the capture, closes a hang whose job moved on as a false alarm. The decisions themselves (``decide`` and
-``apply_limits`` of :mod:`trainguard.actions.policy`) are pure; I/O comes in through
-injected objects: ``capturer`` (a :class:`~trainguard.actions.capture.StackCapture`),
+and again after the capture, closes a hang whose job moved on as a false alarm. The
+decisions themselves (``decide`` and ``apply_limits`` of :mod:`trainguard.actions.policy`)
+are pure; I/O comes in through injected objects: ``capturer`` (a :class:`~trainguard.actions.capture.StackCapture`),
 ``recorder`` (``write(action_event)`` and ``flush()``), ``notify`` (``AlertMessage ->
 [SendResult]``) and ``drivers``.
 

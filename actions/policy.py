@@ -38,8 +38,8 @@ from pathlib import Path
 
 from trainguard.errors import UserError
 
-__all__ = ["Policy", "Limits", "CaptureSettings", "BacklogSettings", "Incident", "Decision", "History",
-           "PolicyError", "decide", "apply_limits", "covering_restart", "restart_over",
+__all__ = ["Policy", "Limits", "CaptureSettings", "BacklogSettings", "Incident", "Decision",
+           "History", "PolicyError", "decide", "apply_limits", "covering_restart", "restart_over",
            "load_policy", "ladder_kind", "STEPS", "STRENGTH",
            "DEFAULT_LADDER", "JOB_ACTIONS", "DAY_S"]
 

@@ -70,6 +70,17 @@ def test_service_consumes_an_anomaly_and_records_actions(kafka_config, tmp_path)
         actions.close()
 
 
+def dead_letters(collector, timeout: float = 20.0) -> list[dict]:
+    """The first dead-letter record(s) on ``collector``'s topic (JSON, not an event)."""
+    deadline = time.monotonic() + timeout
+    raw = []
+    while not raw and time.monotonic() < deadline:
+        msg = collector.source.consumer.poll(0.2)
+        if msg is not None and not msg.error():
+            raw.append(json.loads(msg.value()))
+    return raw
+
+
 def test_invalid_messages_go_to_the_dead_letter_topic(kafka_config, tmp_path):
     from confluent_kafka import Producer
 
@@ -79,12 +90,7 @@ def test_invalid_messages_go_to_the_dead_letter_topic(kafka_config, tmp_path):
             p = Producer(kafka_config.kafka())
             p.produce(kafka_config.topics.anomalies, value=b'{"v": 1, "type": "anomaly"}')
             p.flush(10)
-            deadline = time.monotonic() + 20
-            raw = []
-            while not raw and time.monotonic() < deadline:
-                msg = dead.source.consumer.poll(0.2)
-                if msg is not None and not msg.error():
-                    raw.append(json.loads(msg.value()))
+            raw = dead_letters(dead)
         assert raw and raw[0]["topic"] == kafka_config.topics.anomalies
         assert base64.b64decode(raw[0]["raw_b64"]) == b'{"v": 1, "type": "anomaly"}'
         assert "missing required field" in raw[0]["reason"]
@@ -236,12 +242,7 @@ def test_empty_messages_neither_stop_the_watchers_nor_get_lost(kafka_config):
                                what="the false alarm")
         assert [(e.action, e.status) for e in got] == [("none", "rate_limited")]
         assert got[0].targets["false_alarm"]["resumed_step"] == 41
-        deadline = time.monotonic() + 20
-        raw = []
-        while not raw and time.monotonic() < deadline:
-            msg = dead.source.consumer.poll(0.2)
-            if msg is not None and not msg.error():
-                raw.append(json.loads(msg.value()))
+        raw = dead_letters(dead)
         assert raw and raw[0]["reason"] == "empty message" and raw[0]["raw_b64"] is None
         assert raw[0]["topic"] == topics.anomalies
     finally:
