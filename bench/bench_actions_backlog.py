@@ -22,8 +22,9 @@ the service does them, with its own interpreter (and GIL).
 ``behind_s``  the same for a hang written right after 1,000 junk anomalies (the clock
               starts before the junk is written);
 ``ratio``     ``behind_s / alone_s``.
-Each is measured three times, alternately (alone, behind, alone, ...; fresh jobs and junk
-each time), and the medians are reported beside every value. The target is ``behind_s`` ≤
+Each is measured three times, each time with a fresh service on fresh topics (the hang
+alone first, then the other hang behind the junk), and the medians are reported beside
+every value. The target is ``behind_s`` ≤
 5 s. ``junk_done_s``: when the last junk anomaly of a batch got its restart record (its
 capture deadline included); ``junk_restarts_before_the_hang``: junk restarts recorded before
 the hang's (none: the hang did not wait for the junk).
@@ -104,54 +105,64 @@ def _behind(config, actions, job: str, batch: int) -> dict:
             "junk_done_s": max(e.ts for e in restarted(actions.events)) - start}
 
 
-def run() -> dict:
+def _one_round(bootstrap: str, folder: Path, n: int) -> tuple[float, dict]:
+    """A fresh service on fresh topics: the hang alone, then behind the junk."""
     from actions_harness import Collector, Procs, answer_captures, produce, wait_for
-    from bench_collector_overhead import _broker
     from trainguard.config import Config, Topics
     from trainguard.topics import TopicPlan, create_topics
 
-    bootstrap, stop_broker = _broker()
-    folder = Path(tempfile.mkdtemp(prefix="tg-bench-actions-backlog-"))
+    folder = folder / f"round-{n}"
+    folder.mkdir()
     procs = Procs(folder)
     stop = threading.Event()
+    config = Config(bootstrap=bootstrap, topics=Topics(prefix=f"bench{uuid.uuid4().hex[:8]}"))
+    create_topics(config, TopicPlan(telemetry_partitions=2, other_partitions=1))
+    topics = config.topics
+    actions = None
     try:
-        config = Config(bootstrap=bootstrap, topics=Topics(prefix=f"bench{uuid.uuid4().hex[:8]}"))
-        create_topics(config, TopicPlan(telemetry_partitions=2, other_partitions=1))
-        topics = config.topics
         now = time.time()
-        jobs = [f"{what}-{n}" for n in range(REPEATS) for what in ("alone", "behind")]
-        produce(config, topics.telemetry, *(e for job in jobs for e in _telemetry(job, now)))
+        produce(config, topics.telemetry, *_telemetry("alone", now), *_telemetry("behind", now))
         agent = threading.Thread(target=answer_captures, args=(config, stop), daemon=True,
-                                 kwargs={"jobs": set(jobs)})
+                                 kwargs={"jobs": {"alone", "behind"}})
         agent.start()
         actions = Collector(config, topics.actions)
         env = {"TRAINGUARD_BOOTSTRAP": bootstrap, "TRAINGUARD_TOPIC_PREFIX": topics.prefix,
                "TRAINGUARD_HOME": str(folder / "home")}
         procs.trainguard("actions", "actions", "--state", str(folder / "state.json"), env=env,
-                         limit_s=900)
+                         limit_s=600)
         wait_for(lambda: "consuming" in procs.log("actions"), timeout=60,
                  what=f"the action service: {procs.log('actions')[-500:]}")
         time.sleep(2.0)  # its telemetry watcher reads the steps of the jobs
-        alone, behind = [], []
-        for n in range(REPEATS):
-            alone.append(_alone(config, actions, f"alone-{n}"))
-            behind.append(_behind(config, actions, f"behind-{n}", n))
-        actions.close()
-        median_alone = statistics.median(alone)
-        median_behind = statistics.median(b["behind_s"] for b in behind)
-        return {"junk": JUNK, "repeats": REPEATS,
-                "alone_s": round(median_alone, 2), "behind_s": round(median_behind, 2),
-                "ratio": round(median_behind / median_alone, 2),
-                "each_alone_s": [round(a, 2) for a in alone],
-                "each_behind_s": [round(b["behind_s"], 2) for b in behind],
-                "junk_restarts_before_the_hang": [b["junk_restarts_before"] for b in behind],
-                "junk_done_s": [round(b["junk_done_s"], 2) for b in behind],
-                "capture": "default policy: 2 rounds 2 s apart, 10 s deadline per round",
-                "target_behind_s": TARGET_S, "ok": median_behind <= TARGET_S}
+        return _alone(config, actions, "alone"), _behind(config, actions, "behind", n)
     finally:
         stop.set()
         procs.stop_all()
+        if actions is not None:
+            actions.close()
+
+
+def run() -> dict:
+    from bench_collector_overhead import _broker
+
+    bootstrap, stop_broker = _broker()
+    folder = Path(tempfile.mkdtemp(prefix="tg-bench-actions-backlog-"))
+    try:
+        rounds = [_one_round(bootstrap, folder, n) for n in range(REPEATS)]
+    finally:
         stop_broker()
+    alone = [a for a, _ in rounds]
+    behind = [b for _, b in rounds]
+    median_alone = statistics.median(alone)
+    median_behind = statistics.median(b["behind_s"] for b in behind)
+    return {"junk": JUNK, "repeats": REPEATS,
+            "alone_s": round(median_alone, 2), "behind_s": round(median_behind, 2),
+            "ratio": round(median_behind / median_alone, 2),
+            "each_alone_s": [round(a, 2) for a in alone],
+            "each_behind_s": [round(b["behind_s"], 2) for b in behind],
+            "junk_restarts_before_the_hang": [b["junk_restarts_before"] for b in behind],
+            "junk_done_s": [round(b["junk_done_s"], 2) for b in behind],
+            "capture": "default policy: 2 rounds 2 s apart, 10 s deadline per round",
+            "target_behind_s": TARGET_S, "ok": median_behind <= TARGET_S}
 
 
 if __name__ == "__main__":
