@@ -339,9 +339,9 @@ class ActionService:
         points = self.offsets.committable()
         if not points:
             return
-        try:
+        try:  # asynchronous: a synchronous commit waits for ever when the broker is gone
             consumer.commit(offsets=[TopicPartition(topic, p, o) for p, o in points.items()],
-                            asynchronous=False)
+                            asynchronous=True)
         except KafkaException as exc:  # e.g. a rebalance took the partition away
             self.log(f"commit of {points}: {exc}")
 

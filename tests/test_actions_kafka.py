@@ -248,3 +248,22 @@ def test_empty_messages_neither_stop_the_watchers_nor_get_lost(kafka_config):
     finally:
         dead.close()
         actions.close()
+
+
+def test_offsets_of_finished_anomalies_are_committed(kafka_config):
+    """A second service of the same consumer group, with an empty ledger, does not see the
+    anomalies the first one finished: their offsets were committed."""
+    actions = Collector(kafka_config, kafka_config.topics.actions)
+    try:
+        with InProcessService(kafka_config, ServiceState()):
+            produce(kafka_config, kafka_config.topics.anomalies, anomaly(id="first"))
+            actions.wait(lambda es: restarts(es), what="the first restart")
+            time.sleep(1.5)  # a commit round (every 0.5 s)
+        with InProcessService(kafka_config, ServiceState()):
+            produce(kafka_config, kafka_config.topics.anomalies,
+                    anomaly(kind="gpu_fault", id="second", job="j2"))
+            actions.wait(lambda es: restarts([e for e in es if e.job == "j2"]),
+                         what="the second anomaly's restart")
+        assert [e.incident for e in restarts(actions.events)] == ["inc-first", "inc-second"]
+    finally:
+        actions.close()
