@@ -2,6 +2,9 @@
 critical first, a bounded backlog whose drops are recorded, offsets committed only up to the
 oldest unfinished anomaly. The scheduler runs inline (``tick``), on a fake clock that the
 stack source advances while nothing arrives."""
+import threading
+import time
+
 import pytest
 
 from trainguard import events as ev
@@ -223,3 +226,48 @@ def test_the_telemetry_watchers_source_skips_empty_messages_and_counts_them():
     got = [source.poll(0.1) for _ in range(4)]
     assert got[:3] == [None, None, None] and got[3].job == "j1"
     assert source.invalid == 3
+
+
+def test_a_slow_alert_sink_holds_up_no_other_job():
+    """The first job's alert hangs in its sink (a worker thread); the second job's restart
+    and alert go through meanwhile, and the first one's alert is recorded once it returns."""
+    from trainguard.actions.alerts import SendResult
+
+    release, entered = threading.Event(), threading.Event()
+
+    def notify(message):
+        if message.job == "slow":
+            entered.set()
+            release.wait(30)
+        return [SendResult(sink="hook", status="sent", attempts=1)]
+
+    recorder = ListRecorder()
+    pipeline = build_pipeline(policy=Policy(), state=ServiceState(), recorder=recorder,
+                              notify=notify, clock=lambda: T0 + 1)
+    done = []
+    scheduler = Scheduler(pipeline=pipeline, settings=BacklogSettings(workers=2),
+                          on_done=lambda token, work: done.append(work.anomaly.job),
+                          clock=lambda: T0 + 1, log=lambda m: None)
+    stop = threading.Event()
+    loop = threading.Thread(target=scheduler.run, args=(stop,), kwargs={"idle_s": 0.01})
+    loop.start()
+    try:
+        scheduler.submit(anomaly("slow", kind="crash"))
+        assert entered.wait(30)
+        scheduler.submit(anomaly("fast", kind="crash"))
+        deadline = time.monotonic() + 30
+        while "fast" not in done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == ["fast"]
+        assert [(r.job, r.action) for r in recorder.events] == [
+            ("slow", "restart"), ("fast", "restart"), ("fast", "alert")]
+        release.set()
+        while len(done) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == ["fast", "slow"]
+        assert [(r.job, r.action, r.status) for r in recorder.events][-1] == (
+            "slow", "alert", "done")
+    finally:
+        release.set()
+        stop.set()
+        loop.join(30)
