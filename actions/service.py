@@ -256,9 +256,9 @@ class ActionService:
         self.log = log
         self.before_commit = before_commit  # () -> records still unsent (then no commit)
         self.offsets = OffsetTracker()
-        self.counts: Counter = Counter()
         self.scheduler = Scheduler(pipeline=pipeline, settings=settings, pump=pump,
                                    on_done=self._done, clock=clock, log=log)
+        self.counts: Counter = self.scheduler.counts  # one set of counters, logged by it
 
     def handle(self, anomaly: ev.Anomaly):
         work = self.pipeline.process(anomaly, now=self.clock())
@@ -272,7 +272,8 @@ class ActionService:
             self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}): "
                      f"{work.dropped}")
         else:
-            self.counts["false_alarms" if work.false_alarm else "handled"] += 1
+            if work.false_alarm:
+                self.counts["false_alarms"] += 1
             done = ", ".join(f"{r.action} {r.status}" for r in work.records) or "nothing"
             self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}) -> "
                      f"incident {work.incident.id}: {done}")
