@@ -131,7 +131,7 @@ class BacklogSettings:
     """How many anomalies the service takes on at once (docs/POLICY.md, "Backlog"): at most
     ``max_queued`` waiting (beyond, the oldest of the least severe is dropped, with a
     record), at most ``max_in_flight`` under way (most of them waiting for stacks, which
-    costs no thread), on ``workers`` threads."""
+    costs no thread); ``workers`` threads make the blocking calls (alert sinks)."""
 
     max_queued: int = 10_000
     max_in_flight: int = 4096
