@@ -61,7 +61,15 @@ class Faults(TrainerCallback):
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _indexed_cpu(storage, location):
+    """transformers <= 5.17 (the newest that installs beside faust's click < 8.4) resumes a
+    CPU DDP job's optimizer with ``map_location="cpu:0"``, which torch does not restore (later
+    transformers pass "cpu"): restore "cpu:N" as "cpu"."""
+    return storage if location.startswith("cpu:") else None
+
+
 def main(argv=None):
+    torch.serialization.register_package(30, lambda obj: None, _indexed_cpu)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--save-steps", type=int, default=10)

@@ -1,6 +1,7 @@
 """Helpers for the collector tests: run the example job under torchrun, read back events."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -10,11 +11,26 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from trainguard import events as ev
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv").exists() else sys.executable
 JOB_SCRIPT = str(REPO / "examples" / "instrumented_job.py")
+
+
+#: packages each framework's example job needs, named by the extra that installs them
+FRAMEWORKS = {"hf": ("transformers", "accelerate"), "lightning": ("lightning",)}
+
+
+def with_framework(name: str):
+    """``name`` as a test parameter, skipped with the reason when its framework's packages
+    are not installed (found without importing them)."""
+    missing = [p for p in FRAMEWORKS.get(name, ()) if importlib.util.find_spec(p) is None]
+    return pytest.param(name, marks=pytest.mark.skipif(
+        bool(missing), reason=f"{', '.join(missing)} not installed (pip install "
+                              f"-e '.[{name}]')"))
 
 
 def closed_port() -> int:

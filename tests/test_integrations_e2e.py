@@ -11,6 +11,7 @@ import os
 import pytest
 
 from actions_harness import PYTHON, REPO, Collector, Procs, wait_for
+from collector_harness import with_framework
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("TRAINGUARD_E2E") != "1",
@@ -77,7 +78,7 @@ def test_plain_script_hang_and_crash_are_found_and_resumed(kafka_config, tmp_pat
             c.close()
 
 
-@pytest.mark.parametrize("name", ["hf", "lightning"])
+@pytest.mark.parametrize("name", [with_framework("hf"), with_framework("lightning")])
 def test_callback_jobs_resume_where_trainguard_says(name, kafka_config, tmp_path):
     """A 2-rank HF / Lightning job under ``trainguard run`` loses rank 1 (SIGKILL) after step
     22; the relaunch resumes, with no line of resume code in the script, from the checkpoint

@@ -17,7 +17,8 @@ from collections import defaultdict
 
 import pytest
 
-from collector_harness import PYTHON, REPO, by_type, consume, job_env, start, stop
+from collector_harness import (PYTHON, REPO, by_type, consume, job_env, start, stop,
+                               with_framework)
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
@@ -53,7 +54,7 @@ def run_job(name, bootstrap, prefix, tmp, extra_env=None, timeout=240):
     return proc.returncode, out
 
 
-@pytest.fixture(scope="module", params=sorted(JOBS))
+@pytest.fixture(scope="module", params=[with_framework(n) for n in sorted(JOBS)])
 def watched_job(request, tmp_path_factory, kafka_bootstrap):
     from trainguard.config import Config, Topics
     from trainguard.topics import TopicPlan, create_topics

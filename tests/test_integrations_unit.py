@@ -280,6 +280,38 @@ def test_run_accepts_the_instrument_flag():
     assert args.instrument and args.cmd[-2:] == ["python", "t"]
 
 
+@pytest.mark.parametrize("argv, file, environ, expected", [
+    (["--instrument"], "", {}, "flag --instrument"),
+    ([], "[collector]\ninstrument = true\n", {}, "tg.toml"),
+    ([], "", {"TRAINGUARD_INSTRUMENT": "1"}, "env TRAINGUARD_INSTRUMENT"),
+    ([], "", {"TRAINGUARD_COLLECTOR__INSTRUMENT": "yes"}, "env TRAINGUARD_COLLECTOR__INSTRUMENT"),
+    ([], "[collector]\ninstrument = true\n", {"TRAINGUARD_INSTRUMENT": "0"}, None),
+    ([], "", {}, None),
+])
+def test_instrument_is_the_config_trees_collector_instrument(
+        tmp_path, monkeypatch, argv, file, environ, expected):
+    from trainguard.cli import build_parser
+    from trainguard.configcli import apply_config
+
+    for name in ("TRAINGUARD_INSTRUMENT", "TRAINGUARD_COLLECTOR__INSTRUMENT",
+                 "TRAINGUARD_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    path = tmp_path / "tg.toml"
+    path.write_text(file)
+    # the training command's own --instrument is not trainguard's
+    argv = ["run", "--job", "j", "--config", str(path), *argv, "--", "python", "t.py",
+            "--instrument"]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    apply_config(parser, argv, args)
+    assert args.instrument is (expected is not None)
+    if expected is not None:
+        source = args.tree.source("collector.instrument")
+        assert source == (str(path) if expected == "tg.toml" else expected)
+
+
 def test_resuming_replaces_the_checkpoint_given_by_position_or_keyword():
     from trainguard.integrations.callbacks import resuming
 

@@ -44,7 +44,7 @@ def instrument_env(environ) -> dict:
 
 def enabled(environ=None) -> bool:
     environ = os.environ if environ is None else environ
-    return environ.get("TRAINGUARD_INSTRUMENT", "").strip().lower() in ("1", "true", "yes")
+    return environ.get("TRAINGUARD_INSTRUMENT", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def activate(environ=None) -> bool:

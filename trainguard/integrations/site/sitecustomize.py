@@ -6,7 +6,7 @@ import os
 import sys
 
 try:
-    if os.environ.get("TRAINGUARD_INSTRUMENT", "").strip().lower() in ("1", "true", "yes"):
+    if os.environ.get("TRAINGUARD_INSTRUMENT", "").strip().lower() in ("1", "true", "yes", "on"):
         from trainguard.integrations.instrument import activate
 
         activate()
