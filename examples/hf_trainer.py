@@ -87,7 +87,9 @@ def main(argv=None):
     model = GPT2LMHeadModel(config)
     slow = fault("FAULT_SLOW")
     if slow and slow[0] == rank:
-        model.register_forward_pre_hook(lambda module, inputs: time.sleep(slow[1]))
+        calls = iter(range(1 << 62))
+        model.register_forward_pre_hook(
+            lambda module, inputs: time.sleep(slow[1]) if next(calls) >= slow[2] else None)
     training = TrainingArguments(
         output_dir=str(out), max_steps=args.steps, per_device_train_batch_size=args.batch,
         save_steps=args.save_steps, save_total_limit=3, logging_steps=10_000, report_to=[],

@@ -9,8 +9,9 @@ clipping gradients, and saving ``ckpt_<step>.pt`` every ``--checkpoint-every`` s
 start resumes from the newest checkpoint there. ``trainguard run --instrument`` watches it as
 it is.
 
-Faults for tests, each once per checkpoint folder (a marker file): ``FAULT_SLOW=RANK:SECONDS``
-(that rank sleeps in every forward pass), ``FAULT_HANG=RANK:STEP`` (that rank hangs fetching
+Faults for tests, each once per checkpoint folder (a marker file):
+``FAULT_SLOW=RANK:SECONDS[:STEP]`` (that rank sleeps in every forward pass from the STEP-th
+on), ``FAULT_HANG=RANK:STEP`` (that rank hangs fetching
 the batch of that step), ``FAULT_KILL=RANK:STEP`` (that rank SIGKILLs itself at that step).
 """
 from __future__ import annotations
@@ -30,11 +31,13 @@ from torch.utils.data import DataLoader, Dataset
 
 
 def fault(name: str):
+    """``RANK:VALUE[:FROM]`` -> (rank, value, from): FROM is the first step it applies to
+    (``FAULT_SLOW`` only; default 0)."""
     raw = os.environ.get(name, "")
     if ":" not in raw:
         return None
-    rank, value = raw.split(":", 1)
-    return int(rank), float(value)
+    rank, value, *start = raw.split(":")
+    return int(rank), float(value), int(start[0]) if start else 0
 
 
 class Batches(Dataset):
@@ -68,9 +71,11 @@ class Net(nn.Module):
         self.body = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
                                   nn.Linear(4 * width, width), nn.GELU(), nn.Linear(width, 1))
         self.sleep = slow[1] if slow and slow[0] == rank else 0.0
+        self.slow_from, self.calls = (slow[2] if slow else 0), 0
 
     def forward(self, x):
-        if self.sleep:
+        self.calls += 1
+        if self.sleep and self.calls > self.slow_from:
             time.sleep(self.sleep)  # a slow rank: stands in for a slower GPU
         return self.body(x)
 
