@@ -165,6 +165,9 @@ class StragglerDetector(Detector):
         self._named: set = set()
         self._pending = None           # steps left before naming
 
+    def _derive(self) -> None:
+        self._log_ratio = math.log(self.ratio)
+
     def update(self, item) -> list[Finding]:
         if type(item) is not dict:
             return []

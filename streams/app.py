@@ -55,6 +55,7 @@ class JobRuntime:
         self.table = None
         self.anomalies = None
         self.rank_service = None
+        self.config_feed = None          # per-job overrides (config_feed.ConfigFeed)
         self.pending: list = []          # processed, not yet acknowledged events
         self.unconfirmed: list = []      # (future, key, value) of anomalies sent
         self.synced: set = set()         # summaries partitions loaded from the table
@@ -156,6 +157,11 @@ class JobRuntime:
             return
         now = self.clock()
         self.sync(self.assigned())
+        if self.config_feed is not None:
+            try:
+                self.config_feed.poll()
+            except Exception:            # overrides must not stop detection
+                log.exception("config topic: reading overrides failed")
         cpu = time.thread_time()
         try:
             found = self.processor.advance(now)

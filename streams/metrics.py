@@ -52,6 +52,9 @@ COUNTERS = {
     "snapshot_failures": "State snapshots whose flush failed (offsets not committed).",
     "restore_failures": "Snapshots that could not be loaded (state started afresh).",
     "gc_collections": "Scheduled garbage collections (one every gc_interval_s, 30 s).",
+    "config_overrides_applied": "Per-job overrides read from the config topic and applied.",
+    "config_overrides_refused": "Config topic records refused (unsigned, forged, malformed, "
+                                "out of range, replayed) and dead-lettered.",
     "gc_seconds": "Seconds spent in scheduled garbage collections.",
     "rank_side_cpu_seconds": "CPU seconds of the rank side: decoding, aligning, the rank and "
                              "node stages, producing summaries.",

@@ -243,8 +243,12 @@ class JobProcessor(_SlotsProcessor):
     def __init__(self, make_stage: Callable[[], Any], *,
                  idle_ttl_s: float = DEFAULT_IDLE_TTL_S, observe_lag=None,
                  advance_every_s: float | None = 0.5, evict_idle_s: float | None = None,
-                 max_live: int | None = None, shared: dict | None = None):
+                 max_live: int | None = None, shared: dict | None = None,
+                 tune_stage: Callable[[str, Any], Any] | None = None):
         self.make_stage = make_stage
+        #: called with (job, stage) for each stage built or loaded from a snapshot: the
+        #: job's per-job overrides (streams/config_feed.py)
+        self.tune_stage = tune_stage
         self.idle_ttl_s = idle_ttl_s
         self.evict_idle_s = evict_idle_s
         self.observe_lag = observe_lag
@@ -271,8 +275,16 @@ class JobProcessor(_SlotsProcessor):
                 if getattr(slot.stage, "job", "") is None:
                     slot.stage.job = job
                 self.state.put(key, slot)
+            self._tuned(job, slot)
         slot.partition = partition
         return slot
+
+    def _tuned(self, job: str, slot) -> None:
+        if self.tune_stage is not None:
+            try:
+                self.tune_stage(job, slot.stage)
+            except Exception:            # the stage keeps the file's settings
+                log.exception("per-job overrides of %s not applied", job)
 
     def apply(self, value, partition: int, now: float) -> list[ev.Anomaly]:
         """Apply one summaries message; raises :class:`InvalidSummaries` for a bad one."""
@@ -345,7 +357,13 @@ class JobProcessor(_SlotsProcessor):
                 continue
             if partition in partitions and touched >= recent:
                 keys.append(key)
-        return sum(1 for k in keys if self.state.load(k) is not None)
+        loaded = 0
+        for key in keys:
+            slot = self.state.load(key)
+            if slot is not None:
+                self._tuned(key.decode("utf-8", "replace"), slot)
+                loaded += 1
+        return loaded
 
 
 __all__ += ["InvalidSummaries"]

@@ -44,6 +44,9 @@ def add_config_command(sub, add_kafka_flags) -> None:
     check = action.add_parser("check", help="validate a configuration file")
     check.add_argument("file", metavar="FILE")
     action.add_parser("docs", help="print the reference of every key (docs/CONFIG.md)")
+    from .overridecli import add_override_commands
+
+    add_override_commands(action, add_kafka_flags, add_config_flag)
     config.set_defaults(func=cmd_config)
 
 
@@ -65,7 +68,7 @@ def _given(parser: argparse.ArgumentParser, argv: list[str], args) -> set[str]:
 
 def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
     """The sub-parser that parsed ``args`` (``config show``'s for ``config show``)."""
-    for name in [args.command] + (["show"] if args.command == "config" else []):
+    for name in [args.command] + ([args.config_action] if args.command == "config" else []):
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parser = sub.choices[name]
     return parser
@@ -105,6 +108,11 @@ def cmd_config(args) -> int:
     if args.config_action == "docs":
         sys.stdout.write(reference_markdown())
         return 0
+    if args.config_action in ("set", "unset", "overrides"):
+        from .cli import config_from
+        from .overridecli import cmd_overrides
+
+        return cmd_overrides(args, config_from(args))
     if args.config_action == "check":
         tree = load(args.file, {})
         check_tree(tree, os.environ)
