@@ -405,8 +405,11 @@ class Engine:
     gpu and xid are ignored, as are rank events without a rank.
     """
 
-    def __init__(self, config: DetectorConfig | None = None):
+    def __init__(self, config: DetectorConfig | None = None, tune_stage=None):
         self.config = config if config is not None else DetectorConfig()
+        #: called with (job, stage) for each new job stage: per-job overrides
+        #: (``trainguard analyze --overrides``, :mod:`trainguard.overrides`)
+        self.tune_stage = tune_stage
         self._ranks: dict = {}
         self._jobs: dict = {}
         self.next_advance_ts = float("-inf")   # advance(now) before this does nothing
@@ -416,6 +419,8 @@ class Engine:
         if stage is None:
             stage = self._jobs[job] = JobStage(self.config)
             stage.job = job
+            if self.tune_stage is not None:
+                self.tune_stage(job, stage)
         return stage
 
     def update(self, event) -> list[ev.Anomaly]:

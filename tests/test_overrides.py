@@ -254,3 +254,35 @@ def test_config_set_refuses_a_bad_value_with_one_line(capsys):
     err = capsys.readouterr().err
     assert code != 0 and err.count("\n") == 1
     assert "detectors.hang.window: cannot be changed while the worker runs" in err
+
+
+def test_analyze_takes_the_same_overrides(tmp_path, capsys, monkeypatch):
+    from trainguard.cli import main
+
+    monkeypatch.setenv("TRAINGUARD_CONFIG", "")     # restored after: main() sets it
+
+    events = []
+
+    class Recorder:
+        def update(self, event):
+            events.append(event)
+            return []
+
+        def advance(self, now, force=False):
+            return []
+
+    checkpoint_job(Recorder())
+    recording = tmp_path / "run.jsonl"
+    recording.write_text("".join(ev.encode(e).decode() + "\n" for e in events))
+    config = tmp_path / "tg.toml"
+    config.write_text("[detectors.hang]\nfloor_s = 2.0\ncheckpoint_s = 3.0\n")
+    overrides = tmp_path / "o.json"
+    overrides.write_text(json.dumps({"j1": {"detectors.hang.checkpoint_s": 60}}))
+    assert main(["analyze", str(recording), "--json", "--config", str(config)]) == 0
+    assert [i["kind"] for i in json.loads(capsys.readouterr().out)["incidents"]] == ["hang"]
+    assert main(["analyze", str(recording), "--json", "--config", str(config),
+                 "--overrides", str(overrides)]) == 0
+    assert json.loads(capsys.readouterr().out)["incidents"] == []
+    overrides.write_text(json.dumps({"j1": {"detectors.hang.window": 6}}))
+    assert main(["analyze", str(recording), "--overrides", str(overrides)]) != 0
+    assert "detectors.hang.window: cannot be changed" in capsys.readouterr().err
