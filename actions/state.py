@@ -210,6 +210,8 @@ class ServiceState:
         """Rebuild from one ``action`` record of the actions topic (the service's own, and the
         supervisor's ``done``/``failed`` replies to them)."""
         extra = action.extra or {}
+        if extra.get("source") == "worker":
+            return  # the worker's audit of a per-job override: no incident of ours
         if extra.get("source") == "supervisor" and action.incident not in self.incidents:
             return  # the supervisor's own crash restarts are its budget, not the service's
         targets = action.targets or {}

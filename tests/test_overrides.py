@@ -286,3 +286,13 @@ def test_analyze_takes_the_same_overrides(tmp_path, capsys, monkeypatch):
     overrides.write_text(json.dumps({"j1": {"detectors.hang.window": 6}}))
     assert main(["analyze", str(recording), "--overrides", str(overrides)]) != 0
     assert "detectors.hang.window: cannot be changed" in capsys.readouterr().err
+
+
+def test_the_action_service_does_not_take_an_override_audit_record_for_an_incident():
+    from trainguard.actions.state import ServiceState
+
+    state = ServiceState()
+    state.absorb(audit_action(accepted=Accepted(job="j1", values={}, ts=NOW, override_id="o"),
+                              changes={"detectors.hang.checkpoint_s": (60.0, 3.0)},
+                              worker="w1", live_stages=1, now=NOW))
+    assert state.incidents == {}
