@@ -167,6 +167,11 @@ max_restarts = 5
 url_env = "SLACK_WEBHOOK_URL"
 ```
 
+One job's detector settings can also change while it runs, without restarting anything:
+`trainguard config set --job JOB detectors.hang.checkpoint_s=3600` (and `config unset`,
+`config overrides`); only the settings a detector reads when it decides may change so. See
+"Per-job overrides at runtime" in [WORKER.md](WORKER.md).
+
 The defaults are not repeated here by hand: each key is derived from the component that
 uses it (the worker's `WorkerSettings`, each detector's constructor, the action service's
 `Policy`, ...), with the meaning written beside it there.
