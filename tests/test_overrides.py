@@ -34,7 +34,7 @@ def test_assignments_are_typed_and_checked():
     ("detectors.hang.checkpoint_s=inf", "must be a number from 0.1"),
     ("detectors.straggler.k=2.5", "must be an integer from 1"),
     ("detectors.straggler.k=11", "detectors.straggler.k (11) must be between 1 and "
-                                 "straggler_n (10)"),
+                                 "detectors.straggler.n (10)"),
     ("detectors.straggler.ratio=0.5", "must be a number from 1.001 to 100"),
     ("no-equals-sign", "expected KEY=VALUE"),
 ])

@@ -159,9 +159,11 @@ def check_values(values, base=None) -> dict:
     try:
         dataclasses.replace(base, **{_flat(p): v for p, v in out.items()})
     except (TypeError, ValueError) as exc:
+        from .configsections import _flat_detector_name, keys_of
+
         text = str(exc)
-        for path in out:
-            text = re.sub(rf"\b{_flat(path)}\b", path, text)
+        for key in keys_of(("detectors",)):
+            text = re.sub(rf"\b{_flat_detector_name(key.path)}\b", key.path, text)
         raise ConfigError(text) from None
     return out
 
