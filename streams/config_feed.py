@@ -19,7 +19,8 @@ import logging
 import time
 import uuid
 
-from trainguard.overrides import Accepted, OverrideBook, audit_action, check_record
+from trainguard.overrides import (Accepted, OverrideBook, audit_action, check_record,
+                                  topic_ends)
 
 from .deadletter import deadletter_record
 
@@ -63,7 +64,12 @@ class ConfigFeed:
                                   "enable.auto.commit": False,
                                   "auto.offset.reset": "earliest"})
         topic = self.topics.config
-        meta = self.consumer.list_topics(topic, timeout=30).topics.get(topic)
+        try:
+            meta = self.consumer.list_topics(topic, timeout=30).topics.get(topic)
+        except Exception as exc:
+            from trainguard.errors import UserError
+
+            raise UserError(f"cannot read the config topic {topic}: {exc}") from None
         partitions = sorted(meta.partitions) if meta is not None and not meta.error else []
         if not partitions:
             log.warning("config topic %s has no partitions: per-job overrides are off "
@@ -73,17 +79,17 @@ class ConfigFeed:
 
     def catch_up(self, timeout_s: float = 15.0) -> int:
         """Read the topic up to its end as of now (at start); returns the records read."""
-        from confluent_kafka import TopicPartition
+        from confluent_kafka import KafkaException
 
         if self.consumer is None:
             return 0
         topic = self.topics.config
-        ends = {}
-        for p in self._partitions:
-            low, high = self.consumer.get_watermark_offsets(TopicPartition(topic, p),
-                                                            timeout=10)
-            if high > low:
-                ends[p] = high
+        try:
+            ends = topic_ends(self.consumer, topic, self._partitions, timeout_s)
+        except KafkaException as exc:     # the rest comes with poll()
+            log.warning("config topic %s: its end is unknown (%s); overrides are applied as "
+                        "they are read", topic, exc)
+            return 0
         read = 0
         deadline = time.monotonic() + timeout_s
         while ends and time.monotonic() < deadline:

@@ -17,7 +17,7 @@ import uuid
 
 from .config import ConfigError
 from .overrides import (Accepted, check_keys, check_record, check_values, make_record,
-                        parse_assignments)
+                        parse_assignments, topic_ends)
 
 __all__ = ["add_override_commands", "cmd_overrides"]
 
@@ -66,11 +66,10 @@ def read_current(config, keys, timeout_s: float = 15.0) -> tuple[dict, int]:
         if meta is None or meta.error or not meta.partitions:
             raise ConfigError(f"topic {topic} does not exist; create it with "
                               "`trainguard topics create`")
-        ends = {}
-        for p in meta.partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if high > low:
-                ends[p] = high
+        try:
+            ends = topic_ends(consumer, topic, sorted(meta.partitions), timeout_s)
+        except KafkaException as exc:
+            raise ConfigError(f"cannot read topic {topic}: {exc.args[0].str()}") from None
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
         verifier = Verifier(keys)
         current, refused = {}, 0

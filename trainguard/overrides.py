@@ -406,3 +406,28 @@ def _flatten(values, base="") -> dict:
         else:
             out[path] = value
     return out
+
+
+def topic_ends(consumer, topic: str, partitions, timeout_s: float = 20.0) -> dict:
+    """``{partition: end offset}`` of the non-empty partitions of ``topic`` (confluent-kafka
+    ``consumer``), asking again while a just-created topic has no leader yet; raises
+    ``KafkaException`` when the broker does not answer within ``timeout_s``."""
+    import time
+
+    from confluent_kafka import KafkaException, TopicPartition
+
+    deadline = time.monotonic() + timeout_s
+    ends = {}
+    for p in partitions:
+        while True:
+            try:
+                low, high = consumer.get_watermark_offsets(TopicPartition(topic, p),
+                                                           timeout=5)
+                break
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        if high > low:
+            ends[p] = high
+    return ends
