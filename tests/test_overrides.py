@@ -296,3 +296,28 @@ def test_the_action_service_does_not_take_an_override_audit_record_for_an_incide
                               changes={"detectors.hang.checkpoint_s": (60.0, 3.0)},
                               worker="w1", live_stages=1, now=NOW))
     assert state.incidents == {}
+
+
+def test_no_bytes_on_the_topic_make_the_check_raise():
+    from hypothesis import given, settings, strategies as st
+
+    values = st.one_of(st.none(), st.binary(max_size=300), st.builds(
+        lambda v, ts: json.dumps(make_record(job="j1", values={}, ts=NOW, override_id="o",
+                                             by="x", keys=None) | {"values": v, "ts": ts}
+                                 ).encode(),
+        st.dictionaries(st.text(max_size=40), st.one_of(st.floats(), st.integers(),
+                                                        st.text(max_size=5), st.none()),
+                        max_size=5),
+        st.one_of(st.floats(), st.integers(), st.text(max_size=5))))
+
+    @settings(max_examples=200, deadline=None)
+    @given(key=st.one_of(st.none(), st.binary(max_size=140)), value=values,
+           signed=st.booleans())
+    def never_raises(key, value, signed):
+        result = check_record(key, value, verifier=Verifier(KEYS if signed else None),
+                              now=NOW, latest_ts=NOW - 100)
+        assert isinstance(result, Accepted) or (result.code and result.reason)
+        if isinstance(result, Accepted):
+            assert set(result.values) <= set(LIVE_KEYS)
+
+    never_raises()
