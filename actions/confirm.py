@@ -158,7 +158,7 @@ class Confirm:
                 else f"heard from rank(s) {marker['ranks']} again")
         phase = f" in phase {marker['phase']}" if marker.get("phase") else ""
         work.decisions.append(Decision(
-            action="none", status="rate_limited", severity="info",
+            action="none", status="rate_limited", severity="info", code="false_alarm",
             targets={"job": incident.job, "false_alarm": marker},
             reason=f"false_alarm: job {incident.job} {what} after {marker['stalled_s']:.0f}s "
                    f"stalled{phase} ({self.when.replace('_', ' ')}); no restart, no "

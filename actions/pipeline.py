@@ -5,7 +5,7 @@ and returns True to go on, or sets ``work.dropped`` and returns False to stop. T
 assembled in one place, :func:`build_pipeline`::
 
     correlate -> dedup -> confirm -> investigate -> confirm -> decide -> limit -> act
-              -> record -> notify
+              -> record -> dispatch -> notify
 
 ``investigate`` (capture and aggregate the stacks) sits before ``decide`` because the
 policy of a hang needs its suspects. ``confirm`` (:mod:`trainguard.actions.confirm`), before
@@ -36,6 +36,7 @@ from typing import Callable
 
 from trainguard import events as ev
 from trainguard.actions.confirm import Confirm
+from trainguard.actions.orders import check_targets
 from trainguard.actions.policy import (JOB_ACTIONS, Decision, Incident, Policy, apply_limits,
                                        covering_restart, decide, ladder_kind, restart_over)
 from trainguard.actions.waits import Blocking, drive
@@ -43,7 +44,7 @@ from trainguard.actions.waits import Blocking, drive
 __all__ = ["Work", "Pipeline", "build_pipeline", "apply_limits", "covering_restart",
            "incident_of", "incident_from", "driver_actions", "ListRecorder",
            "Correlate", "Dedup", "Confirm", "Investigate", "Decide", "Limit", "Act", "Record",
-           "Notify", "action_event", "record_drop"]
+           "Dispatch", "Notify", "action_event", "record_drop"]
 
 
 @dataclass(kw_only=True)
@@ -57,8 +58,15 @@ class Work:
     decisions: list = field(default_factory=list)
     records: list = field(default_factory=list)
     dropped: str | None = None
+    drop_code: str | None = None
     false_alarm: dict | None = None
     lock: object = field(default_factory=threading.RLock, repr=False)
+
+    def drop(self, code: str, detail: str) -> bool:
+        """Stop here: ``dropped`` reads ``<code>: <detail>``, ``drop_code`` is the code (what
+        programs count on); returns False, a stage's answer."""
+        self.dropped, self.drop_code = f"{code}: {detail}", code
+        return False
 
 
 def incident_of(anomaly: ev.Anomaly) -> Incident:
@@ -74,15 +82,19 @@ def incident_of(anomaly: ev.Anomaly) -> Incident:
 def action_event(decision: Decision, incident: Incident, ts: float) -> ev.Action:
     """The SPEC ``action`` record of a decision. Extra fields (documented in docs/POLICY.md):
     ``action_id`` (stable per incident and action, so a consumer can drop repeats),
-    ``source``, ``kind``, ``severity``, ``ranks``, ``nodes``, ``anomalies``, ``detected_ts``."""
+    ``source``, ``kind``, ``severity``, ``ranks``, ``nodes``, ``anomalies``, ``detected_ts``,
+    and where set ``code`` (the decision's reason as one word) and ``order_id``."""
+    extra = {"action_id": f"{incident.id}:{decision.action}", "source": "actions",
+             "kind": incident.kind, "severity": decision.severity,
+             "ranks": list(incident.ranks), "nodes": list(incident.nodes),
+             "anomalies": list(incident.anomalies), "detected_ts": incident.detected_ts}
+    if decision.code:
+        extra["code"] = decision.code
+    if decision.order_id:
+        extra["order_id"] = decision.order_id
     return ev.Action(job=incident.job, ts=ts, incident=incident.id, action=decision.action,
                      targets=dict(decision.targets), status=decision.status,
-                     reason=decision.reason, extra={
-                         "action_id": f"{incident.id}:{decision.action}", "source": "actions",
-                         "kind": incident.kind, "severity": decision.severity,
-                         "ranks": list(incident.ranks), "nodes": list(incident.nodes),
-                         "anomalies": list(incident.anomalies),
-                         "detected_ts": incident.detected_ts})
+                     reason=decision.reason, extra=extra)
 
 
 class ListRecorder:
@@ -131,7 +143,7 @@ def _fresh(obj):
 # ---------------------------------------------------------------------------- stages
 def _restarts_seen(directory, job: str) -> tuple:
     """``(launches, satisfied)``: when ``trainguard run`` launched the job, and which
-    incidents' restarts it answered ``already_satisfied`` (none without a directory)."""
+    incidents' restarts it acked ``already_satisfied`` (none without a directory)."""
     if directory is None:
         return (), frozenset()
     return directory.launches(job), directory.satisfied(job)
@@ -204,20 +216,17 @@ class Dedup:
     def __call__(self, work: Work) -> bool:
         anomaly, incident = work.anomaly, work.incident
         if self.state.seen_anomaly(anomaly.id):
-            work.dropped = f"duplicate: anomaly {anomaly.id} was already handled"
-            return False
+            return work.drop("duplicate", f"anomaly {anomaly.id} was already handled")
         age = work.now - anomaly.detected_ts
         if age > self.policy.max_anomaly_age_s:
-            work.dropped = (f"stale: anomaly {anomaly.id} was detected {age:.0f}s ago "
-                            f"(max_anomaly_age_s {self.policy.max_anomaly_age_s:g})")
-            return False
+            return work.drop("stale", f"anomaly {anomaly.id} was detected {age:.0f}s ago "
+                                      f"(max_anomaly_age_s {self.policy.max_anomaly_age_s:g})")
         done = self.state.history(incident).done
         restarted = [a for a in ("restart", "rollback") if a in done]
         if restarted:
             self.state.note_incident(incident, work.now)
-            work.dropped = (f"duplicate: incident {incident.id} already has a {restarted[0]} "
-                            f"({done[restarted[0]]})")
-            return False
+            return work.drop("duplicate", f"incident {incident.id} already has a "
+                                          f"{restarted[0]} ({done[restarted[0]]})")
         return True
 
 
@@ -259,19 +268,19 @@ class Investigate:
             work.decisions.append(Decision(
                 action="capture_stacks", status="failed", targets={"job": incident.job,
                                                                    "ranks": "all"},
-                reason=f"capture_error: {type(exc).__name__}: {exc}"))
+                reason=f"capture_error: {type(exc).__name__}: {exc}", code="capture_error"))
             return True
         targets = {"job": incident.job, "ranks": "all", "capture_ids": result.capture_ids}
         if not loc["answered"]:
             work.decisions.append(Decision(
-                action="capture_stacks", status="failed", targets=targets,
+                action="capture_stacks", status="failed", targets=targets, code="capture_timeout",
                 reason=f"capture_timeout: no rank answered {len(result.capture_ids)} "
                        f"capture(s) (is `trainguard agent` running on the job's machines?)"))
             return True
         work.localization = loc
         moving = f"; moving: {loc['moving']}" if loc["moving"] else ""
         work.decisions.append(Decision(
-            action="capture_stacks", status="done", targets={**targets, "suspects":
+            action="capture_stacks", status="done", code="stacks", targets={**targets, "suspects":
                                                               loc["suspects"]},
             reason=f"stacks of {len(loc['answered'])}/{loc['world_size']} ranks: "
                    f"{loc['summary']}{moving}"))
@@ -312,13 +321,16 @@ class Limit:
 
 class Act:
     """Carries out planned job actions through ``drivers`` (``{action: driver}``, a driver
-    being ``(decision, incident) -> (status, reason)``). Without a driver, the planned
-    record itself is the order: ``trainguard run`` reads it and writes ``done``."""
+    being ``(decision, incident) -> (status, reason)``). Without a driver, ``orders`` (an
+    :class:`~trainguard.actions.order_desk.OrderDesk`) prepares an order to ``trainguard
+    run``: the decision stays ``planned`` with its ``order_id``; :class:`Dispatch` sends the
+    order once the decision is recorded, and the outcome is recorded when the ack comes."""
 
     name = "act"
 
-    def __init__(self, drivers: dict | None = None):
+    def __init__(self, drivers: dict | None = None, orders=None):
         self.drivers = drivers or {}
+        self.orders = orders
 
     def __call__(self, work: Work) -> bool:
         out = []
@@ -329,7 +341,10 @@ class Act:
                     status, reason = driver(d, work.incident)
                 except Exception as exc:  # a driver's failure is recorded, not fatal
                     status, reason = "failed", f"driver_error: {type(exc).__name__}: {exc}"
-                d = d.with_status(status, reason)
+                d = d.with_status(status, reason, "driver_error" if status == "failed"
+                                  else None)
+            elif d.status == "planned" and d.action in JOB_ACTIONS and self.orders is not None:
+                d = self.orders.prepare(d, work.incident)
             out.append(d)
         work.decisions = out
         return True
@@ -352,10 +367,11 @@ def driver_actions(driver, job_refs: dict | None = None) -> dict:
 
     def restart(decision: Decision, incident: Incident):
         ref = refs.get(incident.job, incident.job)
-        return outcome(decision, driver.restart(ref, decision.targets.get("exclude_nodes", [])))
+        targets = check_targets(decision.action, decision.targets)  # as trainguard run does
+        return outcome(decision, driver.restart(ref, targets["exclude_nodes"]))
 
     def evict(decision: Decision, incident: Incident):
-        return outcome(decision, driver.evict(decision.targets.get("nodes", [])))
+        return outcome(decision, driver.evict(check_targets("evict", decision.targets)["nodes"]))
 
     return {"restart": restart, "rollback": restart, "evict": evict}
 
@@ -387,6 +403,20 @@ class Record:
         return True
 
 
+class Dispatch:
+    """Sends the orders prepared by :class:`Act`, now that their decisions are recorded."""
+
+    name = "dispatch"
+
+    def __init__(self, orders=None):
+        self.orders = orders
+
+    def __call__(self, work: Work) -> bool:
+        if self.orders is not None:
+            self.orders.dispatch(work.decisions)
+        return True
+
+
 class Notify:
     """Sends the planned alerts (one message per incident: what happened, where, what was
     done, what the stacks showed) and records how each sink took it. The sending happens
@@ -412,7 +442,7 @@ class Notify:
         incident = work.incident
         severity = max((d.severity for d in alerts), key=("info", "warning", "critical").index)
         reasons = "; ".join(d.reason for d in alerts)
-        message = self._message(work, severity, reasons)
+        message = self._message(work, severity, reasons, lead=alerts[0].code)
         self.log(message.text() if message is not None else reasons)
         results = []
         if self.notify and message is not None:
@@ -445,7 +475,7 @@ class Notify:
         self.recorder.flush()
         self.state.save(work.now)
 
-    def _message(self, work: Work, severity: str, reasons: str):
+    def _message(self, work: Work, severity: str, reasons: str, lead: str | None = None):
         try:
             from trainguard.actions.alerts import AlertMessage
         except ImportError:
@@ -454,7 +484,7 @@ class Notify:
         loc = work.localization or {}
         return AlertMessage(
             incident=inc.id, job=inc.job, kind=inc.kind, severity=severity,
-            summary=inc.summary if not reasons.startswith(("page", "approval")) else
+            summary=inc.summary if lead not in ("page", "approval_required") else
             f"{inc.summary}. {reasons}", ranks=list(inc.ranks or loc.get("suspects", [])),
             nodes=list(inc.nodes or loc.get("nodes", [])), step=inc.step,
             onset_ts=inc.onset_ts, detected_ts=inc.detected_ts, ts=work.now,
@@ -503,29 +533,35 @@ class Pipeline:
     def process(self, anomaly: ev.Anomaly, now: float) -> Work:
         return drive(self.run(anomaly, now))
 
-    def drop(self, anomaly: ev.Anomaly, reason: str, now: float) -> ev.Action | None:
-        """An anomaly the scheduler let go without handling it: recorded (``on_drop``)."""
+    def drop(self, work: Work) -> None:
+        """An anomaly the scheduler let go without handling it (``work.dropped``): recorded
+        by ``on_drop``, whose record joins ``work.records``."""
         if self.on_drop is None:
-            return None
+            return
         with self.lock:
-            return self.on_drop(anomaly, reason, now)
+            event = self.on_drop(work)
+        if event is not None:
+            work.records.append(event)
 
     def __repr__(self) -> str:
         return "Pipeline(" + " -> ".join(s.name for s in self.stages) + ")"
 
 
-def record_drop(recorder, state, clock: Callable[[], float] | None = None):
+def record_drop(record: Record, state, clock: Callable[[], float] | None = None):
     """``on_drop`` of :class:`Pipeline`: an ``action`` record ``none``, status
-    ``rate_limited``, with the reason (it starts with a name such as ``backlog_full:``), for
-    the anomaly's own incident; its id is remembered as handled."""
-    def drop(anomaly: ev.Anomaly, reason: str, now: float) -> ev.Action:
+    ``rate_limited``, code ``work.drop_code`` (``backlog_full``, ...) and reason
+    ``work.dropped``, for the anomaly's own incident, written with ``record``'s recorder; its
+    id is remembered as handled."""
+    def drop(work: Work) -> ev.Action:
+        anomaly = work.anomaly
         incident = incident_of(anomaly)
-        decision = Decision(action="none", status="rate_limited", reason=reason,
-                            severity="info", targets={"job": anomaly.job, "dropped": True})
-        event = action_event(decision, incident, clock() if clock else now)
-        recorder.write(event)
-        recorder.flush()
-        state.note_incident(incident, now)
+        decision = Decision(action="none", status="rate_limited", reason=work.dropped,
+                            severity="info", targets={"job": anomaly.job, "dropped": True},
+                            code=work.drop_code)
+        event = action_event(decision, incident, clock() if clock else work.now)
+        record.recorder.write(event)
+        record.recorder.flush()
+        state.note_incident(incident, work.now)
         state.note(decision, incident, event.ts)
         return event
     return drop
@@ -534,8 +570,11 @@ def record_drop(recorder, state, clock: Callable[[], float] | None = None):
 def build_pipeline(*, policy: Policy, state, recorder, capturer=None, directory=None,
                    notify=None, drivers: dict | None = None, correlator=None,
                    log: Callable[[str], None] | None = None,
-                   clock: Callable[[], float] | None = None, progress=None) -> Pipeline:
-    """The one place where the chain is assembled. ``progress`` (a
+                   clock: Callable[[], float] | None = None, orders=None,
+                   progress=None) -> Pipeline:
+    """The one place where the chain is assembled. ``orders`` (an
+    :class:`~trainguard.actions.order_desk.OrderDesk`) sends the job actions to ``trainguard
+    run`` where no driver carries them out; ``progress`` (a
     :class:`~trainguard.actions.confirm.JobProgress`) is where :class:`Confirm` looks whether
     a stalled job moved on, before and again after the stack capture."""
     record = Record(recorder, state, clock)
@@ -547,10 +586,11 @@ def build_pipeline(*, policy: Policy, state, recorder, capturer=None, directory=
         Confirm(policy, progress, record, when="after_capture", clock=clock),
         Decide(policy, state),
         Limit(policy, state, directory),
-        Act(drivers),
+        Act(drivers, orders),
         record,
+        Dispatch(orders),
         Notify(recorder, state, notify, log=log or (lambda m: None), clock=clock),
-    ], on_drop=record_drop(recorder, state, clock))
+    ], on_drop=record_drop(record, state, clock))
 
 
 def _stderr(message: str) -> None:

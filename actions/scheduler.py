@@ -7,8 +7,9 @@ behind every junk anomaly before it. Here:
 - the :class:`Backlog` keeps the anomalies not yet started, the most severe first
   (critical, warning, info), then the oldest; it holds at most ``max_queued``: beyond, the
   oldest of the least severe is dropped, and an anomaly already queued or under way is a
-  duplicate. Every drop is recorded (an ``action`` record ``none``/``rate_limited``, reason
-  ``backlog_full: ...``; a duplicate: a log line) and counted;
+  duplicate. Every drop is recorded (an ``action`` record ``none``/``rate_limited``, code
+  ``backlog_full``; a duplicate: only told, the first of its id speaks) and told to
+  ``on_done`` like any outcome;
 - the :class:`Scheduler` runs up to ``max_in_flight`` anomalies at once, at most one per
   job (a job's anomalies stay in order, so that correlation and de-duplication see them as
   before). Each runs down the pipeline as a waiting generator
@@ -28,12 +29,12 @@ behind every junk anomaly before it. Here:
 ...                       summary="no step")
 >>> b = Backlog(max_queued=3)
 >>> for x in (a("w1", "j1", "warning"), a("c1", "j1"), a("c2", "j2"), a("c1", "j1")):
-...     print([(i.anomaly.id, why.split(":")[0]) for i, why in b.add(x)])
+...     print([(i.anomaly.id, code) for i, code, why in b.add(x)])
 []
 []
 []
 [('c1', 'duplicate')]
->>> [(i.anomaly.id, why.split(":")[0]) for i, why in b.add(a("c3", "j3"))]
+>>> [(i.anomaly.id, code) for i, code, why in b.add(a("c3", "j3"))]
 [('w1', 'backlog_full')]
 >>> first = b.take(); first.anomaly.id, b.take().anomaly.id, b.take().anomaly.id
 ('c1', 'c2', 'c3')
@@ -52,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from trainguard import events as ev
+from trainguard.actions.pipeline import Work
 from trainguard.actions.policy import BacklogSettings
 
 __all__ = ["Backlog", "Item", "Scheduler", "OffsetTracker", "SEVERITY_ORDER"]
@@ -99,8 +101,8 @@ class Backlog:
     def __len__(self) -> int:
         return self._queued
 
-    def add(self, anomaly: ev.Anomaly, token=None) -> list[tuple[Item, str]]:
-        """Queue ``anomaly``; returns what was dropped for it, as ``(item, reason)``: the
+    def add(self, anomaly: ev.Anomaly, token=None) -> list[tuple[Item, str, str]]:
+        """Queue ``anomaly``; returns what was dropped for it, as ``(item, code, detail)``: the
         anomaly itself when one of the same id is queued or under way, or, when the backlog
         is full, the oldest of the least severe queued ones (the new one if it is less
         severe than all of them)."""
@@ -109,13 +111,13 @@ class Backlog:
         if anomaly.id in self._ids:
             item.state = "dropped"
             where = "under way" if self._ids[anomaly.id].state == "taken" else "queued"
-            return [(item, f"duplicate: anomaly {anomaly.id} is already {where}")]
+            return [(item, "duplicate", f"anomaly {anomaly.id} is already {where}")]
         dropped = []
         if self._queued >= self.max_queued:
             victim = self._least_important(item)
-            dropped.append((victim, f"backlog_full: {self._queued} anomalies waiting (max_queued "
-                                    f"{self.max_queued}); dropped the oldest of the least "
-                                    f"severe ({victim.anomaly.severity})"))
+            dropped.append((victim, "backlog_full", (
+                f"{self._queued} anomalies waiting (max_queued {self.max_queued}); dropped the "
+                f"oldest of the least severe ({victim.anomaly.severity})")))
             if victim is item:
                 item.state = "dropped"
                 return dropped
@@ -209,8 +211,9 @@ class Scheduler:
     turn of it (without :meth:`run`, the pieces run inline: tests drive it by hand).
     ``pump(timeout)`` reads the stack replies the parked waits wait for (the
     :class:`~trainguard.actions.capture.StackGatherer`'s). ``on_done(token, work)`` is
-    called once per submitted anomaly, when it is finished (``work`` is the pipeline's
-    :class:`~trainguard.actions.pipeline.Work`) or dropped (``work`` None)."""
+    called once per submitted anomaly, with its :class:`~trainguard.actions.pipeline.Work`,
+    when it is finished or dropped (``work.drop_code``: ``backlog_full``, ``duplicate``,
+    ``internal_error`` here, or a stage's); it tells, logs and counts the outcome."""
 
     def __init__(self, *, pipeline, settings: BacklogSettings = BacklogSettings(),
                  pump: Callable[[float], int] | None = None,
@@ -237,22 +240,20 @@ class Scheduler:
         with self._lock:
             dropped = self.backlog.add(anomaly, token)
             self.counts["received"] += 1
-        for item, reason in dropped:
-            self._drop(item, reason)
+        for item, code, detail in dropped:
+            self._drop(item, code, detail)
         self._wake.set()
 
-    def _drop(self, item: Item, reason: str) -> None:
-        name = reason.split(":", 1)[0]
-        self.counts[f"dropped_{name}"] += 1
-        a = item.anomaly
-        self.log(f"anomaly {a.id} ({a.kind}, {a.severity}, job {a.job}) dropped: {reason}")
-        if name != "duplicate":  # the first of the same id is handled; this one is recorded
+    def _drop(self, item: Item, code: str, detail: str) -> None:
+        work = Work(anomaly=item.anomaly, now=self.clock())
+        work.drop(code, detail)
+        if code != "duplicate":  # the first of the same id is handled; this one is recorded
             try:
-                self.pipeline.drop(a, reason, self.clock())
+                self.pipeline.drop(work)
             except Exception:
-                self.log(f"anomaly {a.id}: recording the drop failed:\n{traceback.format_exc()}")
-        if self.on_done:
-            self.on_done(item.token, None)
+                self.log(f"anomaly {item.anomaly.id}: recording the drop failed:\n"
+                         f"{traceback.format_exc()}")
+        self._report(item.token, work)
 
     # ------------------------------------------------------------------ the loop
     def status(self) -> dict:
@@ -330,11 +331,12 @@ class Scheduler:
         except StopIteration as end:
             self._finish(run, end.value)
             return
-        except Exception:
+        except Exception as exc:
             a = run.item.anomaly
-            self.counts["internal_errors"] += 1
             self.log(f"anomaly {a.id}: internal error, skipped:\n{traceback.format_exc()}")
-            self._finish(run, None)
+            work = Work(anomaly=a, now=self.clock())
+            work.drop("internal_error", f"{type(exc).__name__}: {exc}")
+            self._finish(run, work)
             return
         run.wait = wait
         start = getattr(wait, "start_on", None)
@@ -343,17 +345,19 @@ class Scheduler:
         with self._lock:
             self._parked.append(run)
 
-    def _finish(self, run: _Run, work) -> None:
+    def _finish(self, run: _Run, work: Work) -> None:
         with self._lock:
             self.backlog.release(run.item)
             self._in_flight -= 1
-            self.counts["handled"] += 1
+        self._report(run.item.token, work)
+        self._wake.set()
+
+    def _report(self, token, work: Work) -> None:
         if self.on_done:
             try:
-                self.on_done(run.item.token, work)
+                self.on_done(token, work)
             except Exception:
                 self.log(f"on_done: {traceback.format_exc()}")
-        self._wake.set()
 
 
 class OffsetTracker:

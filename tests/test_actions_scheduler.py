@@ -12,6 +12,7 @@ from trainguard.actions.capture import FakeClock, ListSource, StackCapture, Stac
 from trainguard.actions.pipeline import ListRecorder, build_pipeline
 from trainguard.actions.policy import BacklogSettings, CaptureSettings, Policy
 from trainguard.actions.scheduler import Backlog, OffsetTracker, Scheduler
+from trainguard.actions.service import ActionService
 from trainguard.actions.state import ServiceState
 
 T0 = 1_764_680_000.0
@@ -50,10 +51,16 @@ class World:
                                        clock=self.clock)
         self.done = []
         self.logs = []
-        self.scheduler = Scheduler(pipeline=self.pipeline, settings=settings,
-                                   pump=self.gatherer.pump, clock=self.clock,
-                                   on_done=lambda token, work: self.done.append((token, work)),
-                                   log=self.logs.append)
+        self.service = ActionService(pipeline=self.pipeline, state=self.state, clock=self.clock,
+                                     log=self.logs.append, settings=settings,
+                                     pump=self.gatherer.pump)
+        self.scheduler = self.service.scheduler
+        tell = self.scheduler.on_done  # the service's: tells (logs, counts) each outcome
+
+        def done(token, work):
+            self.done.append((token, work))
+            tell(token, work)
+        self.scheduler.on_done = done
 
     def agent(self, command):
         self.commands.append(command)
@@ -125,14 +132,15 @@ def test_a_full_backlog_drops_the_oldest_least_severe_with_a_record():
     assert [(r.job, r.status) for r in dropped] == [("w0", "rate_limited")]
     assert dropped[0].reason.startswith("backlog_full: 2 anomalies waiting (max_queued 2)")
     assert dropped[0].extra["anomalies"] == ["a-w0"] and dropped[0].targets["dropped"]
-    assert w.done == [((0, 0), None)]  # its offset may be committed: it was recorded
+    assert [(t, work.drop_code) for t, work in w.done] == [((0, 0), "backlog_full")]
+    assert w.done[0][1].records == dropped  # its offset may be committed: it was recorded
     assert w.scheduler.counts["dropped_backlog_full"] == 1
     assert any("dropped: backlog_full" in line for line in w.logs)
     # a new warning, less severe than the crash and the other warning: the older one goes
     w.scheduler.submit(anomaly("w2", kind="straggler", severity="warning"), token=(0, 3))
     assert [r.job for r in w.recorder.events if r.action == "none"] == ["w0", "w1"]
     w.run_until(lambda: len(w.done) == 4)
-    assert [work.anomaly.job for _, work in w.done if work] == ["c0", "w2"]
+    assert [work.anomaly.job for _, work in w.done if not work.dropped] == ["c0", "w2"]
     assert w.state.seen_anomaly("a-w0")  # a drop is handled: re-read, it is a duplicate
 
 
@@ -141,7 +149,7 @@ def test_a_duplicate_of_an_anomaly_under_way_is_dropped_and_counted():
     w.scheduler.submit(anomaly("j1"), token=(0, 0))
     w.scheduler.tick()  # under way: waits for its stacks
     w.scheduler.submit(anomaly("j1"), token=(0, 1))
-    assert w.done == [((0, 1), None)]
+    assert [(t, work.drop_code) for t, work in w.done] == [((0, 1), "duplicate")]
     assert w.scheduler.counts["dropped_duplicate"] == 1
     assert any("duplicate: anomaly a-j1 is already under way" in line for line in w.logs)
     assert not [r for r in w.recorder.events if r.action == "none"]  # the first one speaks
@@ -164,7 +172,8 @@ def test_an_internal_error_is_logged_and_the_job_goes_on():
     w.scheduler.submit(anomaly("j1", id="one", kind="crash"), token=(0, 0))
     w.scheduler.submit(anomaly("j1", id="two", kind="crash"), token=(0, 1))
     w.run_until(lambda: len(w.done) == 2)
-    assert w.done[0] == ((0, 0), None) and w.done[1][1].anomaly.id == "two"
+    assert w.done[0][0] == (0, 0) and w.done[0][1].drop_code == "internal_error"
+    assert w.done[1][1].anomaly.id == "two" and not w.done[1][1].dropped
     assert w.scheduler.counts["internal_errors"] == 1
     assert any("RuntimeError: bug" in line for line in w.logs)
     assert not w.pipeline.lock._is_owned()
