@@ -44,7 +44,11 @@ analyze``):
 ``DetectorConfig`` — every threshold (kw_only dataclass, validated). All state pickles.
 
 Detectors (river style; constructor = configuration; ``update(item) -> list[Finding]``,
-``advance(now)`` for the time-driven ones; ``clone()``): :class:`NanDetector`,
+``advance(now)`` for the time-driven ones; ``clone()``). Each declares what it consumes in
+``CONSUMES`` (words of ``base.INPUTS``: ``step``, ``jobstep``, ``late``, ``hb``, ``life``,
+``gpu``, ``xid``, ``tick`` for ``advance``, ``end`` for ``finish``); the stages build their
+dispatch from those declarations (``stages.routes``), so a detector added to ``DETECTORS``
+is fed exactly what it declares, and ``checks.check_detector`` holds it to its word: :class:`NanDetector`,
 :class:`LossSpikeDetector`, :class:`GradSpikeDetector`, :class:`StragglerDetector`,
 :class:`ThroughputDetector`, :class:`HangDetector`, :class:`SilentDetector`,
 :class:`CrashDetector`, :class:`GpuFaultDetector`, :class:`GpuDegradedDetector`.

@@ -77,6 +77,7 @@ class HangDetector(Detector):
     """No new step from the job for longer than its learned timeout (see the module)."""
 
     PREFIX = "hang"
+    CONSUMES = ("step", "hb", "life", "tick")
 
     def __init__(self, floor_s: float = 20.0, factor: float = 2.0, quantile: float = 0.99,
                  window: int = 500, max_margin: float = 1.0, min_intervals: int = 5,

@@ -70,6 +70,7 @@ class CrashDetector(Detector):
     """
 
     PREFIX = "crash"
+    CONSUMES = ("step", "hb", "life", "tick", "end")
 
     def __init__(self, grace_s: float = 3.0, vanish_s: float = 10.0):
         self.grace_s = grace_s
@@ -257,6 +258,7 @@ class SilentDetector(Detector):
     """
 
     PREFIX = "silent"
+    CONSUMES = ("step", "hb", "life", "gpu", "tick")
 
     def __init__(self, timeout_s: float = 15.0):
         self.timeout_s = timeout_s

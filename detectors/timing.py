@@ -144,6 +144,7 @@ class StragglerDetector(Detector):
     """
 
     PREFIX = "straggler"
+    CONSUMES = ("jobstep", "life")
 
     def __init__(self, ratio: float = 1.2, min_excess_s: float = 0.002, k: int = 6,
                  n: int = 10, settle: int = 2, min_ranks: int = 3, warmup: int = 10,
@@ -304,6 +305,7 @@ class ThroughputDetector(Detector):
     """
 
     PREFIX = "throughput"
+    CONSUMES = ("jobstep",)
 
     def __init__(self, warmup: int = 50, baseline_window: int = 200, window: int = 20,
                  ratio: float = 1.25, clip: float = 4.0, delta: float = 0.05,

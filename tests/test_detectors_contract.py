@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainguard import events as ev
-from trainguard.detectors import (DETECTORS, DetectorConfig, Engine, JobStage, NanDetector,
+from trainguard.detectors import (DETECTORS, Detector, DetectorConfig, Engine, JobStage, NanDetector,
                                   RankStage, anomaly_id)
 from trainguard.detectors.checks import (CHECKS, check_detector, drive, layout_of_registry,
                                          stage_items, state_changes, state_layout)
@@ -64,6 +64,8 @@ class Moody(NanDetector):
 
 
 class ClockReader(NanDetector):
+    CONSUMES = (*NanDetector.CONSUMES, "tick")
+
     def advance(self, now):
         return [] if time.time() else []
 
@@ -191,3 +193,62 @@ def test_the_fingerprint_check_sees_a_new_attribute():
         "NanDetector: its stored state changed (trainguard.detectors.training.NanDetector: "
         "+extra_memory) but its state version is still "
         f"{current[name]['version']}; raise it"]
+
+
+# -- declared consumption (issue 13 point 3) -------------------------------------------------
+
+class _Counting(Detector):
+    """A user's detector: counts what it is fed, by input."""
+
+    PREFIX = "counting"
+    CONSUMES = ("jobstep", "hb", "tick")
+
+    def __init__(self):
+        self.fed: dict = {}
+
+    def update(self, item):
+        kind = "hb" if item.get("k") == "hb" else item.get("k")
+        self.fed[kind] = self.fed.get(kind, 0) + 1
+        return []
+
+    def advance(self, now):
+        self.fed["tick"] = self.fed.get("tick", 0) + 1
+        return []
+
+
+def test_a_detector_added_to_the_registry_is_fed_what_it_declares(monkeypatch):
+    from trainguard.detectors import stages
+
+    real = DetectorConfig.params_for
+
+    class Config(DetectorConfig):
+        def params_for(self, cls):
+            return {} if cls is _Counting else real(self, cls)
+
+    monkeypatch.setattr(stages, "JOB_DETECTORS", (*stages.JOB_DETECTORS, _Counting))
+    stage = stages.JobStage(Config())
+    for s in range(3):
+        for r in range(2):
+            stage.update({"k": "step", "job": "j", "rank": r, "node": "n1", "ts": 10.0 + s,
+                          "step": s, "step_time": 1.0, "loss": 1.0})
+    stage.update({"k": "hb", "job": "j", "rank": 0, "node": "n1", "ts": 13.0, "step": 2,
+                  "phase": "forward", "phase_since": 12.5, "pid": 1, "dropped": 0})
+    stage.update({"k": "life", "job": "j", "rank": 0, "node": "n1", "ts": 14.0,
+                  "event": "start", "world_size": 2})
+    stage.advance(15.0)
+    # the closed steps, the heartbeat and the tick; no step summary, no lifecycle
+    assert stage.detectors["counting"].fed == {"jobstep": 3, "hb": 1, "tick": 1}
+
+
+def test_the_contract_check_names_an_undeclared_or_unfed_detector():
+    class Mute(NanDetector):
+        CONSUMES = ()
+
+    class Timed(NanDetector):
+        def advance(self, now):
+            return []
+
+    with pytest.raises(AssertionError, match="CONSUMES is empty"):
+        check_detector(Mute())
+    with pytest.raises(AssertionError, match="advance\\(\\) without 'tick'"):
+        check_detector(Timed())

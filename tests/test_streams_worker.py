@@ -84,7 +84,8 @@ class WorkerProcess:
             if values is not None and predicate(values):
                 return values
             time.sleep(0.3)
-        raise AssertionError(f"worker never got {what}:\n{self.tail()}")
+        seen = {k: v for k, v in (values or {}).items() if not k.startswith("trainguard_assigned")}
+        raise AssertionError(f"worker never got {what}:\n{self.tail()}\nmetrics: {seen}")
 
     def wait_ready(self) -> dict:
         telemetry = self.config.topics.telemetry
