@@ -12,21 +12,22 @@ ranks' stacks, rank 2 stuck in its data loading. The hang's job has telemetry of
 telemetry topic (its ranks' lifecycle starts, steps up to 40 and none after), so the service
 knows its world size and that it is still stalled (confirm before acting). The junk
 anomalies are critical hangs of 1,000 other jobs that sent nothing else: each one's capture
-waits out its whole deadline, and then gets its own restart order.
+waits out its whole deadline, and then gets its own restart order. The clock stops at the
+restart ``order`` on the orders topic (SPEC §6; its ``ts`` is when the service sent it).
 
 A subprocess, not the pipeline in process: so the number includes reading the anomalies from
 Kafka, the scheduler, sending commands, reading the stacks topic and writing the records, as
 the service does them, with its own interpreter (and GIL).
 
-``alone_s``   the hang alone: from writing its anomaly to its restart record (``planned``);
+``alone_s``   the hang alone: from writing its anomaly to its restart order;
 ``behind_s``  the same for a hang written right after 1,000 junk anomalies (the clock
               starts before the junk is written);
 ``ratio``     ``behind_s / alone_s``.
 Each is measured three times, each time with a fresh service on fresh topics (the hang
 alone first, then the other hang behind the junk), and the medians are reported beside
 every value. The target is ``behind_s`` ≤
-5 s. ``junk_done_s``: when the last junk anomaly of a batch got its restart record (its
-capture deadline included); ``junk_restarts_before_the_hang``: junk restarts recorded before
+5 s. ``junk_done_s``: when the last junk anomaly of a batch got its restart order (its
+capture deadline included); ``junk_restarts_before_the_hang``: junk restarts ordered before
 the hang's (none: the hang did not wait for the junk).
 """
 from __future__ import annotations
@@ -67,22 +68,26 @@ def _telemetry(job: str, now: float) -> list:
     return events
 
 
-def _restart_ts(actions, job: str, timeout: float = TIMEOUT_S) -> float:
-    found = actions.wait(lambda es: [e for e in es if e.job == job and e.action == "restart"
-                                     and e.status == "planned"], timeout=timeout,
-                         what=f"the restart of {job}")
+def _restarts(events, jobs) -> list:
+    """The restart orders of ``jobs`` among ``events`` (of the orders topic)."""
+    return [e for e in events if e.type == "order" and e.op == "restart" and e.job in jobs]
+
+
+def _restart_ts(orders, job: str, timeout: float = TIMEOUT_S) -> float:
+    found = orders.wait(lambda es: _restarts(es, {job}), timeout=timeout,
+                        what=f"the restart order of {job}")
     return found[0].ts
 
 
-def _alone(config, actions, job: str) -> float:
+def _alone(config, orders, job: str) -> float:
     from actions_harness import produce
 
     start = time.time()
     produce(config, config.topics.anomalies, _hang(job, start))
-    return _restart_ts(actions, job) - start
+    return _restart_ts(orders, job) - start
 
 
-def _behind(config, actions, job: str, batch: int) -> dict:
+def _behind(config, orders, job: str, batch: int) -> dict:
     from actions_harness import producer
     from trainguard import events as ev
 
@@ -93,16 +98,13 @@ def _behind(config, actions, job: str, batch: int) -> dict:
         p.produce(config.topics.anomalies, key=name.encode(), value=ev.encode(_hang(name, start)))
     p.produce(config.topics.anomalies, key=job.encode(), value=ev.encode(_hang(job, time.time())))
     assert p.flush(30) == 0
-    behind = _restart_ts(actions, job) - start
+    behind = _restart_ts(orders, job) - start
     mine = set(junk)
-
-    def restarted(es):
-        return [e for e in es if e.job in mine and e.action == "restart"]
-    before = sum(1 for e in restarted(actions.events) if e.ts <= start + behind)
-    actions.wait(lambda es: len({e.job for e in restarted(es)}) >= JUNK, timeout=TIMEOUT_S,
-                 what="every junk anomaly's restart")
+    before = sum(1 for e in _restarts(orders.events, mine) if e.ts <= start + behind)
+    orders.wait(lambda es: len({e.job for e in _restarts(es, mine)}) >= JUNK,
+                 timeout=TIMEOUT_S, what="every junk anomaly's restart order")
     return {"behind_s": behind, "junk_restarts_before": before,
-            "junk_done_s": max(e.ts for e in restarted(actions.events)) - start}
+            "junk_done_s": max(e.ts for e in _restarts(orders.events, mine)) - start}
 
 
 def _one_round(bootstrap: str, folder: Path, n: int) -> tuple[float, dict]:
@@ -118,14 +120,14 @@ def _one_round(bootstrap: str, folder: Path, n: int) -> tuple[float, dict]:
     config = Config(bootstrap=bootstrap, topics=Topics(prefix=f"bench{uuid.uuid4().hex[:8]}"))
     create_topics(config, TopicPlan(telemetry_partitions=2, other_partitions=1))
     topics = config.topics
-    actions = None
+    orders = None
     try:
         now = time.time()
         produce(config, topics.telemetry, *_telemetry("alone", now), *_telemetry("behind", now))
         agent = threading.Thread(target=answer_captures, args=(config, stop), daemon=True,
                                  kwargs={"jobs": {"alone", "behind"}})
         agent.start()
-        actions = Collector(config, topics.actions)
+        orders = Collector(config, topics.orders)
         env = {"TRAINGUARD_BOOTSTRAP": bootstrap, "TRAINGUARD_TOPIC_PREFIX": topics.prefix,
                "TRAINGUARD_HOME": str(folder / "home")}
         procs.trainguard("actions", "actions", "--state", str(folder / "state.json"), env=env,
@@ -133,12 +135,12 @@ def _one_round(bootstrap: str, folder: Path, n: int) -> tuple[float, dict]:
         wait_for(lambda: "consuming" in procs.log("actions"), timeout=60,
                  what=f"the action service: {procs.log('actions')[-500:]}")
         time.sleep(2.0)  # its telemetry watcher reads the steps of the jobs
-        return _alone(config, actions, "alone"), _behind(config, actions, "behind", n)
+        return _alone(config, orders, "alone"), _behind(config, orders, "behind", n)
     finally:
         stop.set()
         procs.stop_all()
-        if actions is not None:
-            actions.close()
+        if orders is not None:
+            orders.close()
 
 
 def run() -> dict:
