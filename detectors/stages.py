@@ -326,6 +326,7 @@ class JobStage:
         self.job = None
         self._emitted: set = set()
         self._emitted_order: deque = deque()
+        self._changed: dict = {}      # incident id -> its dict, changed since take_incidents
 
     def update(self, item) -> list[ev.Anomaly]:
         if type(item) is dict:
@@ -413,9 +414,16 @@ class JobStage:
             self._emitted_order.append(anomaly.id)
             if len(self._emitted_order) > self.config.emitted_ids_kept:
                 self._emitted.discard(self._emitted_order.popleft())
-            self.correlator.add(anomaly)
+            incident = self.correlator.add(anomaly)
+            self._changed[incident["id"]] = incident
             out.append(anomaly)
         return out
+
+    def take_incidents(self) -> list[dict]:
+        """The incidents opened or grown since the last call (each once, as it is now): what
+        a worker publishes as ``incident`` events (SPEC §6)."""
+        changed, self._changed = list(self._changed.values()), {}
+        return changed
 
 
 class Engine:
