@@ -34,6 +34,7 @@ from .config import DetectorConfig
 from .correlate import Correlator
 from .gpu import GpuDegradedDetector, GpuFaultDetector, Placement
 from .hang import is_allowed_phase
+from .view import LEARNS_FROM, JobView
 from .liveness import CrashDetector, HangDetector, SilentDetector
 from .timing import StragglerDetector, ThroughputDetector
 from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
@@ -318,6 +319,10 @@ class JobStage:
         c = self.config
         self.detectors = {cls.PREFIX: cls(**c.params_for(cls)) for cls in JOB_DETECTORS}
         self._routes = routes(self.detectors.values())
+        self.view = JobView()          # the job as every detector sees it, kept here
+        for detector in self.detectors.values():
+            if getattr(detector, "USES_VIEW", False):
+                detector.share_view(self.view)
         self.placement = Placement()   # names the rank of a GPU in NodeStage findings
         self._nodes: dict = {}         # node -> NodeStage, for node events given directly
         self.steps = StepAggregator(close_lag=c.step_close_lag, close_s=c.step_close_s)
@@ -335,6 +340,8 @@ class JobStage:
                 return self.update(ev.from_dict(item))
             if self.job is None:
                 self.job = item.get("job")
+            if k in LEARNS_FROM:
+                self.view.learn(item)
             if k == "step":
                 findings = []
                 for d in self._routes["step"]:
