@@ -30,15 +30,17 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Generator, Iterable, Protocol
 
 from trainguard import events as ev
 from trainguard.actions.policy import CaptureSettings
 from trainguard.actions.stacks import analyze_threads, frame_key, map_suspects, render_tree_text
+from trainguard.actions.waits import Pause, drive
 
 __all__ = ["EventSource", "ListSource", "FakeClock", "StackGatherer", "StackCapture",
-           "CaptureResult", "JobInfo", "JobDirectory", "localize", "main_signature"]
+           "AwaitStacks", "CaptureResult", "JobInfo", "JobDirectory", "localize", "main_signature"]
 
 
 class EventSource(Protocol):
@@ -81,35 +83,93 @@ class ListSource:
 
 
 class StackGatherer:
-    """Collects the ``stack`` replies of one capture from ``source``."""
+    """Collects the ``stack`` replies of captures from ``source``: only those of capture ids
+    it was told to :meth:`expect` (at most ``keep`` of them at a time, oldest forgotten),
+    and only from the job named. Thread-safe: :meth:`expect` may be called from any thread,
+    :meth:`pump` and :meth:`check` from one."""
 
     def __init__(self, source: EventSource, clock: Callable[[], float] = time.monotonic,
-                 poll_s: float = 0.2):
+                 poll_s: float = 0.2, keep: int = 4096):
         self.source = source
         self.clock = clock
         self.poll_s = poll_s
+        self.keep = keep
+        self._open: OrderedDict = OrderedDict()  # capture id -> [job, {rank: stack}, last]
+        self._lock = threading.Lock()
+
+    def expect(self, job: str, capture_id: str) -> None:
+        """Keep the replies of ``capture_id`` from now on (call before sending the command)."""
+        with self._lock:
+            if capture_id not in self._open:
+                self._open[capture_id] = [job, {}, None]
+                while len(self._open) > self.keep:
+                    self._open.popitem(last=False)
+
+    def pump(self, timeout: float, max_events: int = 1) -> int:
+        """Read up to ``max_events`` events (the first within ``timeout``), filing the
+        replies of expected captures; returns how many events were read."""
+        count = 0
+        while count < max_events:
+            event = self.source.poll(timeout if count == 0 else 0.0)
+            if event is None:
+                break
+            count += 1
+            if isinstance(event, ev.Stack) and event.rank is not None:
+                with self._lock:
+                    entry = self._open.get(event.capture_id)
+                    if entry is not None and entry[0] == event.job:
+                        entry[1][event.rank] = event
+                        entry[2] = self.clock()
+        return count
+
+    def check(self, capture_id: str, expected: set | None, start: float, deadline_s: float,
+              quiet_s: float) -> tuple[bool, dict]:
+        """``(over, {rank: stack})`` of a capture begun at ``start`` (this gatherer's clock):
+        over once every ``expected`` rank answered, or ``deadline_s`` passed, or, with
+        ``expected`` None, no new rank answered for ``quiet_s`` after the first. An
+        ended capture is forgotten."""
+        now = self.clock()
+        with self._lock:
+            entry = self._open.get(capture_id) or [None, {}, None]
+            replies, last = entry[1], entry[2]
+            over = ((expected is not None and expected <= replies.keys())
+                    or now - start >= deadline_s
+                    or (expected is None and last is not None and now - last >= quiet_s))
+            if over:
+                self._open.pop(capture_id, None)
+            return over, dict(replies)
 
     def gather(self, job: str, capture_id: str, expected: set | None = None,
                deadline_s: float = 10.0, quiet_s: float = 2.0) -> dict[int, ev.Stack]:
-        """``{rank: stack event}``: until every ``expected`` rank answered, or ``deadline_s``;
-        with ``expected`` None, until no new rank answered for ``quiet_s`` after the first."""
-        start = self.clock()
-        replies: dict[int, ev.Stack] = {}
-        last_reply = None
+        """``{rank: stack event}``, blocking until :meth:`check` says the capture is over."""
+        self.expect(job, capture_id)
+        return AwaitStacks(self, job, capture_id, expected, deadline_s, quiet_s).block()
+
+
+class AwaitStacks:
+    """A wait (:mod:`trainguard.actions.waits`) for the replies of one capture."""
+
+    def __init__(self, gatherer: StackGatherer, job: str, capture_id: str,
+                 expected: set | None, deadline_s: float, quiet_s: float):
+        self.gatherer = gatherer
+        self.job, self.capture_id, self.expected = job, capture_id, expected
+        self.deadline_s, self.quiet_s = deadline_s, quiet_s
+        self.start = gatherer.clock()
+
+    def poll(self) -> tuple[bool, dict]:
+        return self.gatherer.check(self.capture_id, self.expected, self.start,
+                                   self.deadline_s, self.quiet_s)
+
+    def block(self) -> dict:
         while True:
-            now = self.clock()
-            if expected is not None and expected <= replies.keys():
-                break
-            if now - start >= deadline_s:
-                break
-            if expected is None and last_reply is not None and now - last_reply >= quiet_s:
-                break
-            event = self.source.poll(min(self.poll_s, max(0.0, deadline_s - (now - start))))
-            if (isinstance(event, ev.Stack) and event.job == job
-                    and event.capture_id == capture_id and event.rank is not None):
-                replies[event.rank] = event
-                last_reply = self.clock()
-        return replies
+            over, replies = self.poll()
+            if over:
+                return replies
+            left = self.deadline_s - (self.gatherer.clock() - self.start)
+            self.gatherer.pump(min(self.gatherer.poll_s, max(0.0, left)))
+
+    def __repr__(self) -> str:
+        return f"AwaitStacks({self.job}, {self.capture_id})"
 
 
 @dataclass(kw_only=True)
@@ -245,19 +305,27 @@ class StackCapture:
 
     def capture(self, job: str, expected: set | None = None, label: str = "cap"
                 ) -> CaptureResult:
+        """The capture, blocking until it is over."""
+        return drive(self.rounds(job, expected, label))
+
+    def rounds(self, job: str, expected: set | None = None, label: str = "cap"
+               ) -> Generator[object, object, CaptureResult]:
+        """The capture as a waiting generator: it yields a :class:`~trainguard.actions.waits.
+        Pause` between rounds and an :class:`AwaitStacks` for each round's replies."""
         s = self.settings
         result = CaptureResult(job=job, capture_ids=[], rounds=[], expected=expected)
         for number in range(s.rounds):
             if number:
                 if not result.rounds[-1]:
                     break  # nobody answered: another round would only add latency
-                self.sleep(s.interval_s)
+                yield Pause(s.interval_s, clock=self.gatherer.clock, sleep=self.sleep)
             capture_id = self.new_id(label, number)
+            self.gatherer.expect(job, capture_id)
             self.send(ev.Command(job=job, ts=self.clock(), command="capture_stacks",
                                  capture_id=capture_id, ranks="all"))
             result.capture_ids.append(capture_id)
-            result.rounds.append(self.gatherer.gather(job, capture_id, expected,
-                                                      s.deadline_s, s.quiet_s))
+            result.rounds.append((yield AwaitStacks(self.gatherer, job, capture_id, expected,
+                                                    s.deadline_s, s.quiet_s)))
         return result
 
 

@@ -4,12 +4,14 @@ Every stage is a small object called with the :class:`Work` of one anomaly; it a
 and returns True to go on, or sets ``work.dropped`` and returns False to stop. The chain is
 assembled in one place, :func:`build_pipeline`::
 
-    correlate -> dedup -> investigate -> decide -> limit -> act -> record -> dispatch -> notify
+    correlate -> dedup -> confirm -> investigate -> confirm -> decide -> limit -> act
+              -> record -> dispatch -> notify
 
 ``investigate`` (capture and aggregate the stacks) sits before ``decide`` because the
-policy of a hang needs its suspects. The decisions themselves (``decide`` and
-``apply_limits`` of :mod:`trainguard.actions.policy`) are pure; I/O comes in through
-injected objects: ``capturer`` (a :class:`~trainguard.actions.capture.StackCapture`),
+policy of a hang needs its suspects. ``confirm`` (:mod:`trainguard.actions.confirm`), before
+and again after the capture, closes a hang whose job moved on as a false alarm. The
+decisions themselves (``decide`` and ``apply_limits`` of :mod:`trainguard.actions.policy`)
+are pure; I/O comes in through injected objects: ``capturer`` (a :class:`~trainguard.actions.capture.StackCapture`),
 ``recorder`` (``write(action_event)`` and ``flush()``), ``notify`` (``AlertMessage ->
 [SendResult]``) and ``drivers``.
 
@@ -28,19 +30,21 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from trainguard import events as ev
+from trainguard.actions.confirm import Confirm
 from trainguard.actions.orders import check_targets
 from trainguard.actions.policy import (JOB_ACTIONS, Decision, Incident, Policy, apply_limits,
                                        covering_restart, decide, ladder_kind, restart_over)
+from trainguard.actions.waits import Blocking, drive
 
 __all__ = ["Work", "Pipeline", "build_pipeline", "apply_limits", "covering_restart",
            "incident_of", "incident_from", "driver_actions", "ListRecorder",
-           "Correlate", "Dedup", "Investigate", "Decide", "Limit", "Act", "Record", "Dispatch",
-           "Notify",
-           "action_event"]
+           "Correlate", "Dedup", "Confirm", "Investigate", "Decide", "Limit", "Act", "Record",
+           "Dispatch", "Notify", "action_event", "record_drop"]
 
 
 @dataclass(kw_only=True)
@@ -54,6 +58,15 @@ class Work:
     decisions: list = field(default_factory=list)
     records: list = field(default_factory=list)
     dropped: str | None = None
+    drop_code: str | None = None
+    false_alarm: dict | None = None
+    lock: object = field(default_factory=threading.RLock, repr=False)
+
+    def drop(self, code: str, detail: str) -> bool:
+        """Stop here: ``dropped`` reads ``<code>: <detail>``, ``drop_code`` is the code (what
+        programs count on); returns False, a stage's answer."""
+        self.dropped, self.drop_code = f"{code}: {detail}", code
+        return False
 
 
 def incident_of(anomaly: ev.Anomaly) -> Incident:
@@ -203,28 +216,28 @@ class Dedup:
     def __call__(self, work: Work) -> bool:
         anomaly, incident = work.anomaly, work.incident
         if self.state.seen_anomaly(anomaly.id):
-            work.dropped = f"duplicate: anomaly {anomaly.id} was already handled"
-            return False
+            return work.drop("duplicate", f"anomaly {anomaly.id} was already handled")
         age = work.now - anomaly.detected_ts
         if age > self.policy.max_anomaly_age_s:
-            work.dropped = (f"stale: anomaly {anomaly.id} was detected {age:.0f}s ago "
-                            f"(max_anomaly_age_s {self.policy.max_anomaly_age_s:g})")
-            return False
+            return work.drop("stale", f"anomaly {anomaly.id} was detected {age:.0f}s ago "
+                                      f"(max_anomaly_age_s {self.policy.max_anomaly_age_s:g})")
         done = self.state.history(incident).done
         restarted = [a for a in ("restart", "rollback") if a in done]
         if restarted:
             self.state.note_incident(incident, work.now)
-            work.dropped = (f"duplicate: incident {incident.id} already has a {restarted[0]} "
-                            f"({done[restarted[0]]})")
-            return False
+            return work.drop("duplicate", f"incident {incident.id} already has a "
+                                          f"{restarted[0]} ({done[restarted[0]]})")
         return True
 
 
 class Investigate:
     """Captures and aggregates the stacks of all ranks when the ladder the incident gets
-    (:func:`~trainguard.actions.policy.ladder_kind`) asks for it."""
+    (:func:`~trainguard.actions.policy.ladder_kind`) asks for it. It waits for the replies
+    without the pipeline's lock (a waiting generator, see :mod:`trainguard.actions.waits`),
+    so that the scheduler can go on with other jobs meanwhile."""
 
     name = "investigate"
+    exclusive = False
 
     def __init__(self, policy: Policy, capturer=None, directory=None, localize=None):
         self.policy = policy
@@ -232,7 +245,7 @@ class Investigate:
         self.directory = directory
         self.localize = localize
 
-    def __call__(self, work: Work) -> bool:
+    def __call__(self, work: Work):
         incident = work.incident
         if not self.policy.wants_capture(ladder_kind(self.policy, incident)) \
                 or self.capturer is None:
@@ -244,8 +257,12 @@ class Investigate:
         if info.world_size is None and isinstance(world, int) and world > 0:
             info.world_size = world
         try:
-            result = self.capturer.capture(incident.job, info.expected_ranks(),
-                                           label=incident.id)
+            if hasattr(self.capturer, "rounds"):
+                result = yield from self.capturer.rounds(incident.job, info.expected_ranks(),
+                                                         label=incident.id)
+            else:
+                result = self.capturer.capture(incident.job, info.expected_ranks(),
+                                               label=incident.id)
             loc = (self.localize or localize)(result, info)
         except Exception as exc:  # no evidence must not mean no recovery
             work.decisions.append(Decision(
@@ -402,9 +419,12 @@ class Dispatch:
 
 class Notify:
     """Sends the planned alerts (one message per incident: what happened, where, what was
-    done, what the stacks showed) and records how each sink took it."""
+    done, what the stacks showed) and records how each sink took it. The sending happens
+    outside the pipeline's lock (a slow alert sink holds up no other job); the records are
+    written under it."""
 
     name = "notify"
+    exclusive = False
 
     def __init__(self, recorder, state, notify=None, log: Callable[[str], None] | None = None,
                  clock: Callable[[], float] | None = None):
@@ -424,13 +444,21 @@ class Notify:
         reasons = "; ".join(d.reason for d in alerts)
         message = self._message(work, severity, reasons, lead=alerts[0].code)
         self.log(message.text() if message is not None else reasons)
-        results = self.notify(message) if (self.notify and message is not None) else []
+        results = []
+        if self.notify and message is not None:
+            results = yield Blocking(lambda: self.notify(message))
         outcomes = [r for r in results if r.action_status]
         if not outcomes:
             outcomes = [None]
         base = replace(alerts[0], severity=severity, reason=reasons,
                        targets={**alerts[0].targets, **{k: v for d in alerts[1:]
                                                         for k, v in d.targets.items()}})
+        with work.lock:
+            self._record(work, base, reasons, outcomes)
+        return True
+
+    def _record(self, work: Work, base: Decision, reasons: str, outcomes: list) -> None:
+        incident = work.incident
         for result in outcomes:
             if result is None:
                 d = base.with_status("done", f"{reasons} (logged; no alert sink sent it)")
@@ -446,7 +474,6 @@ class Notify:
             self.state.note(d, incident, ts)
         self.recorder.flush()
         self.state.save(work.now)
-        return True
 
     def _message(self, work: Work, severity: str, reasons: str, lead: str | None = None):
         try:
@@ -466,38 +493,104 @@ class Notify:
 
 
 class Pipeline:
-    """The stages in order; :meth:`process` runs one anomaly through them."""
+    """The stages in order. :meth:`run` runs one anomaly through them as a waiting generator
+    (it yields the waits of the stages that wait, see :mod:`trainguard.actions.waits`), so
+    that many anomalies can be under way at once: stages run under one lock (the state,
+    the correlator and the safety caps are shared), held from one stage to the next and let
+    go only around the stages marked ``exclusive = False`` (those that wait or send), so
+    that no two anomalies interleave between a cap's check and its record. :meth:`process`
+    runs one anomaly to its end, blocking on each wait."""
 
-    def __init__(self, stages: list):
+    def __init__(self, stages: list, on_drop: Callable | None = None):
         self.stages = stages
+        self.lock = threading.RLock()
+        self.on_drop = on_drop
+
+    def run(self, anomaly: ev.Anomaly, now: float):
+        work = Work(anomaly=anomaly, now=now, lock=self.lock)
+        held = False
+        try:
+            for stage in self.stages:
+                if getattr(stage, "exclusive", True):
+                    if not held:
+                        self.lock.acquire()
+                        held = True
+                    go_on = stage(work)
+                else:
+                    if held:
+                        self.lock.release()
+                        held = False
+                    go_on = stage(work)
+                    if inspect.isgenerator(go_on):
+                        go_on = yield from go_on
+                if not go_on:
+                    break
+        finally:
+            if held:
+                self.lock.release()
+        return work
 
     def process(self, anomaly: ev.Anomaly, now: float) -> Work:
-        work = Work(anomaly=anomaly, now=now)
-        for stage in self.stages:
-            if not stage(work):
-                break
-        return work
+        return drive(self.run(anomaly, now))
+
+    def drop(self, work: Work) -> None:
+        """An anomaly the scheduler let go without handling it (``work.dropped``): recorded
+        by ``on_drop``, whose record joins ``work.records``."""
+        if self.on_drop is None:
+            return
+        with self.lock:
+            event = self.on_drop(work)
+        if event is not None:
+            work.records.append(event)
 
     def __repr__(self) -> str:
         return "Pipeline(" + " -> ".join(s.name for s in self.stages) + ")"
 
 
+def record_drop(record: Record, state, clock: Callable[[], float] | None = None):
+    """``on_drop`` of :class:`Pipeline`: an ``action`` record ``none``, status
+    ``rate_limited``, code ``work.drop_code`` (``backlog_full``, ...) and reason
+    ``work.dropped``, for the anomaly's own incident, written with ``record``'s recorder; its
+    id is remembered as handled."""
+    def drop(work: Work) -> ev.Action:
+        anomaly = work.anomaly
+        incident = incident_of(anomaly)
+        decision = Decision(action="none", status="rate_limited", reason=work.dropped,
+                            severity="info", targets={"job": anomaly.job, "dropped": True},
+                            code=work.drop_code)
+        event = action_event(decision, incident, clock() if clock else work.now)
+        record.recorder.write(event)
+        record.recorder.flush()
+        state.note_incident(incident, work.now)
+        state.note(decision, incident, event.ts)
+        return event
+    return drop
+
+
 def build_pipeline(*, policy: Policy, state, recorder, capturer=None, directory=None,
                    notify=None, drivers: dict | None = None, correlator=None,
                    log: Callable[[str], None] | None = None,
-                   clock: Callable[[], float] | None = None, orders=None) -> Pipeline:
-    """The one place where the chain is assembled."""
+                   clock: Callable[[], float] | None = None, orders=None,
+                   progress=None) -> Pipeline:
+    """The one place where the chain is assembled. ``orders`` (an
+    :class:`~trainguard.actions.order_desk.OrderDesk`) sends the job actions to ``trainguard
+    run`` where no driver carries them out; ``progress`` (a
+    :class:`~trainguard.actions.confirm.JobProgress`) is where :class:`Confirm` looks whether
+    a stalled job moved on, before and again after the stack capture."""
+    record = Record(recorder, state, clock)
     return Pipeline([
         Correlate(correlator, state, directory, policy.limits.restart_settle_s),
         Dedup(state, policy),
+        Confirm(policy, progress, record, when="before_capture", clock=clock),
         Investigate(policy, capturer, directory),
+        Confirm(policy, progress, record, when="after_capture", clock=clock),
         Decide(policy, state),
         Limit(policy, state, directory),
         Act(drivers, orders),
-        Record(recorder, state, clock),
+        record,
         Dispatch(orders),
         Notify(recorder, state, notify, log=log or (lambda m: None), clock=clock),
-    ])
+    ], on_drop=record_drop(record, state, clock))
 
 
 def _stderr(message: str) -> None:

@@ -38,8 +38,8 @@ from pathlib import Path
 
 from trainguard.errors import UserError
 
-__all__ = ["Policy", "Limits", "CaptureSettings", "Incident", "Decision", "History",
-           "PolicyError", "decide", "apply_limits", "covering_restart", "restart_over",
+__all__ = ["Policy", "Limits", "CaptureSettings", "BacklogSettings", "Incident", "Decision",
+           "History", "PolicyError", "decide", "apply_limits", "covering_restart", "restart_over",
            "load_policy", "ladder_kind", "STEPS", "STRENGTH",
            "DEFAULT_LADDER", "JOB_ACTIONS", "DAY_S"]
 
@@ -127,6 +127,22 @@ class CaptureSettings:
 
 
 @dataclass(kw_only=True, frozen=True)
+class BacklogSettings:
+    """How many anomalies the service takes on at once (docs/POLICY.md, "Backlog"): at most
+    ``max_queued`` waiting (beyond, the oldest of the least severe is dropped, with a
+    record), at most ``max_in_flight`` under way (most of them waiting for stacks, which
+    costs no thread); ``workers`` threads make the blocking calls (alert sinks)."""
+
+    max_queued: int = 10_000
+    max_in_flight: int = 4096
+    workers: int = 4
+
+    def __post_init__(self):
+        for f in fields(self):
+            _positive("backlog", f.name, getattr(self, f.name), integer=True)
+
+
+@dataclass(kw_only=True, frozen=True)
 class Policy:
     """The whole policy; ``Policy()`` is the documented default."""
 
@@ -140,12 +156,17 @@ class Policy:
     straggler_persist_s: float = 600.0
     straggler_min_slowdown: float = 1.3
     max_anomaly_age_s: float = 3600.0
+    confirm_stalled: bool = True
     limits: Limits = field(default_factory=Limits)
     capture: CaptureSettings = field(default_factory=CaptureSettings)
+    backlog: BacklogSettings = field(default_factory=BacklogSettings)
 
     def __post_init__(self):
         if not isinstance(self.dry_run, bool):
             raise PolicyError(f"dry_run must be true or false, got {self.dry_run!r}")
+        if not isinstance(self.confirm_stalled, bool):
+            raise PolicyError(f"confirm_stalled must be true or false, got "
+                              f"{self.confirm_stalled!r}")
         bad = [a for a in self.require_approval if a not in JOB_ACTIONS]
         if bad:
             raise PolicyError(f"require_approval: {bad} are not among {list(JOB_ACTIONS)}")
@@ -204,7 +225,8 @@ class Policy:
         if unknown:
             raise PolicyError(f"unknown policy key(s) {unknown}; known: {sorted(known)}")
         values = dict(data)
-        for name, sub in (("limits", Limits), ("capture", CaptureSettings)):
+        for name, sub in (("limits", Limits), ("capture", CaptureSettings),
+                          ("backlog", BacklogSettings)):
             if name in values:
                 raw = values[name]
                 if not isinstance(raw, dict):
@@ -223,6 +245,7 @@ class Policy:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["limits"] = {f.name: getattr(self.limits, f.name) for f in fields(Limits)}
         out["capture"] = {f.name: getattr(self.capture, f.name) for f in fields(CaptureSettings)}
+        out["backlog"] = {f.name: getattr(self.backlog, f.name) for f in fields(BacklogSettings)}
         out["ladder"] = {k: list(v) for k, v in self.ladder.items()}
         out["require_approval"] = list(self.require_approval)
         return out

@@ -1,14 +1,17 @@
 """``trainguard actions``: the action service, and the Kafka ends of the action pipeline.
 
 It consumes ``<prefix>.anomalies`` (consumer group ``trainguard-actions.<prefix>``, offsets
-committed after each anomaly is handled) and runs each anomaly through the pipeline of
-:mod:`trainguard.actions.pipeline`. Around it:
+committed up to the oldest anomaly still under way) and runs the anomalies through the
+pipeline of :mod:`trainguard.actions.pipeline`, many at once, on the scheduler of
+:mod:`trainguard.actions.scheduler`. Around it:
 
 - at start-up it reads back the last ``state_horizon_s`` of ``<prefix>.actions`` into the
   ledger (:class:`~trainguard.actions.state.ServiceState`), so that even with a lost state
   file it never repeats a restart it already ordered;
-- a background thread watches ``<prefix>.telemetry`` for ``lifecycle`` events (a byte-level
-  filter skips everything else) to learn each job's world size, topology and machines;
+- a background thread watches ``<prefix>.telemetry`` for ``lifecycle``, ``step`` and
+  ``heartbeat`` events (a byte-level filter skips everything else) to learn each job's world
+  size, topology and machines, and whether a stalled job moved on
+  (:class:`~trainguard.actions.confirm.JobProgress`, confirm before acting);
 - stack captures send ``command`` events to ``<prefix>.commands`` and read
   ``<prefix>.stacks`` from where it ended when the service started;
 - restarts, evictions and rollbacks go to ``trainguard run`` as ``order`` events on
@@ -30,14 +33,16 @@ import signal
 import sys
 import threading
 import time
-import traceback
+from collections import Counter
 from pathlib import Path
 
 from trainguard import events as ev
 from trainguard.actions.capture import JobDirectory, StackCapture, StackGatherer
+from trainguard.actions.confirm import JobProgress
 from trainguard.actions.order_desk import OrderDesk
 from trainguard.actions.pipeline import build_pipeline
-from trainguard.actions.policy import Policy, PolicyError, load_policy
+from trainguard.actions.policy import BacklogSettings, Policy, PolicyError, load_policy
+from trainguard.actions.scheduler import OffsetTracker, Scheduler
 from trainguard.actions.state import ServiceState
 from trainguard.errors import UserError
 from trainguard.signing import Verifier, sign, signing_key_from_env, warn_if_unsigned
@@ -48,6 +53,7 @@ __all__ = ["main", "ActionService", "KafkaSource", "KafkaRecorder", "read_back",
 PRODUCER_SETTINGS = {"linger.ms": 5, "acks": "all", "enable.idempotence": True,
                      "partitioner": "murmur2_random", "message.timeout.ms": 30000}
 LIFECYCLE_LOOKBACK_S = 600.0
+STATE_SAVE_EVERY_S = 1.0  # the ledger file at most once a second (docs/POLICY.md, State file)
 
 
 def _log(message: str) -> None:
@@ -135,6 +141,9 @@ class KafkaSource:
         if msg is None or msg.error():
             return None
         value = msg.value()
+        if not value:  # an empty message (a tombstone, or a careless client): not an event
+            self.invalid += 1
+            return None
         if self.want and not any(w in value for w in self.want):
             return None
         try:
@@ -180,13 +189,19 @@ def read_back(config, topic: str, since: float, apply, timeout: float = 30.0,
 
 
 class KafkaRecorder:
-    """Writes events to a topic, keyed by job (so one job's records stay in order)."""
+    """Writes events to a topic, keyed by job (so one job's records stay in order), signed
+    with ``keys`` when given. With ``deferred``, :meth:`flush` only serves delivery reports:
+    the records go out within the producer's ``linger.ms`` all the same, and whoever commits
+    the consumer's offsets calls :meth:`flush_now` first (waiting for acks after every
+    anomaly would make a burst of anomalies wait on the broker's round trips one by one)."""
 
-    def __init__(self, producer, topic: str, flush_timeout: float = 10.0, keys=None):
+    def __init__(self, producer, topic: str, flush_timeout: float = 10.0, keys=None,
+                 deferred: bool = False):
         self.producer = producer
         self.topic = topic
         self.flush_timeout = flush_timeout
         self.keys = keys
+        self.deferred = deferred
 
     def write(self, event: ev.Event) -> None:
         """Writes ``event``, signed with ``keys`` when given."""
@@ -195,20 +210,34 @@ class KafkaRecorder:
         self.producer.poll(0)
 
     def flush(self) -> None:
+        if self.deferred:
+            self.producer.poll(0)
+        else:
+            self.flush_now()
+
+    def flush_now(self) -> int:
+        """Wait for every record's delivery; returns how many are still unsent."""
         left = self.producer.flush(self.flush_timeout)
         if left:
             _log(f"{left} record(s) to {self.topic} still unsent after "
                  f"{self.flush_timeout:g}s")
+        return left
 
 
 class _DirectoryWatcher(threading.Thread):
-    """Feeds one topic's events to the job directory, until ``stop``."""
+    """Feeds one topic's events to the job directory (and to ``also``: more observers),
+    until ``stop``. Messages it cannot decode are skipped and counted (the stream worker
+    dead-letters those of the telemetry topic); the count is logged at most once a
+    minute."""
 
-    def __init__(self, source: KafkaSource, directory: JobDirectory, stop: threading.Event):
+    def __init__(self, source: KafkaSource, directory: JobDirectory, stop: threading.Event,
+                 also: tuple = ()):
         super().__init__(name=f"trainguard-watch-{source.topic}", daemon=True)
         self.source, self.directory, self.stop = source, directory, stop
+        self.observers = (directory, *also)
 
     def run(self) -> None:
+        told, next_tell = 0, time.monotonic() + 60.0
         while not self.stop.is_set():
             try:
                 event = self.source.poll(0.5)
@@ -217,7 +246,12 @@ class _DirectoryWatcher(threading.Thread):
                 time.sleep(1.0)
                 continue
             if event is not None:
-                self.directory.observe(event)
+                for observer in self.observers:
+                    observer.observe(event)
+            if self.source.invalid != told and time.monotonic() >= next_tell:
+                _log(f"watching {self.source.topic}: skipped {self.source.invalid - told} "
+                     f"empty or invalid message(s) ({self.source.invalid} in all)")
+                told, next_tell = self.source.invalid, time.monotonic() + 60.0
         self.source.close()
 
 
@@ -266,26 +300,67 @@ class _OrderWatcher(threading.Thread):
             self.deadletter(msg, f"ack of order {event.order_id[:80]} refused: {refusal}")
 
 
+def outcome_of(work) -> tuple[str, str]:
+    """``(outcome, counter)`` of an anomaly's :class:`~trainguard.actions.pipeline.Work`: the
+    ``outcome`` label of the ``anomalies`` metric (``handled``, ``false_alarm``, ``dropped``,
+    ``error``) and the name it is counted under in the service's log (``dropped_<code>``
+    says which drop)."""
+    if work.drop_code == "internal_error":
+        return "error", "internal_errors"
+    if work.dropped:
+        return "dropped", f"dropped_{work.drop_code or 'other'}"
+    if work.false_alarm:
+        return "false_alarm", "false_alarms"
+    return "handled", "handled"
+
+
 class ActionService:
     """The consume loop around a pipeline; I/O objects are given, so tests can drive
-    :meth:`handle` directly."""
+    :meth:`handle` (one anomaly, blocking) or the :attr:`scheduler` directly. In
+    :meth:`run_kafka`, anomalies go through the scheduler (:mod:`trainguard.actions.
+    scheduler`): many at once, the most severe first, a bounded backlog; ``pump`` reads the
+    stack replies that parked anomalies wait for. Every anomaly's outcome is told in one
+    place, :meth:`_tell`: logged, counted in :attr:`counts` (which the scheduler's periodic
+    backlog line shows) and, when :attr:`metrics` is set (an
+    :class:`~trainguard.service_metrics.ActionMetrics`), counted there."""
 
-    def __init__(self, *, pipeline, state: ServiceState, clock=time.time, log=_log):
+    def __init__(self, *, pipeline, state: ServiceState, clock=time.time, log=_log,
+                 settings: BacklogSettings = BacklogSettings(), pump=None,
+                 before_commit=None):
         self.pipeline = pipeline
         self.state = state
         self.clock = clock
         self.log = log
+        self.before_commit = before_commit  # () -> records still unsent (then no commit)
+        self.offsets = OffsetTracker()
+        self.scheduler = Scheduler(pipeline=pipeline, settings=settings, pump=pump,
+                                   on_done=self._done, clock=clock, log=log)
+        self.counts: Counter = self.scheduler.counts  # one set of counters, logged by it
+        self.metrics = None
 
     def handle(self, anomaly: ev.Anomaly):
         work = self.pipeline.process(anomaly, now=self.clock())
+        self._tell(work)
+        return work
+
+    def _tell(self, work) -> None:
+        anomaly = work.anomaly
+        outcome, counter = outcome_of(work)
+        self.counts[counter] += 1
+        if self.metrics is not None:
+            self.metrics.outcome(outcome)
         if work.dropped:
-            self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}): "
-                     f"{work.dropped}")
+            self.log(f"anomaly {anomaly.id} ({anomaly.kind}, {anomaly.severity}, job "
+                     f"{anomaly.job}) dropped: {work.dropped}")
         else:
             done = ", ".join(f"{r.action} {r.status}" for r in work.records) or "nothing"
             self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}) -> "
                      f"incident {work.incident.id}: {done}")
-        return work
+
+    def _done(self, token, work) -> None:
+        self._tell(work)
+        if token is not None:
+            self.offsets.finished(*token)
 
     def run_kafka(self, config, stop: threading.Event, deadletter=None) -> None:
         from confluent_kafka import Consumer
@@ -294,30 +369,60 @@ class ActionService:
             "group.id": f"trainguard-actions.{config.topics.prefix}",
             "enable.auto.commit": False, "auto.offset.reset": "earliest"}),
             logger=quiet_logger())
-        consumer.subscribe([config.topics.anomalies])
+        topic = config.topics.anomalies
+        consumer.subscribe([topic])
+        loop_stop = threading.Event()
+        loop = threading.Thread(target=self.scheduler.run, args=(loop_stop,), daemon=True,
+                                name="trainguard-actions-scheduler")
+        loop.start()
+        next_commit = 0.0
         try:
             while not stop.is_set():
-                msg = consumer.poll(0.5)
+                msg = consumer.poll(0.2)
+                if time.monotonic() >= next_commit:
+                    self._save_and_commit(consumer, topic)
+                    next_commit = time.monotonic() + 0.5
                 if msg is None:
                     continue
                 if msg.error():
                     self.log(f"consumer: {msg.error().str()}")
                     continue
+                token = (msg.partition(), msg.offset())
+                self.offsets.started(*token)
                 try:
-                    event = ev.decode(msg.value())
+                    event = ev.decode(msg.value()) if msg.value() else None
+                    reason = None if event is not None else "empty message"
                 except ev.InvalidEvent as exc:
+                    event, reason = None, str(exc)
+                if reason is not None:
+                    self.counts["invalid"] += 1
                     if deadletter:
-                        deadletter(msg, str(exc))
-                    event = None
+                        deadletter(msg, reason)
                 if isinstance(event, ev.Anomaly):
-                    try:
-                        self.handle(event)
-                    except Exception:
-                        self.log(f"anomaly {event.id}: internal error, skipped:\n"
-                                 f"{traceback.format_exc()}")
-                consumer.commit(message=msg, asynchronous=False)
+                    self.scheduler.submit(event, token)
+                else:
+                    self.offsets.finished(*token)
         finally:
+            loop_stop.set()
+            loop.join(timeout=30)
+            self._save_and_commit(consumer, topic)
             consumer.close()
+
+    def _save_and_commit(self, consumer, topic: str) -> None:
+        from confluent_kafka import KafkaException, TopicPartition
+
+        with self.pipeline.lock:
+            self.state.save_pending(self.clock())
+        if self.before_commit is not None and self.before_commit():
+            return  # records of finished anomalies are unsent: their offsets wait
+        points = self.offsets.committable()
+        if not points:
+            return
+        try:  # asynchronous: a synchronous commit waits for ever when the broker is gone
+            consumer.commit(offsets=[TopicPartition(topic, p, o) for p, o in points.items()],
+                            asynchronous=True)
+        except KafkaException as exc:  # e.g. a rebalance took the partition away
+            self.log(f"commit of {points}: {exc}")
 
 
 def load_service_config(path: str | None, dry_run: bool = False
@@ -393,19 +498,20 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
     started = time.time()
     since = started - LIFECYCLE_LOOKBACK_S
     deadletter = _deadletter_writer(producer, topics.deadletter)
-    audit = KafkaRecorder(producer, topics.actions, keys=keys)
-    orders = KafkaRecorder(producer, topics.orders)
-
-    def send_order(order: ev.Order) -> None:
-        orders.write(order)
-        orders.flush()
-
-    desk = OrderDesk(send=send_order, recorder=audit, directory=directory, keys=keys, log=log)
+    # records of finished anomalies are flushed before their offsets are committed
+    audit = KafkaRecorder(producer, topics.actions, keys=keys, deferred=True)
+    # an order goes out within linger.ms; its outcome is the ack (or no_ack), not a flush
+    orders = KafkaRecorder(producer, topics.orders, deferred=True)
+    desk = OrderDesk(send=orders.write, recorder=audit, directory=directory, keys=keys,
+                     log=log)
     for action in earlier_actions:
         desk.seed(action)
+    progress = JobProgress()  # steps and heartbeats: is a stalled job still stalled?
     watchers = [
         _DirectoryWatcher(KafkaSource(config, topics.telemetry, since=since,
-                                      want=(b'"lifecycle"',)), directory, stop),
+                                      want=(b'"lifecycle"', b'"step"', b'"heartbeat"')),
+                          directory, stop, also=(progress,)),
+        # acks of orders; already_satisfied restarts are told to the directory from there
         _OrderWatcher(KafkaSource(config, topics.orders, since=since), desk, deadletter, stop,
                       started)]
     for watcher in watchers:
@@ -414,10 +520,11 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
     commands = KafkaRecorder(producer, topics.commands)
 
     def send(command: ev.Command) -> None:
+        # sent within linger.ms; a flush here would wait for the broker's acks
         commands.write(sign(command, keys))
-        commands.flush()
 
-    capturer = StackCapture(send=send, gatherer=StackGatherer(stacks), settings=policy.capture)
+    gatherer = StackGatherer(stacks)
+    capturer = StackCapture(send=send, gatherer=gatherer, settings=policy.capture)
     notify = None
     if sinks:
         from trainguard.actions.alerts import send_all
@@ -430,8 +537,10 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
     pipeline = build_pipeline(policy=policy, state=state, recorder=audit,
                               capturer=capturer, directory=directory, notify=notify,
                               drivers=drivers, correlator=Correlator(), log=log,
-                              clock=time.time, orders=desk)
-    service = ActionService(pipeline=pipeline, state=state, log=log)
+                              clock=time.time, orders=desk, progress=progress)
+    service = ActionService(pipeline=pipeline, state=state, log=log, settings=policy.backlog,
+                            pump=lambda timeout: gatherer.pump(timeout, max_events=500),
+                            before_commit=audit.flush_now)
 
     def close() -> None:
         stop.set()
@@ -462,7 +571,7 @@ def main(args, config, keys=None) -> int:
     warn_if_unsigned(keys, "actions", f"orders on {topics.orders} and commands on "
                                       f"{topics.commands}")
     state_path = Path(args.state) if getattr(args, "state", None) else default_state_path(config)
-    state = ServiceState.load(state_path, log=_log)
+    state = ServiceState.load(state_path, log=_log, save_every_s=STATE_SAVE_EVERY_S)
     ordered = []
 
     def absorb(action) -> None:

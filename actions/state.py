@@ -39,9 +39,13 @@ DEFAULT_HORIZON_S = 2 * 86400.0
 class ServiceState:
     """The ledger; ``path=None`` keeps it in memory only."""
 
-    def __init__(self, path: str | Path | None = None, horizon_s: float = DEFAULT_HORIZON_S):
+    def __init__(self, path: str | Path | None = None, horizon_s: float = DEFAULT_HORIZON_S,
+                 save_every_s: float = 0.0):
         self.path = Path(path) if path else None
         self.horizon_s = horizon_s
+        self.save_every_s = save_every_s
+        self._saved_at = None
+        self._unsaved = False
         self.incidents: dict[str, dict] = {}
         self.seen: dict[str, float] = {}
         self.restarts: list[dict] = []
@@ -53,10 +57,10 @@ class ServiceState:
     # ------------------------------------------------------------------ file
     @classmethod
     def load(cls, path: str | Path | None, horizon_s: float = DEFAULT_HORIZON_S,
-             log=None) -> "ServiceState":
+             log=None, save_every_s: float = 0.0) -> "ServiceState":
         """The ledger of ``path``; empty when the file is missing. A file that cannot be read
         back is moved aside (``<name>.corrupt-<time>``) and the ledger starts empty."""
-        state = cls(path, horizon_s)
+        state = cls(path, horizon_s, save_every_s)
         if not path or not Path(path).exists():
             return state
         try:
@@ -75,7 +79,7 @@ class ServiceState:
             os.replace(path, aside)
             (log or _stderr)(f"state file {path} unreadable ({exc}); moved to {aside}, "
                              "starting empty (the actions topic is read back)")
-            return cls(path, horizon_s)
+            return cls(path, horizon_s, save_every_s)
         return state
 
     def to_dict(self) -> dict:
@@ -84,22 +88,37 @@ class ServiceState:
                 "failures": self.failures, "pages": self.pages, "excluded": self.excluded}
 
     def save(self, now: float | None = None) -> None:
-        """Prune what is older than the horizon, then write atomically."""
+        """Prune what is older than the horizon, then write atomically; with
+        ``save_every_s``, at most that often (:meth:`save_pending` writes what is left):
+        under a burst of anomalies the ledger is not rewritten for each one (the records on
+        the actions topic, read back at start-up, cover the gap)."""
+        if self.save_every_s and self._saved_at is not None \
+                and time.monotonic() - self._saved_at < self.save_every_s:
+            self._unsaved = True
+            return
         if now is not None:
             self.prune(now)
+        self._unsaved = False
+        self._saved_at = time.monotonic()
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump(self.to_dict(), out, separators=(",", ":"))
+                out.write(json.dumps(self.to_dict(), separators=(",", ":")))
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, self.path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def save_pending(self, now: float | None = None) -> None:
+        """Write what :meth:`save` held back, if anything."""
+        if self._unsaved:
+            self._saved_at = None
+            self.save(now)
 
     def prune(self, now: float) -> None:
         cut = now - self.horizon_s
@@ -210,6 +229,8 @@ class ServiceState:
         """Rebuild from one ``action`` record of the actions topic (the service's own, and the
         supervisor's ``done``/``failed`` replies to them)."""
         extra = action.extra or {}
+        if extra.get("source") == "worker":
+            return  # the worker's audit of a per-job override: no incident of ours
         if extra.get("source") == "supervisor" and action.incident not in self.incidents:
             return  # the supervisor's own crash restarts are its budget, not the service's
         targets = action.targets or {}

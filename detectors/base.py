@@ -91,6 +91,17 @@ class Detector:
     def advance(self, now: float) -> list[Finding]:
         return []
 
+    def retune(self, **params) -> None:
+        """Change constructor parameters in place, keeping what was learned (a per-job
+        override at runtime, :mod:`trainguard.overrides`); only parameters read when a
+        decision is made may change so."""
+        for name, value in params.items():
+            setattr(self, name, value)
+        self._derive()
+
+    def _derive(self) -> None:
+        """Recompute what the constructor derived from its parameters."""
+
     def _get_params(self) -> dict:
         names = [n for n in inspect.signature(type(self).__init__).parameters if n != "self"]
         return {n: getattr(self, n) for n in names}

@@ -36,13 +36,13 @@ MAX_REJECTIONS_LISTED = 100
 
 
 def analyze_events(events, config: DetectorConfig | None = None,
-                   limits: EventTimeLimits | None = None):
+                   limits: EventTimeLimits | None = None, tune_stage=None):
     """Run an :class:`Engine` over events in event time; returns ``(engine, summary)``.
 
     Events that :class:`~trainguard.eventtime.EventTimeFilter` refuses (an implausible
     ``ts`` or ``step``) are left out: ``summary["rejected"]`` counts them and
     ``summary["rejections"]`` lists the first ones with their reasons."""
-    engine = Engine(config)
+    engine = Engine(config, tune_stage=tune_stage)
     update = engine.update
     check = EventTimeFilter(limits).check
     now = None
@@ -77,7 +77,20 @@ def analyze_events(events, config: DetectorConfig | None = None,
     return engine, summary
 
 
-def analyze_file(path, config: DetectorConfig | None = None) -> dict:
+def _overrides_book(overrides: dict | None, config):
+    """The ``tune_stage`` of per-job overrides ``{job: {key: value}}`` (``--overrides``)."""
+    if not overrides:
+        return None
+    from trainguard.overrides import Accepted, OverrideBook, check_values
+
+    book = OverrideBook(base=config if config is not None else DetectorConfig())
+    for job, values in overrides.items():
+        book.set(Accepted(job=job, values=check_values(values, book.base), ts=0.0))
+    return book.tune
+
+
+def analyze_file(path, config: DetectorConfig | None = None,
+                 overrides: dict | None = None) -> dict:
     """SPEC §4 ``{"events": N, "invalid": M, "incidents": [...]}`` for one recording.
 
     ``events`` counts the events analyzed, ``invalid`` the lines that were not: those that
@@ -86,7 +99,8 @@ def analyze_file(path, config: DetectorConfig | None = None) -> dict:
     reasons).
     """
     stats = ReadStats()
-    engine, summary = analyze_events(read_events(path, stats), config)
+    engine, summary = analyze_events(read_events(path, stats), config,
+                                     tune_stage=_overrides_book(overrides, config))
     incidents = [{k: inc[k] for k in _INCIDENT_KEYS} for inc in engine.incidents()]
     rejected = summary["rejected"]
     out = {"events": stats.events - rejected, "invalid": stats.invalid + rejected,

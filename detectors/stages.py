@@ -34,6 +34,7 @@ from .config import DetectorConfig
 from .correlate import Correlator
 from .gpu import GpuDegradedDetector, GpuFaultDetector, Placement
 from .hang import is_allowed_phase
+from .view import LEARNS_FROM, JobView
 from .liveness import CrashDetector, HangDetector, SilentDetector
 from .timing import StragglerDetector, ThroughputDetector
 from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
@@ -318,6 +319,10 @@ class JobStage:
         c = self.config
         self.detectors = {cls.PREFIX: cls(**c.params_for(cls)) for cls in JOB_DETECTORS}
         self._routes = routes(self.detectors.values())
+        self.view = JobView()          # the job as every detector sees it, kept here
+        for detector in self.detectors.values():
+            if getattr(detector, "USES_VIEW", False):
+                detector.share_view(self.view)
         self.placement = Placement()   # names the rank of a GPU in NodeStage findings
         self._nodes: dict = {}         # node -> NodeStage, for node events given directly
         self.steps = StepAggregator(close_lag=c.step_close_lag, close_s=c.step_close_s)
@@ -326,6 +331,7 @@ class JobStage:
         self.job = None
         self._emitted: set = set()
         self._emitted_order: deque = deque()
+        self._changed: dict = {}      # incident id -> its dict, changed since take_incidents
 
     def update(self, item) -> list[ev.Anomaly]:
         if type(item) is dict:
@@ -334,6 +340,8 @@ class JobStage:
                 return self.update(ev.from_dict(item))
             if self.job is None:
                 self.job = item.get("job")
+            if k in LEARNS_FROM:
+                self.view.learn(item)
             if k == "step":
                 findings = []
                 for d in self._routes["step"]:
@@ -413,9 +421,16 @@ class JobStage:
             self._emitted_order.append(anomaly.id)
             if len(self._emitted_order) > self.config.emitted_ids_kept:
                 self._emitted.discard(self._emitted_order.popleft())
-            self.correlator.add(anomaly)
+            incident = self.correlator.add(anomaly)
+            self._changed[incident["id"]] = incident
             out.append(anomaly)
         return out
+
+    def take_incidents(self) -> list[dict]:
+        """The incidents opened or grown since the last call (each once, as it is now): what
+        a worker publishes as ``incident`` events (SPEC §6)."""
+        changed, self._changed = list(self._changed.values()), {}
+        return changed
 
 
 class Engine:
@@ -428,8 +443,11 @@ class Engine:
     gpu and xid are ignored, as are rank events without a rank.
     """
 
-    def __init__(self, config: DetectorConfig | None = None):
+    def __init__(self, config: DetectorConfig | None = None, tune_stage=None):
         self.config = config if config is not None else DetectorConfig()
+        #: called with (job, stage) for each new job stage: per-job overrides
+        #: (``trainguard analyze --overrides``, :mod:`trainguard.overrides`)
+        self.tune_stage = tune_stage
         self._ranks: dict = {}
         self._jobs: dict = {}
         self.next_advance_ts = float("-inf")   # advance(now) before this does nothing
@@ -439,6 +457,8 @@ class Engine:
         if stage is None:
             stage = self._jobs[job] = JobStage(self.config)
             stage.job = job
+            if self.tune_stage is not None:
+                self.tune_stage(job, stage)
         return stage
 
     def update(self, event) -> list[ev.Anomaly]:

@@ -177,6 +177,10 @@ class SpikeDetector(Detector):
         self._quiet = cooldown
         self._episode = None
 
+    def _derive(self) -> None:
+        self._log_early_ratio = math.log(max(self.min_ratio, self.early_min_ratio))
+        self._log_min_ratio = math.log(self.min_ratio)
+
     def update(self, item) -> list[Finding]:
         if type(item) is not dict or item.get("k") != "jobstep":
             return []

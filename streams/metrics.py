@@ -36,6 +36,7 @@ COUNTERS = {
     "invalid": "Telemetry messages sent to the dead-letter topic.",
     "ignored": "Valid rank events without a rank, ignored.",
     "anomalies_out": "Anomalies delivered to the anomalies topic (confirmed by the broker).",
+    "incidents_out": "Incident events (SPEC §6) delivered to the anomalies topic.",
     "anomalies_failed": "Anomaly deliveries that failed (each is sent again; offsets wait).",
     "deliveries_failed": "Rank-side deliveries (summaries, dead letters, state) that failed "
                          "(each is produced again; offsets wait).",
@@ -52,6 +53,9 @@ COUNTERS = {
     "snapshot_failures": "State snapshots whose flush failed (offsets not committed).",
     "restore_failures": "Snapshots that could not be loaded (state started afresh).",
     "gc_collections": "Scheduled garbage collections (one every gc_interval_s, 30 s).",
+    "config_overrides_applied": "Per-job overrides read from the config topic and applied.",
+    "config_overrides_refused": "Config topic records refused (unsigned, forged, malformed, "
+                                "out of range, replayed) and dead-lettered.",
     "gc_seconds": "Seconds spent in scheduled garbage collections.",
     "rank_side_cpu_seconds": "CPU seconds of the rank side: decoding, aligning, the rank and "
                              "node stages, producing summaries.",

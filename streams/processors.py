@@ -243,8 +243,14 @@ class JobProcessor(_SlotsProcessor):
     def __init__(self, make_stage: Callable[[], Any], *,
                  idle_ttl_s: float = DEFAULT_IDLE_TTL_S, observe_lag=None,
                  advance_every_s: float | None = 0.5, evict_idle_s: float | None = None,
-                 max_live: int | None = None, shared: dict | None = None):
+                 max_live: int | None = None, shared: dict | None = None,
+                 incidents: bool = False,
+                 tune_stage: Callable[[str, Any], Any] | None = None):
         self.make_stage = make_stage
+        self.incidents = incidents
+        #: called with (job, stage) for each stage built or loaded from a snapshot: the
+        #: job's per-job overrides (streams/config_feed.py)
+        self.tune_stage = tune_stage
         self.idle_ttl_s = idle_ttl_s
         self.evict_idle_s = evict_idle_s
         self.observe_lag = observe_lag
@@ -271,8 +277,16 @@ class JobProcessor(_SlotsProcessor):
                 if getattr(slot.stage, "job", "") is None:
                     slot.stage.job = job
                 self.state.put(key, slot)
+            self._tuned(job, slot)
         slot.partition = partition
         return slot
+
+    def _tuned(self, job: str, slot) -> None:
+        if self.tune_stage is not None:
+            try:
+                self.tune_stage(job, slot.stage)
+            except Exception:            # the stage keeps the file's settings
+                log.exception("per-job overrides of %s not applied", job)
 
     def apply(self, value, partition: int, now: float) -> list[ev.Anomaly]:
         """Apply one summaries message; raises :class:`InvalidSummaries` for a bad one."""
@@ -311,7 +325,15 @@ class JobProcessor(_SlotsProcessor):
                     self.errors += 1
                     log.exception("job stage %s failed in advance()", job)
         slot.watermark, slot.applied_at = watermark, now
-        return out
+        return self._with_incidents(stage, out) if out else out
+
+    def _with_incidents(self, stage, anomalies: list) -> list:
+        """``anomalies``, then (with ``incidents``) an ``ev.Incident`` for each incident of
+        ``stage`` they opened or grew."""
+        changed = stage.take_incidents() if hasattr(stage, "take_incidents") else []
+        if not self.incidents:
+            return anomalies
+        return anomalies + [ev.Incident.of(incident) for incident in changed]
 
     def advance(self, now: float) -> list[ev.Anomaly]:
         out = []
@@ -326,7 +348,7 @@ class JobProcessor(_SlotsProcessor):
                 continue
             if found:
                 self.state.dirty.add(key)
-                out += found
+                out += self._with_incidents(slot.stage, found)
         return out
 
     def load_saved(self, partitions: set, now: float | None = None) -> int:
@@ -345,7 +367,13 @@ class JobProcessor(_SlotsProcessor):
                 continue
             if partition in partitions and touched >= recent:
                 keys.append(key)
-        return sum(1 for k in keys if self.state.load(k) is not None)
+        loaded = 0
+        for key in keys:
+            slot = self.state.load(key)
+            if slot is not None:
+                self._tuned(key.decode("utf-8", "replace"), slot)
+                loaded += 1
+        return loaded
 
 
 __all__ += ["InvalidSummaries"]

@@ -68,8 +68,9 @@ def make_data_dir(path: str) -> None:
                         "set --data-dir or TRAINGUARD_HOME") from None
 
 
-def build(settings: WorkerSettings, config: Config, detector_config=None):
-    """Create topics and wire the worker: ``(app, rank_service, runtime)``."""
+def build(settings: WorkerSettings, config: Config, detector_config=None, keys=None):
+    """Create topics and wire the worker: ``(app, rank_service, runtime)``. ``keys``: the
+    signing keys that per-job overrides must be signed with (None: unsigned accepted)."""
     from trainguard.detectors import DetectorConfig, JobStage, NodeStage, RankStage
 
     from .app import JobRuntime, make_app
@@ -78,6 +79,7 @@ def build(settings: WorkerSettings, config: Config, detector_config=None):
     from .processors import JobProcessor, RankProcessor
     from .ranks import RankService
     from .settings import ensure_topics, faust_credentials
+    from trainguard.overrides import OverrideBook
 
     counts = ensure_topics(config, settings)
     topics = WorkerTopics(telemetry=config.topics.telemetry, anomalies=config.topics.anomalies,
@@ -92,11 +94,13 @@ def build(settings: WorkerSettings, config: Config, detector_config=None):
                           telemetry_topic=topics.telemetry, idle_ttl_s=settings.idle_ttl_s,
                           evict_idle_s=settings.evict_idle_s,
                           max_live=settings.max_live_ranks, shared=shared)
+    book = OverrideBook(base=detector_config)      # per-job overrides at runtime
     jobs = JobProcessor(partial(JobStage, detector_config), idle_ttl_s=settings.idle_ttl_s,
                         observe_lag=metrics.observe_lag,
                         advance_every_s=detector_config.advance_interval_s,
                         evict_idle_s=settings.evict_idle_s,
-                        max_live=settings.max_live_jobs, shared=shared)
+                        max_live=settings.max_live_jobs, shared=shared,
+                        incidents=settings.publish_incidents, tune_stage=book.tune)
     collection = (ScheduledCollection(settings.gc_interval_s) if settings.gc_interval_s > 0
                   else None)
     runtime = JobRuntime(settings=settings, topics=topics, processor=jobs, metrics=metrics,
@@ -109,7 +113,24 @@ def build(settings: WorkerSettings, config: Config, detector_config=None):
                                processor=ranks, metrics=metrics,
                                state_partitions=counts["rank_state"], loop=app.loop)
     runtime.rank_service = rank_service
+    runtime.config_feed = start_config_feed(config, settings, book, jobs, metrics, keys)
     return app, rank_service, runtime
+
+
+def start_config_feed(config: Config, settings: WorkerSettings, book, jobs, metrics, keys):
+    """The reader of the config topic, caught up with it before any job stage is built."""
+    from trainguard.signing import Verifier
+
+    from .config_feed import ConfigFeed
+
+    feed = ConfigFeed(kafka=config.kafka(), topics=config.topics, book=book, processor=jobs,
+                      verifier=Verifier(keys), worker=settings.app_id, keys=keys,
+                      metrics=metrics)
+    feed.start()
+    read = feed.catch_up()
+    log.info("config topic %s: %d records read, %d jobs with overrides", config.topics.config,
+             read, len(book.jobs))
+    return feed
 
 
 def _hard_exit_later(grace_s: float, code: int) -> None:
@@ -164,6 +185,19 @@ def _check_port(bind: str, port: int) -> None:
                             "port with --web-port") from None
 
 
+def _signing_keys(args):
+    """The signing keys of per-job overrides: the tree's ``security.signing_key`` (file or
+    ``TRAINGUARD_SIGNING_KEY``), else the environment."""
+    from trainguard.signing import SigningKeys, signing_key_from_env, warn_if_unsigned
+
+    tree = getattr(args, "tree", None)
+    text = tree.value("security.signing_key") if tree is not None and \
+        "security.signing_key" in tree.keys else None
+    keys = SigningKeys.parse(text) if text else signing_key_from_env()
+    warn_if_unsigned(keys, "worker", "per-job overrides on the config topic")
+    return keys
+
+
 def main(args, config: Config) -> int:
     settings = settings_from_args(args, config)
     _check_port(settings.web_bind, settings.web_port)
@@ -179,7 +213,8 @@ def main(args, config: Config) -> int:
         signal.signal(s, early_exit)
     try:
         app, rank_service, runtime = build(settings, config,
-                                           getattr(args, "detector_config", None))
+                                           getattr(args, "detector_config", None),
+                                           keys=_signing_keys(args))
     except SystemExit:
         return 0
     if runtime.collection is not None:       # garbage collection on the job side's timer

@@ -175,6 +175,34 @@ def produce(config, topic: str, *events: ev.Event) -> None:
     assert p.flush(10) == 0
 
 
+def answer_captures(config, stop, ranks=4, stuck=2, node="hostA", jobs=None):
+    """A stand-in node agent: answers capture_stacks (of ``jobs``, default all) with rank
+    ``stuck`` in load_batch."""
+    from trainguard.actions.service import KafkaSource
+
+    commands = KafkaSource(config, config.topics.commands, since=time.time() - 5)
+    out = producer(config)
+    try:
+        while not stop.is_set():
+            cmd = commands.poll(0.1)
+            if not isinstance(cmd, ev.Command) or (jobs is not None and cmd.job not in jobs):
+                continue
+            replies = []
+            for rank in range(ranks):
+                fn = "load_batch" if rank == stuck else "all_reduce"
+                frames = [{"function": fn, "file": "/w/train.py", "line": 1},
+                          {"function": "main", "file": "/w/train.py", "line": 2}]
+                replies.append(ev.Stack(job=cmd.job, ts=time.time(), node=node, rank=rank,
+                                        capture_id=cmd.capture_id, pid=100 + rank,
+                                        method="py-spy", threads=[
+                                            {"name": "MainThread", "id": 1, "frames": frames}]))
+            for reply in replies:
+                out.produce(config.topics.stacks, key=reply.job.encode(), value=ev.encode(reply))
+            out.flush(10)
+    finally:
+        commands.close()
+
+
 class Collector:
     """Every event of a topic from its beginning; :meth:`wait` polls until ``predicate``."""
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from actions_harness import (PYTHON, Collector, Procs, produce, read_log, wait_for,
-                             write_child)
+from actions_harness import (PYTHON, Collector, Procs, answer_captures, produce, read_log,
+                             wait_for, write_child)
 from trainguard import events as ev
 from trainguard.actions.policy import CaptureSettings, Policy
 from trainguard.actions.service import build_service, read_back
@@ -70,6 +70,20 @@ def test_service_consumes_an_anomaly_and_records_actions(kafka_config, tmp_path)
         actions.close()
 
 
+def dead_letters(collector, timeout: float = 20.0, more_s: float = 0.0) -> list[dict]:
+    """The first dead-letter record(s) on ``collector``'s topic (JSON, not an event), and
+    those that follow within ``more_s``."""
+    deadline = time.monotonic() + timeout
+    raw = []
+    while time.monotonic() < deadline:
+        msg = collector.source.consumer.poll(0.2)
+        if msg is not None and not msg.error():
+            raw.append(json.loads(msg.value()))
+            if len(raw) == 1:
+                deadline = min(deadline, time.monotonic() + more_s)
+    return raw
+
+
 def test_invalid_messages_go_to_the_dead_letter_topic(kafka_config, tmp_path):
     from confluent_kafka import Producer
 
@@ -79,12 +93,7 @@ def test_invalid_messages_go_to_the_dead_letter_topic(kafka_config, tmp_path):
             p = Producer(kafka_config.kafka())
             p.produce(kafka_config.topics.anomalies, value=b'{"v": 1, "type": "anomaly"}')
             p.flush(10)
-            deadline = time.monotonic() + 20
-            raw = []
-            while not raw and time.monotonic() < deadline:
-                msg = dead.source.consumer.poll(0.2)
-                if msg is not None and not msg.error():
-                    raw.append(json.loads(msg.value()))
+            raw = dead_letters(dead)
         assert raw and raw[0]["topic"] == kafka_config.topics.anomalies
         assert base64.b64decode(raw[0]["raw_b64"]) == b'{"v": 1, "type": "anomaly"}'
         assert "missing required field" in raw[0]["reason"]
@@ -117,30 +126,6 @@ def test_a_restarted_service_with_a_lost_state_file_does_not_restart_again(kafka
         assert second.status == "rate_limited" and second.extra["code"] == "covered"
     finally:
         actions.close()
-
-
-def answer_captures(config, stop, ranks=4, stuck=2, node="hostA"):
-    """A stand-in node agent: answers capture_stacks with rank ``stuck`` in load_batch."""
-    from trainguard.actions.service import KafkaSource
-
-    commands = KafkaSource(config, config.topics.commands, since=time.time() - 5)
-    try:
-        while not stop.is_set():
-            cmd = commands.poll(0.1)
-            if not isinstance(cmd, ev.Command):
-                continue
-            replies = []
-            for rank in range(ranks):
-                fn = "load_batch" if rank == stuck else "all_reduce"
-                frames = [{"function": fn, "file": "/w/train.py", "line": 1},
-                          {"function": "main", "file": "/w/train.py", "line": 2}]
-                replies.append(ev.Stack(job=cmd.job, ts=time.time(), node=node, rank=rank,
-                                        capture_id=cmd.capture_id, pid=100 + rank,
-                                        method="py-spy", threads=[
-                                            {"name": "MainThread", "id": 1, "frames": frames}]))
-            produce(config, config.topics.stacks, *replies)
-    finally:
-        commands.close()
 
 
 @pytest.mark.slow
@@ -203,3 +188,96 @@ def test_hang_capture_restart_and_resume_through_kafka(kafka_config, tmp_path):
         actions.close()
         telemetry.close()
         agent.join(5)
+
+
+def test_a_hang_is_not_kept_behind_unanswered_captures_of_other_jobs(kafka_config):
+    """50 junk hangs whose captures nobody answers (20 s each) arrive first; the real hang,
+    whose stacks come back, is restarted long before the first junk capture gives up."""
+    topics = kafka_config.topics
+    policy = Policy(capture=CaptureSettings(rounds=1, deadline_s=20.0))
+    stop = threading.Event()
+    agent = threading.Thread(target=answer_captures, args=(kafka_config, stop),
+                             kwargs={"jobs": {"real"}}, daemon=True)
+    actions = Collector(kafka_config, topics.actions)
+    try:
+        agent.start()
+        with InProcessService(kafka_config, ServiceState(), policy=policy):
+            junk = [anomaly(kind="hang", id=f"junk-{i}", ranks=[], nodes=[], job=f"junk-{i}")
+                    for i in range(50)]
+            produce(kafka_config, topics.anomalies, *junk,
+                    anomaly(kind="hang", id="real-1", ranks=[], nodes=[], job="real"))
+            actions.wait(lambda es: restarts([e for e in es if e.job == "real"]), timeout=40,
+                         what="the real hang's restart")
+            junk_records = [e for e in actions.events if e.job.startswith("junk")]
+        mine = [(e.action, e.status) for e in actions.events if e.job == "real"]
+        assert mine[:3] == [("capture_stacks", "done"), ("evict", "planned"),
+                            ("restart", "planned")]
+        assert not [e for e in junk_records if e.action == "restart"]  # still waiting
+    finally:
+        stop.set()
+        agent.join(5)
+        actions.close()
+
+
+def test_empty_messages_neither_stop_the_watchers_nor_get_lost(kafka_config):
+    """Empty messages on the telemetry topic are skipped (the steps behind them still reach
+    the service, which then knows the job moved on: a false alarm, no restart); one on the
+    anomalies topic is dead-lettered. The worker's incident events beside the anomalies
+    (SPEC §6) are neither handled nor dead-lettered."""
+    from confluent_kafka import Producer
+
+    topics = kafka_config.topics
+    dead = Collector(kafka_config, topics.deadletter)
+    actions = Collector(kafka_config, topics.actions)
+    try:
+        with InProcessService(kafka_config, ServiceState()) as svc:
+            p = Producer(kafka_config.kafka())
+            for _ in range(20):
+                p.produce(topics.telemetry, key=b"jx/0", value=None)
+                p.produce(topics.telemetry, key=b"jx/0", value=b"")
+            p.produce(topics.anomalies, key=b"jx", value=None)
+            assert p.flush(10) == 0
+            now = time.time()
+            produce(kafka_config, topics.telemetry,
+                    ev.Step(job="jx", ts=now - 60, rank=0, node="n0", step=40, step_time=1.0),
+                    ev.Step(job="jx", ts=now - 2, rank=0, node="n0", step=41, step_time=1.0))
+            confirm = next(s for s in svc.service.pipeline.stages if s.name == "confirm")
+            wait_for(lambda: confirm.progress.progress_after("jx", 40, 0.0), timeout=20,
+                     what="the steps behind the empty messages")
+            hang = ev.Anomaly(job="jx", ts=now, id="hx", kind="hang", severity="critical",
+                              ranks=[], nodes=[], step=40, onset_ts=now - 60, detected_ts=now,
+                              detector="hang", summary="no step for 60s")
+            incident = ev.Incident(job="jx", ts=now, id="hx", kind="hang", severity="critical",
+                                   ranks=[], nodes=[], onset_ts=now - 60, detected_ts=now,
+                                   summary="no step for 60s", anomalies=["hx"], step=40)
+            produce(kafka_config, topics.anomalies, hang, incident)
+            got = actions.wait(lambda es: [e for e in es if e.job == "jx"], timeout=20,
+                               what="the false alarm")
+        assert [(e.action, e.status) for e in got] == [("none", "rate_limited")]
+        assert got[0].targets["false_alarm"]["resumed_step"] == 41
+        raw = dead_letters(dead, more_s=2.0)  # the incident event's had its chance
+        assert len(raw) == 1
+        assert raw[0]["reason"] == "empty message" and raw[0]["raw_b64"] is None
+        assert raw[0]["topic"] == topics.anomalies
+    finally:
+        dead.close()
+        actions.close()
+
+
+def test_offsets_of_finished_anomalies_are_committed(kafka_config):
+    """A second service of the same consumer group, with an empty ledger, does not see the
+    anomalies the first one finished: their offsets were committed."""
+    actions = Collector(kafka_config, kafka_config.topics.actions)
+    try:
+        with InProcessService(kafka_config, ServiceState()):
+            produce(kafka_config, kafka_config.topics.anomalies, anomaly(id="first"))
+            actions.wait(lambda es: restarts(es), what="the first restart")
+            time.sleep(1.5)  # a commit round (every 0.5 s)
+        with InProcessService(kafka_config, ServiceState()):
+            produce(kafka_config, kafka_config.topics.anomalies,
+                    anomaly(kind="gpu_fault", id="second", job="j2"))
+            actions.wait(lambda es: restarts([e for e in es if e.job == "j2"]),
+                         what="the second anomaly's restart")
+        assert [e.incident for e in restarts(actions.events)] == ["inc-first", "inc-second"]
+    finally:
+        actions.close()

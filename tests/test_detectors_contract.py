@@ -252,3 +252,25 @@ def test_the_contract_check_names_an_undeclared_or_unfed_detector():
         check_detector(Mute())
     with pytest.raises(AssertionError, match="advance\\(\\) without 'tick'"):
         check_detector(Timed())
+
+
+def test_the_detectors_of_a_job_stage_share_one_view_of_the_job():
+    """Issue 13 point 3: placement, last seen and topology are learned once, by the stage."""
+    from trainguard.detectors.view import JobView
+
+    stage = JobStage()
+    users = [d for d in stage.detectors.values() if getattr(d, "USES_VIEW", False)]
+    assert {d.PREFIX for d in users} >= {"hang", "silent", "crash", "straggler"}
+    assert all(d.view is stage.view and not d._own_view for d in users)
+    stage.update({"k": "life", "job": "j", "rank": 0, "node": "n1", "ts": 1.0,
+                  "event": "start", "pid": 1, "world_size": 4,
+                  "topology": {"tp": 1, "pp": 2, "dp": 2}})
+    stage.update({"k": "step", "job": "j", "rank": 3, "node": "n2", "ts": 2.0, "step": 0,
+                  "step_time": 1.0})
+    assert (stage.view.where, stage.view.last_seen, stage.view.stage_size) == (
+        {0: "n1", 3: "n2"}, {0: 1.0, 3: 2.0}, 2)
+    restored = pickle.loads(pickle.dumps(stage))
+    assert all(d.view is restored.view for d in restored.detectors.values()
+               if getattr(d, "USES_VIEW", False))
+    alone = type(users[0])()                    # a detector alone keeps its own view
+    assert isinstance(alone.view, JobView) and alone._own_view

@@ -164,7 +164,6 @@ def _crash(job="j1", id="a1", now=100.0):
 
 
 def test_the_action_service_is_counted_around_its_pipeline():
-    from collections import Counter
     from types import SimpleNamespace
 
     from trainguard.actions.alerts.base import SendResult
@@ -189,15 +188,29 @@ def test_the_action_service_is_counted_around_its_pipeline():
     assert v['trainguard_alerts_total{sink="slack",status="sent"}'] == 1
     assert v['trainguard_actions_total{action="alert",status="done"}'] == 1
     assert len(audit.events) == 2
-    # a service that counts its anomalies itself is read at each scrape
-    counted = SimpleNamespace(pipeline=build_pipeline(policy=Policy(), state=ServiceState(),
-                                                      recorder=ListRecorder()),
-                              counts=Counter(handled=3, dropped_duplicate=2, dropped_backlog=1))
+    # the action service tells every outcome in one place: handled, dropped by the pipeline
+    # or by its scheduler's full backlog, each once
+    from trainguard.actions.policy import BacklogSettings
+    from trainguard.actions.service import ActionService
+
+    audit = ListRecorder()
+    state = ServiceState()
+    service = ActionService(pipeline=build_pipeline(policy=Policy(), state=state,
+                                                    recorder=audit),
+                            state=state, clock=lambda: 101.0, log=lambda line: None,
+                            settings=BacklogSettings(max_queued=1))
     m = ActionMetrics()
-    instrument_action_service(counted, m)
+    instrument_action_service(service, m)
+    service.handle(_crash())
+    service.handle(_crash())                                # a duplicate
+    service.scheduler.submit(_crash(job="j2", id="w1"))
+    service.scheduler.submit(_crash(job="j3", id="w2"))     # the older one is dropped
+    service.scheduler.tick()
     v = parse_exposition(m.registry.exposition())
     assert (v['trainguard_anomalies_total{outcome="handled"}'],
-            v['trainguard_anomalies_total{outcome="dropped"}']) == (3, 3)
+            v['trainguard_anomalies_total{outcome="dropped"}']) == (2, 2)
+    assert v['trainguard_actions_total{action="none",status="rate_limited"}'] == 1
+    assert service.counts["dropped_duplicate"] == 1 and service.counts["dropped_backlog_full"] == 1
 
 
 def test_run_metrics_count_launches_exits_and_acks():

@@ -76,7 +76,12 @@ def cmd_analyze(args) -> int:
 
     if args.report:
         check_output_file(args.report, "--report")
-    result = analyze_file(args.file, getattr(args, "detector_config", None))
+    overrides = None
+    if getattr(args, "overrides", None):
+        from .overrides import read_overrides_file
+
+        overrides = read_overrides_file(args.overrides)
+    result = analyze_file(args.file, getattr(args, "detector_config", None), overrides)
     if args.report:
         write_analysis_report(args.file, result, args.report)
     if args.json:
@@ -179,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("file", help="recording: .jsonl, .jsonl.gz or .jsonl.zst")
     analyze.add_argument("--json", action="store_true", help="print SPEC JSON")
     analyze.add_argument("--report", metavar="OUT.html", help="also write an HTML report")
+    analyze.add_argument("--overrides", metavar="FILE", default=None,
+                         help="per-job overrides, as `trainguard config set` makes them "
+                              "(TOML [jobs.J.detectors.hang] tables, or JSON)")
     analyze.set_defaults(func=cmd_analyze)
 
     stacks = sub.add_parser("stacks", help="aggregate stack dumps of all ranks")

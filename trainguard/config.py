@@ -28,7 +28,7 @@ from pathlib import Path
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_PREFIX = "tg"
 TOPIC_SUFFIXES = ("telemetry", "commands", "stacks", "anomalies", "actions", "deadletter",
-                  "orders")
+                  "orders", "config")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,100}")
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -73,6 +73,12 @@ class Topics:
     def orders(self) -> str:
         """SPEC §6: orders to ``trainguard run`` and drivers, and their acks."""
         return f"{self.prefix}.orders"
+
+    @property
+    def config(self) -> str:
+        """Per-job overrides of detector settings at runtime (compacted, keyed by job;
+        :mod:`trainguard.overrides`)."""
+        return f"{self.prefix}.config"
 
     def all(self) -> list[str]:
         return [f"{self.prefix}.{suffix}" for suffix in TOPIC_SUFFIXES]

@@ -45,6 +45,9 @@ def add_config_command(sub, add_kafka_flags) -> None:
     check = action.add_parser("check", help="validate a configuration file")
     check.add_argument("file", metavar="FILE")
     action.add_parser("docs", help="print the reference of every key (docs/CONFIG.md)")
+    from .overridecli import add_override_commands
+
+    add_override_commands(action, add_kafka_flags, add_config_flag)
     config.set_defaults(func=cmd_config)
 
 
@@ -66,7 +69,7 @@ def _given(parser: argparse.ArgumentParser, argv: list[str], args) -> set[str]:
 
 def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
     """The sub-parser that parsed ``args`` (``config show``'s for ``config show``)."""
-    for name in [args.command] + (["show"] if args.command == "config" else []):
+    for name in [args.command] + ([args.config_action] if args.command == "config" else []):
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parser = sub.choices[name]
     return parser
@@ -106,6 +109,11 @@ def cmd_config(args) -> int:
     if args.config_action == "docs":
         sys.stdout.write(reference_markdown())
         return 0
+    if args.config_action in ("set", "unset", "overrides"):
+        from .cli import config_from
+        from .overridecli import cmd_overrides
+
+        return cmd_overrides(args, config_from(args))
     if args.config_action == "check":
         tree = load(args.file, {})
         check_tree(tree, os.environ)
@@ -159,6 +167,11 @@ max_restarts = 5
 [alerts.slack]
 url_env = "SLACK_WEBHOOK_URL"
 ```
+
+One job's detector settings can also change while it runs, without restarting anything:
+`trainguard config set --job JOB detectors.hang.checkpoint_s=3600` (and `config unset`,
+`config overrides`); only the settings a detector reads when it decides may change so. See
+"Per-job overrides at runtime" in [WORKER.md](WORKER.md).
 
 The defaults are not repeated here by hand: each key is derived from the component that
 uses it (the worker's `WorkerSettings`, each detector's constructor, the action service's

@@ -232,6 +232,11 @@ _MEANINGS = {
     "policy.capture.interval_s": "seconds between the rounds",
     "policy.capture.deadline_s": "a round waits this long for every expected rank",
     "policy.capture.quiet_s": "with no known world size: until no rank answered this long",
+    "policy.backlog.max_queued": "anomalies waiting at most; then the oldest of the least "
+                                 "severe is dropped, with a record",
+    "policy.backlog.max_in_flight": "anomalies under way at once (waiting for stacks costs "
+                                    "no thread)",
+    "policy.backlog.workers": "threads for blocking calls (alert sinks)",
 }
 
 
@@ -286,6 +291,8 @@ _POLICY_HELP = {
     "straggler_persist_s": "a straggler slow this long is 'persistent'",
     "straggler_min_slowdown": "... and at least this much slower than its peers",
     "max_anomaly_age_s": "anomalies older than this are recorded, not acted on",
+    "confirm_stalled": "before a restart or eviction for a hang, check the job is still "
+                       "stalled; one that moved on is closed as a false alarm",
 }
 
 

@@ -50,8 +50,9 @@ ACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300
 
 ACTIONS = (
     Metric("anomalies", "counter", "Anomalies taken up by the action service, by outcome "
-           "(handled: through the pipeline; dropped: a duplicate or otherwise not acted on; "
-           "more where the service tells them apart).",
+           "(handled: through the pipeline; false_alarm: a hang whose job moved on, closed "
+           "without a restart; dropped: a duplicate, stale, or beyond the backlog's bound; "
+           "error: an internal error).",
            labels=("outcome",)),
     Metric("actions", "counter", "Records written to the actions topic (the audit log), by "
            "action and status.", labels=("action", "status")),
@@ -149,8 +150,12 @@ class ActionMetrics:
         self._lock = threading.Lock()
         self.remember = remember
 
+    def outcome(self, outcome: str) -> None:
+        """One anomaly's outcome (``handled``, ``false_alarm``, ``dropped``, ``error``)."""
+        self.registry.inc("anomalies", outcome=outcome)
+
     def handled(self, dropped: str | None) -> None:
-        self.registry.inc("anomalies", outcome="dropped" if dropped else "handled")
+        self.outcome("dropped" if dropped else "handled")
 
     def order_sent(self, op: str, key: str | None, ts: float,
                    detected_ts: float | None = None) -> None:
@@ -236,26 +241,21 @@ def instrument_action_service(service, metrics: ActionMetrics) -> None:
     """Count what ``service`` does: every recorder its pipeline's stages write the audit
     log with (and the recorder of any object a stage holds, such as the order desk, whose
     acks are audit records too) goes through a :class:`MeteredRecorder`, the ``notify`` of
-    the alerting stage counts the sinks' answers, and the anomalies taken up are counted from
-    the service's own ``counts`` where it keeps them, else around ``pipeline.process``."""
+    the alerting stage counts the sinks' answers, and the anomalies taken up are counted by
+    the service itself where it tells their outcomes (its ``metrics`` attribute, see
+    :class:`~trainguard.actions.service.ActionService`), else around ``pipeline.process``."""
     pipeline = service.pipeline
     for stage in getattr(pipeline, "stages", ()):
         for holder in (stage, *vars(stage).values()):
+            if isinstance(holder, MeteredRecorder):
+                continue  # wrapped already (a stage shared by others): not its inside
             recorder = getattr(holder, "recorder", None)
             if _is_recorder(recorder) and not isinstance(recorder, MeteredRecorder):
                 holder.recorder = MeteredRecorder(recorder, metrics)
         if callable(getattr(stage, "notify", None)):
             stage.notify = _counted_alerts(stage.notify, metrics)
-    counts = getattr(service, "counts", None)
-    if counts is not None:
-        def from_counts(registry: Registry) -> None:
-            by_outcome: dict = {}
-            for key, value in list(counts.items()):
-                outcome = "dropped" if key.startswith("dropped") else key
-                by_outcome[outcome] = by_outcome.get(outcome, 0) + value
-            for outcome, value in by_outcome.items():
-                registry.set("anomalies", value, outcome=outcome)
-        metrics.registry.collect(from_counts)
+    if hasattr(service, "metrics"):
+        service.metrics = metrics
     else:
         pipeline.process = _counted_process(pipeline.process, metrics)
 

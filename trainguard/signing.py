@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from .errors import UserError
 
 __all__ = ["KEY_ENV", "SigningKeys", "SigningError", "Freshness", "Refusal", "Verifier",
-           "REFUSAL_CODES", "signing_key_from_env", "generate_key", "canonical", "sign",
+           "REFUSAL_CODES", "signing_key_from_env", "generate_key", "canonical", "sign", "sign_object",
            "warn_if_unsigned"]
 
 KEY_ENV = "TRAINGUARD_SIGNING_KEY"
@@ -138,6 +138,16 @@ def sign(event, keys: SigningKeys | None):
     unsigned = event.replace(extra={**extra, "key_id": keys.key_id})
     mac = _mac(keys.keys[0], canonical(to_dict(unsigned)))
     return unsigned.replace(extra={**unsigned.extra, "sig": mac})
+
+
+def sign_object(obj: dict, keys: SigningKeys | None) -> dict:
+    """A plain JSON object (a record that is no event, such as a config override) with
+    ``key_id`` and ``sig`` set; unchanged without keys."""
+    if keys is None:
+        return obj
+    unsigned = {k: v for k, v in obj.items() if k != "sig"}
+    unsigned["key_id"] = keys.key_id
+    return {**unsigned, "sig": _mac(keys.keys[0], canonical(unsigned))}
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from .config import Config
 
 DEFAULT_TELEMETRY_PARTITIONS = 24
+#: topics that keep the latest record per key (the config topic: each job's overrides)
+COMPACTED_CONFIG = {"cleanup.policy": "compact"}
 
 
 class TopicError(UserError, ValueError):
@@ -51,7 +53,8 @@ def create_topics(config: Config, plan: TopicPlan = TopicPlan(), timeout: float 
         raise TopicError(f"cannot reach Kafka at {config.bootstrap}: {exc.args[0].str()}; "
                          "start one with `trainguard broker start` or set --bootstrap") from None
     result = {name: "exists" for name in wanted if name in existing}
-    new = [NewTopic(name, num_partitions=count, replication_factor=-1)
+    new = [NewTopic(name, num_partitions=count, replication_factor=-1,
+                    config=COMPACTED_CONFIG if name == config.topics.config else {})
            for name, count in wanted.items() if name not in existing]
     if new:
         futures = admin.create_topics(new, operation_timeout=timeout, request_timeout=timeout)
