@@ -23,7 +23,9 @@ STEPS, HANG_AT, KILL_AT = 30, 8, 18
 def test_plain_script_hang_and_crash_are_found_and_resumed(kafka_config, tmp_path):
     env = {"TRAINGUARD_BOOTSTRAP": kafka_config.bootstrap,
            "TRAINGUARD_TOPIC_PREFIX": kafka_config.topics.prefix,
-           "TRAINGUARD_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+           "TRAINGUARD_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1",
+           # the deployment's key: `run` checks the service's orders and signs its acks
+           "TRAINGUARD_SIGNING_KEY": "a-shared-test-key-of-the-deployment"}
     topics = kafka_config.topics
     seen = {name: Collector(kafka_config, getattr(topics, name))
             for name in ("telemetry", "anomalies", "actions")}
@@ -43,6 +45,7 @@ def test_plain_script_hang_and_crash_are_found_and_resumed(kafka_config, tmp_pat
         wait_for(lambda: run.poll() is not None, timeout=350, interval=0.5,
                  what="the job's end")
         assert run.returncode == 0, procs.log("run")[-3000:]
+        assert "WARNING: no signing key" not in procs.log("run") + procs.log("up")
 
         anomalies = [a for a in seen["anomalies"].drain(2.0) if a.job == "e2e-plain"
                      and a.type == "anomaly"]
