@@ -127,8 +127,8 @@ class JobInfo:
 class JobDirectory:
     """Learns each job's world size, topology and rank-to-machine map from ``lifecycle``
     starts, heartbeats and ``stack`` events, when ``trainguard run`` launched it, and which
-    restart orders it answered ``already_satisfied`` (``action`` records). Thread-safe: fed
-    by one thread, read by another.
+    restart orders it acked ``already_satisfied`` (:meth:`note_satisfied`, from the order
+    desk). Thread-safe: fed by other threads than the one reading it.
 
     >>> d = JobDirectory()
     >>> d.observe(ev.Lifecycle(job="j1", ts=1.0, node="n3", rank=5, event="start", pid=9,
@@ -144,13 +144,14 @@ class JobDirectory:
         self._satisfied: dict[str, list] = {}
         self._lock = threading.Lock()
 
+    def note_satisfied(self, job: str, incident: str) -> None:
+        """``trainguard run`` acked the restart of ``incident`` ``already_satisfied``: it had
+        relaunched the job on its own after the incident began."""
+        with self._lock:
+            self._satisfied.setdefault(job, []).append(incident)
+            del self._satisfied[job][:-100]
+
     def observe(self, event: ev.Event) -> None:
-        if isinstance(event, ev.Action):
-            if event.status == "done" and (event.reason or "").startswith("already_satisfied"):
-                with self._lock:  # trainguard run had relaunched the job on its own
-                    self._satisfied.setdefault(event.job, []).append(event.incident)
-                    del self._satisfied[event.job][:-100]
-            return
         if isinstance(event, ev.Lifecycle) and event.event == "start" and event.rank is None:
             with self._lock:  # a launch of the whole job by `trainguard run`
                 self._launches.setdefault(event.job, []).append(event.ts)
@@ -173,7 +174,7 @@ class JobDirectory:
             return sorted(self._launches.get(job, []))
 
     def satisfied(self, job: str) -> frozenset:
-        """Incidents whose restart ``trainguard run`` answered ``already_satisfied``."""
+        """Incidents whose restart ``trainguard run`` acked ``already_satisfied``."""
         with self._lock:
             return frozenset(self._satisfied.get(job, ()))
 

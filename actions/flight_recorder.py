@@ -88,20 +88,74 @@ class PlainDataUnpickler(pickle.Unpickler):
 
     def load(self) -> Any:
         """Load, then check that only plain types came out (newer protocols build sets and
-        bytearrays without any global; they are harmless, but not what a dump holds)."""
+        bytearrays without any global; they are harmless, but not what a dump holds) and
+        that the data is bounded (see :func:`check_plain_data`)."""
         data = super().load()
-        todo = [data]
-        while todo:
-            x = todo.pop()
-            if isinstance(x, dict) and type(x) is dict:
-                todo.extend(x.keys())
-                todo.extend(x.values())
-            elif type(x) in (list, tuple):
-                todo.extend(x)
-            elif type(x) not in _PLAIN:
-                raise UnsafePickleError(f"refused a value of type {type(x).__name__}: "
-                                        "Flight Recorder dumps must be plain data")
+        check_plain_data(data)
         return data
+
+
+#: a real dump (2,000 entries with their stack frames) is well under a million values
+MAX_DUMP_BYTES = 256 * 1024 * 1024
+MAX_EXPANDED_VALUES = 10_000_000
+MAX_NESTING = 64
+
+
+def check_plain_data(data: Any, max_values: int = MAX_EXPANDED_VALUES,
+                     max_nesting: int = MAX_NESTING) -> None:
+    """Refuse non-plain values, cycles, nesting deeper than ``max_nesting`` and data that
+    *expands* to more than ``max_values`` values.
+
+    A pickle's memo lets a few hundred bytes refer to one list from ten places, level after
+    level (a "billion laughs" bomb); anything that walks the result would then walk it 10**9
+    times.  Sizes are counted per distinct object, so the check costs what was loaded.
+
+    >>> a = [1]
+    >>> for _ in range(9):
+    ...     a = [a] * 10
+    >>> try:
+    ...     check_plain_data({"entries": a})
+    ... except UnsafePickleError as e:
+    ...     print(e)
+    refused: the data expands to more than 10000000 values (a pickle bomb?)
+    """
+    size: dict[int, int] = {}
+    height: dict[int, int] = {}
+    active: set[int] = set()
+    todo: list = [(data, False)]
+    while todo:
+        x, done = todo.pop()
+        kind = type(x)
+        if kind is dict:
+            children = [*x.keys(), *x.values()]
+        elif kind is list or kind is tuple:
+            children = x
+        elif kind in _PLAIN:
+            continue
+        else:
+            raise UnsafePickleError(f"refused a value of type {kind.__name__}: "
+                                    "Flight Recorder dumps must be plain data")
+        key = id(x)
+        if done:
+            active.discard(key)
+            total, deepest = 1, 0
+            for c in children:
+                total += size.get(id(c), 1)
+                deepest = max(deepest, height.get(id(c), 0))
+            if total > max_values:
+                raise UnsafePickleError(f"refused: the data expands to more than {max_values} "
+                                        "values (a pickle bomb?)")
+            if deepest + 1 > max_nesting:
+                raise UnsafePickleError(f"refused: nested more than {max_nesting} levels deep")
+            size[key], height[key] = total, deepest + 1
+            continue
+        if key in size:
+            continue
+        if key in active:
+            raise UnsafePickleError("refused: the data refers to itself (a cycle)")
+        active.add(key)
+        todo.append((x, True))
+        todo.extend((c, False) for c in children)
 
 
 def load_dump(path: str | os.PathLike) -> dict:
@@ -111,10 +165,14 @@ def load_dump(path: str | os.PathLike) -> dict:
     ``ValueError`` when the result is not a dict.
     """
     with open(path, "rb") as fh:
+        length = os.fstat(fh.fileno()).st_size
+        if length > MAX_DUMP_BYTES:
+            raise ValueError(f"refused: {length} bytes, more than a dump's {MAX_DUMP_BYTES}")
         head = fh.read(1)
         fh.seek(0)
         if head in (b"{", b" ", b"\n"):
             data = json.load(fh)
+            check_plain_data(data)
         else:
             data = PlainDataUnpickler(fh).load()
     if not isinstance(data, dict):

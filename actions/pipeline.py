@@ -4,7 +4,7 @@ Every stage is a small object called with the :class:`Work` of one anomaly; it a
 and returns True to go on, or sets ``work.dropped`` and returns False to stop. The chain is
 assembled in one place, :func:`build_pipeline`::
 
-    correlate -> dedup -> investigate -> decide -> limit -> act -> record -> notify
+    correlate -> dedup -> investigate -> decide -> limit -> act -> record -> dispatch -> notify
 
 ``investigate`` (capture and aggregate the stacks) sits before ``decide`` because the
 policy of a hang needs its suspects. The decisions themselves (``decide`` and
@@ -32,12 +32,14 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from trainguard import events as ev
+from trainguard.actions.orders import check_targets
 from trainguard.actions.policy import (JOB_ACTIONS, Decision, Incident, Policy, apply_limits,
                                        covering_restart, decide, ladder_kind, restart_over)
 
 __all__ = ["Work", "Pipeline", "build_pipeline", "apply_limits", "covering_restart",
            "incident_of", "incident_from", "driver_actions", "ListRecorder",
-           "Correlate", "Dedup", "Investigate", "Decide", "Limit", "Act", "Record", "Notify",
+           "Correlate", "Dedup", "Investigate", "Decide", "Limit", "Act", "Record", "Dispatch",
+           "Notify",
            "action_event"]
 
 
@@ -67,15 +69,19 @@ def incident_of(anomaly: ev.Anomaly) -> Incident:
 def action_event(decision: Decision, incident: Incident, ts: float) -> ev.Action:
     """The SPEC ``action`` record of a decision. Extra fields (documented in docs/POLICY.md):
     ``action_id`` (stable per incident and action, so a consumer can drop repeats),
-    ``source``, ``kind``, ``severity``, ``ranks``, ``nodes``, ``anomalies``, ``detected_ts``."""
+    ``source``, ``kind``, ``severity``, ``ranks``, ``nodes``, ``anomalies``, ``detected_ts``,
+    and where set ``code`` (the decision's reason as one word) and ``order_id``."""
+    extra = {"action_id": f"{incident.id}:{decision.action}", "source": "actions",
+             "kind": incident.kind, "severity": decision.severity,
+             "ranks": list(incident.ranks), "nodes": list(incident.nodes),
+             "anomalies": list(incident.anomalies), "detected_ts": incident.detected_ts}
+    if decision.code:
+        extra["code"] = decision.code
+    if decision.order_id:
+        extra["order_id"] = decision.order_id
     return ev.Action(job=incident.job, ts=ts, incident=incident.id, action=decision.action,
                      targets=dict(decision.targets), status=decision.status,
-                     reason=decision.reason, extra={
-                         "action_id": f"{incident.id}:{decision.action}", "source": "actions",
-                         "kind": incident.kind, "severity": decision.severity,
-                         "ranks": list(incident.ranks), "nodes": list(incident.nodes),
-                         "anomalies": list(incident.anomalies),
-                         "detected_ts": incident.detected_ts})
+                     reason=decision.reason, extra=extra)
 
 
 class ListRecorder:
@@ -124,7 +130,7 @@ def _fresh(obj):
 # ---------------------------------------------------------------------------- stages
 def _restarts_seen(directory, job: str) -> tuple:
     """``(launches, satisfied)``: when ``trainguard run`` launched the job, and which
-    incidents' restarts it answered ``already_satisfied`` (none without a directory)."""
+    incidents' restarts it acked ``already_satisfied`` (none without a directory)."""
     if directory is None:
         return (), frozenset()
     return directory.launches(job), directory.satisfied(job)
@@ -245,19 +251,19 @@ class Investigate:
             work.decisions.append(Decision(
                 action="capture_stacks", status="failed", targets={"job": incident.job,
                                                                    "ranks": "all"},
-                reason=f"capture_error: {type(exc).__name__}: {exc}"))
+                reason=f"capture_error: {type(exc).__name__}: {exc}", code="capture_error"))
             return True
         targets = {"job": incident.job, "ranks": "all", "capture_ids": result.capture_ids}
         if not loc["answered"]:
             work.decisions.append(Decision(
-                action="capture_stacks", status="failed", targets=targets,
+                action="capture_stacks", status="failed", targets=targets, code="capture_timeout",
                 reason=f"capture_timeout: no rank answered {len(result.capture_ids)} "
                        f"capture(s) (is `trainguard agent` running on the job's machines?)"))
             return True
         work.localization = loc
         moving = f"; moving: {loc['moving']}" if loc["moving"] else ""
         work.decisions.append(Decision(
-            action="capture_stacks", status="done", targets={**targets, "suspects":
+            action="capture_stacks", status="done", code="stacks", targets={**targets, "suspects":
                                                               loc["suspects"]},
             reason=f"stacks of {len(loc['answered'])}/{loc['world_size']} ranks: "
                    f"{loc['summary']}{moving}"))
@@ -298,13 +304,16 @@ class Limit:
 
 class Act:
     """Carries out planned job actions through ``drivers`` (``{action: driver}``, a driver
-    being ``(decision, incident) -> (status, reason)``). Without a driver, the planned
-    record itself is the order: ``trainguard run`` reads it and writes ``done``."""
+    being ``(decision, incident) -> (status, reason)``). Without a driver, ``orders`` (an
+    :class:`~trainguard.actions.order_desk.OrderDesk`) prepares an order to ``trainguard
+    run``: the decision stays ``planned`` with its ``order_id``; :class:`Dispatch` sends the
+    order once the decision is recorded, and the outcome is recorded when the ack comes."""
 
     name = "act"
 
-    def __init__(self, drivers: dict | None = None):
+    def __init__(self, drivers: dict | None = None, orders=None):
         self.drivers = drivers or {}
+        self.orders = orders
 
     def __call__(self, work: Work) -> bool:
         out = []
@@ -315,12 +324,16 @@ class Act:
                     status, reason = driver(d, work.incident)
                 except Exception as exc:  # a driver's failure is recorded, not fatal
                     status, reason = "failed", f"driver_error: {type(exc).__name__}: {exc}"
-                d = d.with_status(status, reason)
+                d = d.with_status(status, reason, DRIVER_CODES.get(status))
+            elif d.status == "planned" and d.action in JOB_ACTIONS and self.orders is not None:
+                d = self.orders.prepare(d, work.incident)
             out.append(d)
         work.decisions = out
         return True
 
 
+#: the ``code`` of a driver's outcome, by status (others keep the decision's code)
+DRIVER_CODES = {"failed": "driver_error", "not_applicable": "no_change"}
 SAID_OUTPUT = ("submit", "wait", "list_pods")  # driver calls whose output the record says
 #: Driver calls that only look: an order of which nothing else was done changed nothing, and
 #: is recorded ``not_applicable``, never ``done``.
@@ -346,18 +359,18 @@ def driver_actions(driver, job_refs: dict | None = None) -> dict:
                          + (f" -> {c.output}" if c.op in SAID_OUTPUT and c.output else "")
                          for c in calls) or "no call made"
         if status == "not_applicable":
-            return status, f"not_applicable: the driver changed nothing; {decision.reason} [{said}]"
+            return status, f"no_change: the driver changed nothing; {decision.reason} [{said}]"
         return status, f"{decision.reason} [{said}]"
 
     def restart(decision: Decision, incident: Incident):
         ref = refs.get(incident.job, incident.job)
-        step = decision.targets.get("rollback_step") if decision.action == "rollback" else None
-        return outcome(decision, driver.restart(ref, decision.targets.get("exclude_nodes", []),
-                                                resume_step=step))
+        targets = check_targets(decision.action, decision.targets)  # as trainguard run does
+        step = targets.get("rollback_step") if decision.action == "rollback" else None
+        return outcome(decision, driver.restart(ref, targets["exclude_nodes"], resume_step=step))
 
     def evict(decision: Decision, incident: Incident):
         reason = " ".join(f"trainguard incident {incident.id}: {decision.reason}".split())
-        return outcome(decision, driver.evict(decision.targets.get("nodes", []),
+        return outcome(decision, driver.evict(check_targets("evict", decision.targets)["nodes"],
                                               reason=reason[:200]))
 
     return {"restart": restart, "rollback": restart, "evict": evict}
@@ -390,6 +403,20 @@ class Record:
         return True
 
 
+class Dispatch:
+    """Sends the orders prepared by :class:`Act`, now that their decisions are recorded."""
+
+    name = "dispatch"
+
+    def __init__(self, orders=None):
+        self.orders = orders
+
+    def __call__(self, work: Work) -> bool:
+        if self.orders is not None:
+            self.orders.dispatch(work.decisions)
+        return True
+
+
 class Notify:
     """Sends the planned alerts (one message per incident: what happened, where, what was
     done, what the stacks showed) and records how each sink took it."""
@@ -412,7 +439,7 @@ class Notify:
         incident = work.incident
         severity = max((d.severity for d in alerts), key=("info", "warning", "critical").index)
         reasons = "; ".join(d.reason for d in alerts)
-        message = self._message(work, severity, reasons)
+        message = self._message(work, severity, reasons, lead=alerts[0].code)
         self.log(message.text() if message is not None else reasons)
         results = self.notify(message) if (self.notify and message is not None) else []
         outcomes = [r for r in results if r.action_status]
@@ -438,7 +465,7 @@ class Notify:
         self.state.save(work.now)
         return True
 
-    def _message(self, work: Work, severity: str, reasons: str):
+    def _message(self, work: Work, severity: str, reasons: str, lead: str | None = None):
         try:
             from trainguard.actions.alerts import AlertMessage
         except ImportError:
@@ -447,7 +474,7 @@ class Notify:
         loc = work.localization or {}
         return AlertMessage(
             incident=inc.id, job=inc.job, kind=inc.kind, severity=severity,
-            summary=inc.summary if not reasons.startswith(("page", "approval")) else
+            summary=inc.summary if lead not in ("page", "approval_required") else
             f"{inc.summary}. {reasons}", ranks=list(inc.ranks or loc.get("suspects", [])),
             nodes=list(inc.nodes or loc.get("nodes", [])), step=inc.step,
             onset_ts=inc.onset_ts, detected_ts=inc.detected_ts, ts=work.now,
@@ -475,7 +502,7 @@ class Pipeline:
 def build_pipeline(*, policy: Policy, state, recorder, capturer=None, directory=None,
                    notify=None, drivers: dict | None = None, correlator=None,
                    log: Callable[[str], None] | None = None,
-                   clock: Callable[[], float] | None = None) -> Pipeline:
+                   clock: Callable[[], float] | None = None, orders=None) -> Pipeline:
     """The one place where the chain is assembled."""
     return Pipeline([
         Correlate(correlator, state, directory, policy.limits.restart_settle_s),
@@ -483,8 +510,9 @@ def build_pipeline(*, policy: Policy, state, recorder, capturer=None, directory=
         Investigate(policy, capturer, directory),
         Decide(policy, state),
         Limit(policy, state, directory),
-        Act(drivers),
+        Act(drivers, orders),
         Record(recorder, state, clock),
+        Dispatch(orders),
         Notify(recorder, state, notify, log=log or (lambda m: None), clock=clock),
     ])
 

@@ -268,21 +268,25 @@ class Incident:
 @dataclass(kw_only=True, frozen=True)
 class Decision:
     """One action for one incident; ``status`` starts ``planned`` and the safety stage may
-    turn it into ``dry_run`` or ``rate_limited``; ``reason`` always says why, prefixed by a
-    name (``restart_cap:``, ``dry_run:``, ...)."""
+    turn it into ``dry_run`` or ``rate_limited``; ``reason`` says why, for humans, and
+    ``code`` the same as one word that programs decide on (``restart_cap``, ``dry_run``,
+    ``covered``, ...; the reason starts with it). ``order_id``: the order that carries the
+    decision out, once sent."""
 
     action: str
     reason: str
     targets: dict = field(default_factory=dict)
     status: str = "planned"
     severity: str = "warning"
+    code: str | None = None
+    order_id: str | None = None
 
     def __post_init__(self):
         if self.action not in ACTIONS:
             raise ValueError(f"unknown action {self.action!r}")
 
-    def with_status(self, status: str, reason: str) -> "Decision":
-        return replace(self, status=status, reason=reason)
+    def with_status(self, status: str, reason: str, code: str | None = None) -> "Decision":
+        return replace(self, status=status, reason=reason, code=code or self.code)
 
 
 @dataclass(kw_only=True)
@@ -333,10 +337,10 @@ def ladder_kind(policy: Policy, incident: Incident) -> str:
 
 
 def _evictions(policy: Policy, incident: Incident, history: History, loc: dict | None,
-               steps: tuple, kind: str) -> tuple[list, str]:
-    """Machines the ladder (of ``kind``) evicts now, and why."""
+               steps: tuple, kind: str) -> tuple[list, str, str | None]:
+    """Machines the ladder (of ``kind``) evicts now, why, and the step that evicts them."""
     if "evict" in steps and incident.nodes:
-        return sorted(set(incident.nodes)), (f"{kind}: {incident.summary}")
+        return sorted(set(incident.nodes)), f"{kind}: {incident.summary}", "evict"
     if "evict_if_repeated" in steps and incident.nodes:
         window_start = incident.detected_ts - policy.crash_window_s
         repeated = [n for n in sorted(set(incident.nodes))
@@ -344,16 +348,17 @@ def _evictions(policy: Policy, incident: Incident, history: History, loc: dict |
                                if t >= window_start) >= policy.crash_repeats]
         if repeated:
             return repeated, (f"repeated_failure: {', '.join(repeated)} failed "
-                              f"{policy.crash_repeats} times within {policy.crash_window_s:g}s")
+                              f"{policy.crash_repeats} times within {policy.crash_window_s:g}s"
+                              ), "evict_if_repeated"
     if "evict_suspects" in steps and loc and loc.get("suspects"):
         suspects = loc["suspects"]
         world = loc.get("world_size") or 0
         nodes = _suspect_nodes(policy, loc)
         if world and len(suspects) > policy.max_suspect_fraction * world:
-            return [], ""
+            return [], "", None
         if nodes:
             return nodes, (f"{kind}_suspects: stack analysis blames rank(s) "
-                           f"{suspects} on {', '.join(nodes)}")
+                           f"{suspects} on {', '.join(nodes)}"), "evict_suspects"
     if "evict_if_persistent" in steps and incident.nodes:
         since = min(incident.onset_ts, history.first_seen_ts or incident.onset_ts)
         lasted = incident.detected_ts - since
@@ -362,8 +367,9 @@ def _evictions(policy: Policy, incident: Incident, history: History, loc: dict |
                 and slowdown >= policy.straggler_min_slowdown:
             return sorted(set(incident.nodes)), (
                 f"persistent_{kind}: {slowdown:.2f}x slower for {lasted:.0f}s "
-                f"(limits {policy.straggler_min_slowdown:g}x, {policy.straggler_persist_s:g}s)")
-    return [], ""
+                f"(limits {policy.straggler_min_slowdown:g}x, {policy.straggler_persist_s:g}s)"
+            ), "evict_if_persistent"
+    return [], "", None
 
 
 def decide(policy: Policy, incident: Incident, history: History,
@@ -385,10 +391,11 @@ def decide(policy: Policy, incident: Incident, history: History,
     escalated = "" if kind == incident.kind else head + "; "
     done = history.done
     out: list[Decision] = []
-    nodes, why = _evictions(policy, incident, history, localization, steps, kind)
+    code = "escalated" if escalated else None
+    nodes, why, step = _evictions(policy, incident, history, localization, steps, kind)
     nodes = [n for n in nodes if n not in history.excluded_nodes]
     if nodes and "evict" not in done:
-        out.append(Decision(action="evict", reason=why, severity="critical", targets={
+        out.append(Decision(action="evict", reason=why, severity="critical", code=step, targets={
             **_job_targets(incident), "nodes": nodes,
             "exclude_nodes": sorted(set(history.excluded_nodes) | set(nodes))}))
     exclude = sorted(set(history.excluded_nodes) | set(nodes))
@@ -397,9 +404,10 @@ def decide(policy: Policy, incident: Incident, history: History,
         # A checkpoint "at step k" resumes at step k: it holds steps 0..k-1, none of the
         # onset's step when k <= onset. TRAINGUARD_RESUME_STEP caps the checkpoint loaded.
         target = max(0, onset_step) if isinstance(onset_step, int) else None
-        out.append(Decision(action="rollback", severity="critical", targets={
-            **_job_targets(incident), "exclude_nodes": exclude, "rollback_step": target},
-            reason=escalated + (f"{kind}: restart from the last checkpoint at or before step "
+        out.append(Decision(action="rollback", severity="critical", code=code or "rollback",
+                            targets={**_job_targets(incident), "exclude_nodes": exclude,
+                                     "rollback_step": target},
+                            reason=escalated + (f"{kind}: restart from the last checkpoint at or before step "
                                 f"{target}" if target is not None else
                                 f"{kind}: restart from the last checkpoint (onset step "
                                 f"unknown)")))
@@ -412,9 +420,10 @@ def decide(policy: Policy, incident: Incident, history: History,
         else:
             why_restart = f"{head}: {incident.summary}"
         out.append(Decision(action="restart", reason=why_restart, severity="critical",
+                            code=code or "restart",
                             targets={**_job_targets(incident), "exclude_nodes": exclude}))
     if "alert" in steps and ("alert" not in done or out):
-        out.append(Decision(action="alert", severity=incident.severity,
+        out.append(Decision(action="alert", severity=incident.severity, code=code or "alert",
                             reason=f"{head}: {incident.summary}",
                             targets={"job": incident.job, "ranks": list(incident.ranks),
                                      "nodes": list(incident.nodes)}))
@@ -442,20 +451,21 @@ def restart_over(ordered_ts: float, launches=(), settle_s: float = 120.0,
 
 def covering_restart(state, incident: Incident, launches=(), settle_s: float = 120.0,
                      satisfied=frozenset()):
-    """``(restart entry, reason)`` of a restart of the job that already deals with this
-    incident, or None: one ordered for another incident after this one began, or one under
-    way when this one began (see :func:`restart_over`; ``satisfied``: the incidents whose
-    restart ``trainguard run`` answered ``already_satisfied``)."""
+    """``(restart entry, code, reason)`` of a restart of the job that already deals with this
+    incident, or None: one ordered for another incident after this one began (``covered``),
+    or one under way when this one began (``expected``; see :func:`restart_over`;
+    ``satisfied``: the incidents whose restart ``trainguard run`` acked
+    ``already_satisfied``)."""
     for r in state.restarts_since(incident.job, incident.onset_ts):
         if r["incident"] != incident.id:
-            return r, (f"covered: job {incident.job} was already restarted for incident "
-                       f"{r['incident']} after this incident began")
+            return r, "covered", (f"covered: job {incident.job} was already restarted for "
+                                  f"incident {r['incident']} after this incident began")
     for r in state.restarts_since(incident.job, incident.onset_ts - settle_s):
         if r["incident"] != incident.id and \
                 r["ts"] <= incident.onset_ts <= restart_over(r["ts"], launches, settle_s,
                                                              r["incident"] in satisfied):
-            return r, (f"expected: began while job {incident.job} was being restarted for "
-                       f"incident {r['incident']}")
+            return r, "expected", (f"expected: began while job {incident.job} was being "
+                                   f"restarted for incident {r['incident']}")
     return None
 
 
@@ -475,7 +485,7 @@ def apply_limits(decisions: list, incident: Incident, policy: Policy, state,
     lim, job = policy.limits, incident.job
     out, pages, blocked = [], [], set()
     evicting = any(d.action == "evict" and d.status == "planned"
-                   and not d.reason.startswith("repeated_failure") for d in decisions)
+                   and d.code != "evict_if_repeated" for d in decisions)
     cover = None if evicting else covering_restart(state, incident, launches,
                                                    lim.restart_settle_s, satisfied)
     for d in decisions:
@@ -484,8 +494,8 @@ def apply_limits(decisions: list, incident: Incident, policy: Policy, state,
             continue
         if d.action == "evict" and cover:  # a repeat that our own restart explains
             blocked |= set(d.targets.get("nodes", []))
-            out.append(d.with_status("rate_limited", f"{cover[1]} {now - cover[0]['ts']:.0f}s "
-                                                     "ago; not a repeated failure"))
+            out.append(d.with_status("rate_limited", f"{cover[2]} {now - cover[0]['ts']:.0f}s "
+                                                     "ago; not a repeated failure", cover[1]))
             continue
         if d.action == "evict":
             nodes = d.targets.get("nodes", [])
@@ -503,7 +513,7 @@ def apply_limits(decisions: list, incident: Incident, policy: Policy, state,
             if why:
                 blocked |= set(nodes)
                 pages.append(why)
-                out.append(d.with_status("rate_limited", why))
+                out.append(d.with_status("rate_limited", why, "evict_cap"))
                 continue
         else:
             if blocked:
@@ -513,31 +523,33 @@ def apply_limits(decisions: list, incident: Incident, policy: Policy, state,
             if cover:
                 d = replace(d, targets={**d.targets, "settled_by_ts": cover[0]["ts"]})
                 out.append(d.with_status("rate_limited", (
-                    f"{cover[1]} {now - cover[0]['ts']:.0f}s ago")))
+                    f"{cover[2]} {now - cover[0]['ts']:.0f}s ago"), cover[1]))
                 continue
             if len(in_window) >= lim.max_restarts:
                 why = (f"restart_cap: {len(in_window)} restarts of job {job} in the last "
                        f"{lim.restart_window_s:g}s (limit {lim.max_restarts}); automatic "
                        f"restarts stop, a human must look")
                 pages.append(why)
-                out.append(d.with_status("rate_limited", why))
+                out.append(d.with_status("rate_limited", why, "restart_cap"))
                 continue
         if d.action in policy.require_approval:
             d = d.with_status("dry_run", f"approval_required: {d.action} needs a human's "
-                                         f"approval (policy require_approval); {d.reason}")
+                                         f"approval (policy require_approval); {d.reason}",
+                              "approval_required")
         elif policy.dry_run:
-            d = d.with_status("dry_run", f"dry_run: would {d.action}; {d.reason}")
+            d = d.with_status("dry_run", f"dry_run: would {d.action}; {d.reason}", "dry_run")
         out.append(d)
     if cover and incident.kind not in HARDWARE_KINDS and \
-            any(d.reason.startswith(("covered", "expected")) for d in out):
+            any(d.code in ("covered", "expected") for d in out):
         out = [d for d in out if d.action != "alert"]  # the other incident's alert said it
     last_page = state.last_page(job)
     if pages and (last_page is None or now - last_page >= lim.page_cooldown_s):
         out.append(Decision(action="alert", severity="critical", reason="page: " + "; ".join(
-            pages), targets={"job": job, "ranks": list(incident.ranks),
-                             "nodes": list(incident.nodes), "page": True}))
-    needs_human = any(d.reason.startswith("approval_required") for d in out)
+            pages), code="page", targets={"job": job, "ranks": list(incident.ranks),
+                                          "nodes": list(incident.nodes), "page": True}))
+    needs_human = any(d.code == "approval_required" for d in out)
     if needs_human and not any(d.action == "alert" and d.status == "planned" for d in out):
         out.append(Decision(action="alert", severity="critical", targets={"job": job},
+                            code="approval_required",
                             reason=f"approval_required: {incident.kind}: {incident.summary}"))
     return out

@@ -10,7 +10,12 @@ committed after each anomaly is handled) and runs each anomaly through the pipel
 - a background thread watches ``<prefix>.telemetry`` for ``lifecycle`` events (a byte-level
   filter skips everything else) to learn each job's world size, topology and machines;
 - stack captures send ``command`` events to ``<prefix>.commands`` and read
-  ``<prefix>.stacks`` from where it ended when the service started.
+  ``<prefix>.stacks`` from where it ended when the service started;
+- restarts, evictions and rollbacks go to ``trainguard run`` as ``order`` events on
+  ``<prefix>.orders``; a background thread files their acks
+  (:class:`~trainguard.actions.order_desk.OrderDesk`) and dead-letters what does not belong
+  on that topic. With a signing key (``TRAINGUARD_SIGNING_KEY``), orders and commands are
+  signed and acks checked (docs/SECURITY.md).
 
 The policy file (``--policy``) is JSON: the policy keys of docs/POLICY.md, plus an optional
 ``"alerts"`` section with the alert sinks (docs/ALERTS.md).
@@ -30,10 +35,12 @@ from pathlib import Path
 
 from trainguard import events as ev
 from trainguard.actions.capture import JobDirectory, StackCapture, StackGatherer
+from trainguard.actions.order_desk import OrderDesk
 from trainguard.actions.pipeline import build_pipeline
 from trainguard.actions.policy import Policy, PolicyError, load_policy
 from trainguard.actions.state import ServiceState
 from trainguard.errors import UserError
+from trainguard.signing import Verifier, sign, signing_key_from_env, warn_if_unsigned
 
 __all__ = ["main", "ActionService", "KafkaSource", "KafkaRecorder", "read_back",
            "load_service_config", "default_state_path", "PRODUCER_SETTINGS"]
@@ -140,9 +147,10 @@ class KafkaSource:
         self.consumer.close()
 
 
-def read_back(config, topic: str, since: float, apply, timeout: float = 30.0) -> int:
-    """Feed every valid event of ``topic`` from ``since`` up to its current end to ``apply``;
-    returns how many."""
+def read_back(config, topic: str, since: float, apply, timeout: float = 30.0,
+              accept=None) -> int:
+    """Feed every valid event of ``topic`` from ``since`` up to its current end to ``apply``
+    (only those whose bytes ``accept`` approves, when given); returns how many."""
     from confluent_kafka import Consumer
 
     consumer = Consumer(config.kafka(**{"group.id": f"trainguard-readback-{os.getpid()}",
@@ -159,8 +167,9 @@ def read_back(config, topic: str, since: float, apply, timeout: float = 30.0) ->
             if msg is None or msg.error():
                 continue
             try:
-                apply(ev.decode(msg.value()))
-                count += 1
+                if accept is None or accept(msg.value()):
+                    apply(ev.decode(msg.value()))
+                    count += 1
             except ev.InvalidEvent:
                 pass
             if msg.offset() + 1 >= ends[msg.partition()]:
@@ -173,13 +182,16 @@ def read_back(config, topic: str, since: float, apply, timeout: float = 30.0) ->
 class KafkaRecorder:
     """Writes events to a topic, keyed by job (so one job's records stay in order)."""
 
-    def __init__(self, producer, topic: str, flush_timeout: float = 10.0):
+    def __init__(self, producer, topic: str, flush_timeout: float = 10.0, keys=None):
         self.producer = producer
         self.topic = topic
         self.flush_timeout = flush_timeout
+        self.keys = keys
 
     def write(self, event: ev.Event) -> None:
-        self.producer.produce(self.topic, key=event.job.encode(), value=ev.encode(event))
+        """Writes ``event``, signed with ``keys`` when given."""
+        self.producer.produce(self.topic, key=event.job.encode(),
+                              value=ev.encode(sign(event, self.keys)))
         self.producer.poll(0)
 
     def flush(self) -> None:
@@ -207,6 +219,51 @@ class _DirectoryWatcher(threading.Thread):
             if event is not None:
                 self.directory.observe(event)
         self.source.close()
+
+
+class _OrderWatcher(threading.Thread):
+    """Hands every message of the orders topic to the order desk (acks are filed there),
+    expires unanswered orders, and dead-letters what arrived since ``started`` and does not
+    belong: undecodable messages, other event types, acks whose signature fails."""
+
+    def __init__(self, source: KafkaSource, desk: OrderDesk, deadletter, stop: threading.Event,
+                 started: float, expire_every_s: float = 1.0):
+        super().__init__(name=f"trainguard-watch-{source.topic}", daemon=True)
+        self.source, self.desk, self.deadletter, self.stop = source, desk, deadletter, stop
+        self.started = started
+        self.expire_every_s = expire_every_s
+
+    def run(self) -> None:
+        next_expiry = 0.0
+        while not self.stop.is_set():
+            try:
+                if time.monotonic() >= next_expiry:
+                    next_expiry = time.monotonic() + self.expire_every_s
+                    self.desk.expire()
+                self._one(self.source.consumer.poll(0.5))
+            except Exception as exc:  # keep the service up
+                _log(f"watching {self.source.topic}: {type(exc).__name__}: {exc}")
+                time.sleep(1.0)
+        self.source.close()
+
+    def _one(self, msg) -> None:
+        if msg is None or msg.error():
+            return
+        new = msg.timestamp()[1] / 1000.0 >= self.started  # not re-read history
+        value = msg.value()
+        try:
+            event = ev.decode(value if value is not None else b"")
+        except ev.InvalidEvent as exc:
+            if new:
+                self.deadletter(msg, f"invalid message on the orders topic: {exc}")
+            return
+        if not isinstance(event, (ev.Order, ev.Ack)):
+            if new:
+                self.deadletter(msg, f"a {event.type} event does not belong on the orders topic")
+            return
+        outcome, refusal = self.desk.receive(event, value)
+        if refusal is not None and new:
+            self.deadletter(msg, f"ack of order {event.order_id[:80]} refused: {refusal}")
 
 
 class ActionService:
@@ -323,28 +380,41 @@ def build_driver_actions(section: dict) -> dict:
 
 
 def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop=None,
-                  log=_log, drivers=None):
-    """Wire the Kafka ends to a pipeline; returns ``(service, deadletter, close)``."""
+                  log=_log, drivers=None, keys=None, earlier_actions=()):
+    """Wire the Kafka ends to a pipeline; returns ``(service, deadletter, close)``. ``keys``
+    sign orders and commands and check acks; ``earlier_actions`` (audit records read back)
+    tell the order desk which orders an earlier run of the service sent."""
     from confluent_kafka import Producer
 
     producer = Producer(config.kafka(**PRODUCER_SETTINGS), logger=quiet_logger())
     topics = config.topics
     directory = JobDirectory()
     stop = stop or threading.Event()
-    since = time.time() - LIFECYCLE_LOOKBACK_S
+    started = time.time()
+    since = started - LIFECYCLE_LOOKBACK_S
+    deadletter = _deadletter_writer(producer, topics.deadletter)
+    audit = KafkaRecorder(producer, topics.actions, keys=keys)
+    orders = KafkaRecorder(producer, topics.orders)
+
+    def send_order(order: ev.Order) -> None:
+        orders.write(order)
+        orders.flush()
+
+    desk = OrderDesk(send=send_order, recorder=audit, directory=directory, keys=keys, log=log)
+    for action in earlier_actions:
+        desk.seed(action)
     watchers = [
         _DirectoryWatcher(KafkaSource(config, topics.telemetry, since=since,
                                       want=(b'"lifecycle"',)), directory, stop),
-        # trainguard run's answers to restart orders it had carried out already
-        _DirectoryWatcher(KafkaSource(config, topics.actions, since=since,
-                                      want=(b"already_satisfied",)), directory, stop)]
+        _OrderWatcher(KafkaSource(config, topics.orders, since=since), desk, deadletter, stop,
+                      started)]
     for watcher in watchers:
         watcher.start()
     stacks = KafkaSource(config, topics.stacks)
     commands = KafkaRecorder(producer, topics.commands)
 
     def send(command: ev.Command) -> None:
-        commands.write(command)
+        commands.write(sign(command, keys))
         commands.flush()
 
     capturer = StackCapture(send=send, gatherer=StackGatherer(stacks), settings=policy.capture)
@@ -357,11 +427,10 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
 
     from trainguard.detectors.correlate import Correlator
 
-    pipeline = build_pipeline(policy=policy, state=state,
-                              recorder=KafkaRecorder(producer, topics.actions),
+    pipeline = build_pipeline(policy=policy, state=state, recorder=audit,
                               capturer=capturer, directory=directory, notify=notify,
                               drivers=drivers, correlator=Correlator(), log=log,
-                              clock=time.time)
+                              clock=time.time, orders=desk)
     service = ActionService(pipeline=pipeline, state=state, log=log)
 
     def close() -> None:
@@ -371,13 +440,16 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
         stacks.close()
         producer.flush(10)
 
-    return service, _deadletter_writer(producer, topics.deadletter), close
+    return service, deadletter, close
 
 
-def main(args, config) -> int:
-    """``trainguard actions``: runs until SIGINT or SIGTERM."""
-    policy, alerts, driver = load_service_config(getattr(args, "policy", None),
-                                                 dry_run=bool(getattr(args, "dry_run", False)))
+def main(args, config, keys=None) -> int:
+    """``trainguard actions``: runs until SIGINT or SIGTERM. ``keys`` (default: from the
+    environment, :func:`~trainguard.signing.signing_key_from_env`) sign orders and
+    commands."""
+    keys = keys if keys is not None else signing_key_from_env()
+    policy, alerts, driver = getattr(args, "service_config", None) or load_service_config(
+        getattr(args, "policy", None), dry_run=bool(getattr(args, "dry_run", False)))
     drivers = build_driver_actions(driver)
     sinks = []
     if alerts:
@@ -386,10 +458,34 @@ def main(args, config) -> int:
         sinks = build_sinks(alerts, os.environ)
     topics = config.topics
     _check_kafka(config, [topics.anomalies, topics.actions, topics.commands, topics.stacks,
-                          topics.telemetry])
+                          topics.telemetry, topics.orders])
+    warn_if_unsigned(keys, "actions", f"orders on {topics.orders} and commands on "
+                                      f"{topics.commands}")
     state_path = Path(args.state) if getattr(args, "state", None) else default_state_path(config)
     state = ServiceState.load(state_path, log=_log)
-    restored = read_back(config, topics.actions, time.time() - state.horizon_s, state.absorb)
+    ordered = []
+
+    def absorb(action) -> None:
+        if not isinstance(action, ev.Action):
+            return  # something else written to the audit log: not ours
+        state.absorb(action)
+        if (action.extra or {}).get("order_id") and action.ts >= time.time() - \
+                LIFECYCLE_LOOKBACK_S:
+            ordered.append(action)
+
+    unsigned = []
+
+    def accept(raw) -> bool:  # with a key, only records signed with it rebuild the ledger
+        refusal = Verifier(keys).check_signature(raw) if keys is not None else None
+        if refusal is not None:
+            unsigned.append(refusal.code)
+        return refusal is None
+
+    restored = read_back(config, topics.actions, time.time() - state.horizon_s, absorb,
+                         accept=accept)
+    if unsigned:
+        _log(f"{len(unsigned)} record(s) of {topics.actions} not read back: not signed with "
+             "this service's key")
     state.save(time.time())
     _log(f"policy {'(dry-run) ' if policy.dry_run else ''}{args.policy or 'defaults'}; "
          f"state {state_path} ({len(state.incidents)} incidents, {restored} action records "
@@ -402,8 +498,12 @@ def main(args, config) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     service, deadletter, close = build_service(config, policy, state, sinks=sinks, stop=stop,
-                                               drivers=drivers)
+                                               drivers=drivers, keys=keys,
+                                               earlier_actions=ordered)
     try:
+        from trainguard.service_metrics import serve_action_metrics
+
+        serve_action_metrics(service, args, log=_log)
         service.run_kafka(config, stop, deadletter=deadletter)
     finally:
         close()

@@ -2,37 +2,48 @@
 
 The command runs as its own process group (its own session). The supervisor publishes the
 job's ``lifecycle`` (``start``/``exit`` of the whole command, rank null, extra fields
-``source: "supervisor"`` and ``incarnation``) to ``<prefix>.telemetry``, and reads
-``<prefix>.actions`` from the moment it started. It obeys ``planned`` actions of its job:
+``source: "supervisor"`` and ``incarnation``; before tearing the command down to restart it,
+an ``exit`` with ``restart: true`` and no code, so that the detectors take the ranks' exits
+that follow for what they are) to ``<prefix>.telemetry``, and reads the
+``order`` events of its job on ``<prefix>.orders`` (SPEC §6) from the moment it started:
 
 - ``evict``: the machines join the exclusion list. It takes effect only where ``trainguard
   run`` can place the job: when the command is an ``srun`` (``trainguard run`` inside a Slurm
   allocation, the allocation's unused nodes being warm spares), every later launch runs it
-  with ``--exclude=<the list>`` inserted after ``srun``, and the eviction is ``done``. Any other
-  command runs where ``trainguard run`` runs, which it cannot leave: the eviction is recorded
-  ``not_applicable`` with the reason, never ``done``;
+  with ``--exclude=<the list>`` inserted after ``srun``, and the eviction is acked ``done``
+  (``excluded``). Any other command runs where ``trainguard run`` runs, which it cannot leave:
+  the eviction is acked ``not_applicable`` (``cannot_exclude``) with the reason, never
+  ``done``;
 - ``restart`` / ``rollback``: SIGTERM to the process group, ``grace`` seconds, SIGKILL to the
   group and to every process that descended from the command (torchrun starts its workers
-  in sessions of their own), then relaunch.
+  in sessions of their own), then relaunch;
+- ``stop``: the command is stopped as on SIGTERM and the supervisor exits.
+
+Each order is answered by one ``ack`` on the same topic, whose ``status`` and ``code`` say
+what became of it (:data:`trainguard.actions.orders.ACK_CODES`). Before anything is done,
+an order passes :class:`~trainguard.signing.Verifier` (with a signing key: signed by it;
+always: not stale, not from the future, its ``order_id`` not seen before) and
+:func:`~trainguard.actions.orders.check_targets` (node names, steps). A refused order is
+never carried out: it goes to ``<prefix>.deadletter`` with the reason and is acked
+``rejected``.
 
 Each relaunch gets ``TRAINGUARD_RESUME=1``, ``TRAINGUARD_CHECKPOINT_DIR``,
 ``TRAINGUARD_EXCLUDE_NODES`` (comma list, accumulated; for the command's information: the
 exclusion itself is the ``srun --exclude`` above), ``TRAINGUARD_RESTART_COUNT`` and, for a
 rollback, ``TRAINGUARD_RESUME_STEP`` (SPEC §6; also as ``TRAINGUARD_ROLLBACK_STEP``, its
 older name); every launch gets ``TRAINGUARD_JOB``. A non-zero
-exit is restarted too. Every relaunch, whatever its cause, spends one of ``max_restarts``;
-once they are spent, a crash ends the supervisor with the command's exit code and a restart
-action is answered ``rate_limited``. SIGINT and SIGTERM are passed on to the command (a
+exit is restarted too, and recorded on ``<prefix>.actions`` (extra ``trigger: "exit"``).
+Every relaunch, whatever its cause, spends one of ``max_restarts``; once they are spent, a
+crash ends the supervisor with the command's exit code and a restart order is acked
+``failed`` (code ``budget_exhausted``). SIGINT and SIGTERM are passed on to the command (a
 second one kills it at once) and the supervisor exits with the command's code; should the
 supervisor itself be killed, the command gets SIGTERM (``PR_SET_PDEATHSIG``).
 
-Never two restarts for one incident: the supervisor writes ``done`` (or ``failed``,
-``rate_limited``) with the action's ``action_id``, ignores an ``action_id`` it has seen, and
-ignores a restart of an incident it already restarted for. A restart whose incident began
+Never two restarts for one incident: a restart of an incident it already restarted for is
+acked ``already_satisfied`` (``incident_restarted``). So is a restart whose incident began
 (``targets.onset_ts``) before the current launch, which already runs with the exclusions and
-rollback asked for, is answered ``done`` with reason ``already_satisfied`` and not carried
-out: the process that had the problem is gone (typically, a crash that the supervisor
-restarted by itself before the service's restart arrived).
+rollback asked for (``relaunched_since_onset``): the process that had the problem is gone
+(typically, a crash that the supervisor restarted by itself before the order arrived).
 """
 from __future__ import annotations
 
@@ -44,16 +55,18 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainguard import events as ev
+from trainguard.actions.orders import InvalidTarget, ack_of, check_targets
 from trainguard.collectors.nodename import node_name
 from trainguard.errors import UserError
+from trainguard.signing import Refusal, Verifier, sign
 
-__all__ = ["Supervisor", "ActionFeed", "main", "descendants", "guess_world_size",
+__all__ = ["Supervisor", "OrderFeed", "Delivery", "main", "descendants", "guess_world_size",
            "exit_status", "with_exclusions"]
 
-OBEYED = ("restart", "evict", "rollback")
 
 
 def _log(message: str) -> None:
@@ -135,39 +148,77 @@ def exit_status(returncode: int) -> tuple[int, str | None]:
     return returncode, None
 
 
-class ActionFeed(threading.Thread):
-    """Reads ``<prefix>.actions`` from ``since`` in a daemon thread and queues the planned
-    actions of one job; keeps trying while Kafka is unreachable (training never waits)."""
+@dataclass(kw_only=True)
+class Delivery:
+    """One message of the orders topic: its decoded event and its bytes (the signature is
+    checked over those), and where it was, for a dead-letter record."""
+
+    event: ev.Event | None
+    raw: bytes
+    key: bytes | None = None
+    topic: str = ""
+    partition: int = -1
+    offset: int = -1
+
+    @classmethod
+    def of(cls, event: ev.Event) -> "Delivery":
+        return cls(event=event, raw=ev.encode(event), key=event.job.encode())
+
+
+class OrderFeed(threading.Thread):
+    """Reads ``<prefix>.orders`` from ``since`` in a daemon thread and queues the orders of
+    one job (as :class:`Delivery`); keeps trying while Kafka is unreachable (training never
+    waits). Messages that do not decode are left to the action service, which dead-letters
+    them."""
 
     def __init__(self, config, job: str, since: float, log=_log, retry_s: float = 5.0):
-        super().__init__(name="trainguard-action-feed", daemon=True)
+        super().__init__(name="trainguard-order-feed", daemon=True)
         self.config, self.job, self.since, self.log = config, job, since, log
         self.retry_s = retry_s
-        self.queue: queue.Queue = queue.Queue()
+        self.queue: queue.Queue = queue.Queue(maxsize=10_000)
         self.stopped = threading.Event()
         self.ready = threading.Event()
+        self.invalid = 0
 
     def run(self) -> None:
         from trainguard.actions.service import KafkaSource
 
+        topic = self.config.topics.orders
         source, warned = None, False
         while not self.stopped.is_set():
             if source is None:
                 try:
-                    source = KafkaSource(self.config, self.config.topics.actions,
-                                         since=self.since)
+                    source = KafkaSource(self.config, topic, since=self.since)
+                    if not source.consumer.assignment():
+                        source.close()
+                        source = None
+                        raise LookupError(f"topic {topic} does not exist; create it with "
+                                          "`trainguard topics create`")
                     self.ready.set()
                 except Exception as exc:
                     if not warned:
-                        self.log(f"cannot read {self.config.topics.actions} yet ({exc}); "
-                                 "supervising locally, retrying")
+                        self.log(f"cannot read {topic} yet ({exc}); supervising locally, "
+                                 "retrying")
                         warned = True
                     self.stopped.wait(self.retry_s)
                     continue
-            event = source.poll(0.2)
-            if (isinstance(event, ev.Action) and event.job == self.job
-                    and event.status == "planned" and event.action in OBEYED):
-                self.queue.put(event)
+            msg = source.consumer.poll(0.2)
+            if msg is None or msg.error() or msg.value() is None:
+                continue
+            try:
+                event = ev.decode(msg.value())
+            except ev.InvalidEvent:
+                self.invalid += 1
+                continue
+            if isinstance(event, ev.Order) and event.job == self.job:
+                delivery = Delivery(event=event, raw=msg.value(), key=msg.key(),
+                                    topic=msg.topic(), partition=msg.partition(),
+                                    offset=msg.offset())
+                try:
+                    self.queue.put_nowait(delivery)
+                except queue.Full:
+                    self.log(f"order {event.order_id}: dropped, {self.queue.maxsize} orders "
+                             "are waiting")
         if source is not None:
             source.close()
 
@@ -182,13 +233,16 @@ class ActionFeed(threading.Thread):
 
 
 class Supervisor:
-    """One supervised command. ``publish`` (an event -> None) and ``actions`` (an object with
-    ``poll(timeout) -> ev.Action | None``) are the Kafka ends; both may be None."""
+    """One supervised command. ``publish`` (an event -> None), ``orders`` (an object with
+    ``poll(timeout) -> Delivery | None``) and ``deadletter`` (``(delivery, reason) -> None``)
+    are the Kafka ends; each may be None. ``verifier`` checks every order before it is
+    obeyed (default: no signing key, so signatures are not checked)."""
 
     def __init__(self, *, job: str, cmd: list, max_restarts: int = 3,
                  checkpoint_dir: str | None = None, grace_s: float = 10.0,
                  environ: dict | None = None, node: str | None = None, publish=None,
-                 actions=None, clock=time.time, log=_log, poll_s: float = 0.1,
+                 orders=None, verifier: Verifier | None = None, deadletter=None,
+                 clock=time.time, log=_log, poll_s: float = 0.1,
                  world_size: int | None = None):
         self.job = job
         self.cmd = list(cmd)
@@ -198,7 +252,9 @@ class Supervisor:
         self.environ = dict(os.environ if environ is None else environ)
         self.node = node or node_name(self.environ)
         self.publish = publish
-        self.actions = actions
+        self.orders = orders
+        self.verifier = verifier or Verifier(clock=clock)
+        self.deadletter = deadletter
         self.clock = clock
         self.log = log
         self.poll_s = poll_s
@@ -210,7 +266,6 @@ class Supervisor:
         self.excluded: set[str] = set()
         self.active_excluded: set[str] = set()
         self.rollback_step: int | None = None
-        self.seen_ids: set[str] = set()
         self.restarted_incidents: set[str] = set()
         self._stop_signal: int | None = None
         self._signals = 0
@@ -238,7 +293,8 @@ class Supervisor:
                 if self.restarts >= self.max_restarts:
                     self._record(incident, "restart", {"job": self.job}, "rate_limited",
                                  f"budget_exhausted: the command exited with {what}; all "
-                                 f"{self.max_restarts} restart(s) of --max-restarts are spent")
+                                 f"{self.max_restarts} restart(s) of --max-restarts are spent",
+                                 code="budget_exhausted")
                     self.log(f"command exited with {what}; restart budget "
                              f"({self.max_restarts}) spent, giving up")
                     return status
@@ -246,74 +302,96 @@ class Supervisor:
                 self._relaunch()
                 self._record(incident, "restart", self._targets(), "done",
                              f"exit: the command exited with {what}; relaunched "
-                             f"(restart {self.restarts} of {self.max_restarts})")
+                             f"(restart {self.restarts} of {self.max_restarts})",
+                             code="relaunched")
                 continue
-            action = self.actions.poll(self.poll_s) if self.actions else None
-            if action is None:
-                if not self.actions:
+            delivery = self.orders.poll(self.poll_s) if self.orders else None
+            if delivery is None:
+                if not self.orders:
                     time.sleep(self.poll_s)
                 continue
-            self.obey(action)
+            self.take(delivery)
 
-    # ------------------------------------------------------------------ actions
-    def obey(self, action: ev.Action) -> str | None:
-        """Carry out one planned action if it is for this job and not done yet; returns the
-        status written, or None when the action was ignored."""
-        if action.job != self.job or action.status != "planned" or action.action not in OBEYED:
+    # ------------------------------------------------------------------ orders
+    def take(self, delivery: Delivery) -> str | None:
+        """Check one order of this job and carry it out; returns the ack status sent, or
+        None for a message that is not an order of this job."""
+        order = delivery.event
+        if not isinstance(order, ev.Order) or order.job != self.job:
             return None
-        action_id = (action.extra or {}).get("action_id") or \
-            f"{action.incident}:{action.action}"
-        if action_id in self.seen_ids:
-            return None
-        self.seen_ids.add(action_id)
-        targets = action.targets or {}
-        if action.action == "evict":
-            nodes = set(targets.get("nodes") or []) | set(targets.get("exclude_nodes") or [])
-            self.excluded |= nodes
+        refusal = self.verifier.check(delivery.raw, order.order_id)
+        targets = None
+        if refusal is None:
+            try:
+                targets = check_targets(order.op, order.targets)
+            except InvalidTarget as exc:
+                refusal = Refusal("invalid_target", str(exc))
+        if refusal is not None:
+            self.log(f"order {order.order_id[:80]} ({order.op}) refused: {refusal}")
+            if self.deadletter is not None:
+                try:
+                    self.deadletter(delivery, f"order refused: {refusal}")
+                except Exception as exc:  # the refusal stands whatever Kafka does
+                    self.log(f"cannot dead-letter order {order.order_id[:80]}: {exc}")
+            return self._ack(order, "rejected", refusal.code, f"refused: {refusal.reason}")
+        return self.obey(order, targets)
+
+    def obey(self, order: ev.Order, targets: dict) -> str:
+        """Carry out a checked order (``targets`` from :func:`check_targets`); returns the
+        ack status sent."""
+        if order.op == "stop":
+            self.request_stop(signal.SIGTERM)
+            return self._ack(order, "done", "stopping", "stopping the command as on SIGTERM")
+        if order.op == "evict":
             if with_exclusions(self.cmd, self.excluded) is None:
-                return self._reply(action, action_id, "not_applicable", (
-                    f"not_applicable: trainguard run starts {os.path.basename(self.cmd[0])} on "
-                    f"this machine ({self.node}) and cannot keep the job off "
-                    f"{', '.join(sorted(nodes)) or 'any machine'}; nothing was excluded (use "
+                self.excluded |= set(targets["nodes"])  # TRAINGUARD_EXCLUDE_NODES, for information
+                return self._ack(order, "not_applicable", "cannot_exclude", (
+                    f"trainguard run starts {os.path.basename(self.cmd[0])} on this machine "
+                    f"({self.node}) and cannot keep the job off "
+                    f"{', '.join(targets['nodes']) or 'any machine'}; nothing was excluded (use "
                     "a cluster driver, or an srun command inside a Slurm allocation)"))
-            return self._reply(action, action_id, "done",
-                               f"excluded {', '.join(sorted(nodes)) or 'nothing'} from the "
-                               f"next launch (srun --exclude={','.join(sorted(self.excluded))})")
-        if action.incident in self.restarted_incidents:
-            self.log(f"ignoring {action.action} {action_id}: incident {action.incident} was "
-                     "already restarted for")
-            return None
-        self.excluded |= set(targets.get("exclude_nodes") or [])
-        rollback = targets.get("rollback_step") if action.action == "rollback" else None
+            new = set(targets["nodes"]) - self.excluded
+            if not new:
+                return self._ack(order, "already_satisfied", "already_excluded", (
+                    f"{', '.join(targets['nodes']) or 'nothing'} already excluded; exclusion "
+                    f"list {sorted(self.excluded)}"))
+            self.excluded |= new
+            return self._ack(order, "done", "excluded", (
+                f"excluded {', '.join(sorted(new))} from the next launch (srun "
+                f"--exclude={','.join(sorted(self.excluded))})"))
+        incident = order.incident or order.order_id
+        if incident in self.restarted_incidents:
+            return self._ack(order, "already_satisfied", "incident_restarted", (
+                f"incident {incident} was already restarted for; not restarted again"))
+        self.excluded |= set(targets["exclude_nodes"])
+        rollback = targets.get("rollback_step") if order.op == "rollback" else None
         onset = targets.get("onset_ts")
-        if (isinstance(onset, (int, float)) and onset < self.launched_ts
+        if (onset is not None and onset < self.launched_ts
                 and self.excluded <= self.active_excluded
-                and (action.action != "rollback" or rollback == self.rollback_step)):
-            self.restarted_incidents.add(action.incident)
-            return self._reply(action, action_id, "done", (
-                f"already_satisfied: launch {self.incarnation} started "
-                f"{self.launched_ts - onset:.1f}s after the incident began, with the "
-                f"exclusions asked for; not restarted again"))
+                and (order.op != "rollback" or rollback == self.rollback_step)):
+            self.restarted_incidents.add(incident)
+            return self._ack(order, "already_satisfied", "relaunched_since_onset", (
+                f"launch {self.incarnation} started {self.launched_ts - onset:.1f}s after "
+                "the incident began, with the exclusions asked for; not restarted again"))
         if self.restarts >= self.max_restarts:
-            return self._reply(action, action_id, "rate_limited", (
-                f"budget_exhausted: all {self.max_restarts} restart(s) of --max-restarts are "
-                "spent; not restarted"))
-        self.restarted_incidents.add(action.incident)
-        if action.action == "rollback":
+            return self._ack(order, "failed", "budget_exhausted", (
+                f"all {self.max_restarts} restart(s) of --max-restarts are spent; not "
+                "restarted"))
+        self.restarted_incidents.add(incident)
+        if order.op == "rollback":
             self.rollback_step = rollback
         try:
             self._relaunch()
         except OSError as exc:
-            return self._reply(action, action_id, "failed", f"relaunch failed: {exc}")
-        return self._reply(action, action_id, "done", (
-            f"{action.action}: relaunched as launch {self.incarnation} (pid {self.proc.pid}, "
-            f"restart {self.restarts} of {self.max_restarts}); {action.reason}"))
+            return self._ack(order, "failed", "launch_failed", f"relaunch failed: {exc}")
+        return self._ack(order, "done", "relaunched", (
+            f"{order.op}: relaunched as launch {self.incarnation} (pid {self.proc.pid}, "
+            f"restart {self.restarts} of {self.max_restarts})"))
 
-    def _reply(self, action: ev.Action, action_id: str, status: str, reason: str) -> str:
-        self._record(action.incident, action.action, {**(action.targets or {}),
-                                                      **self._targets()}, status, reason,
-                     action_id=action_id)
-        self.log(f"{action.action} for incident {action.incident}: {status} ({reason})")
+    def _ack(self, order: ev.Order, status: str, code: str, reason: str) -> str:
+        self._emit(ack_of(order, status, code, reason, ts=self.clock(), node=self.node))
+        self.log(f"{order.op} order {order.order_id[:80]} (incident {order.incident}): "
+                 f"{status} ({reason})")
         return status
 
     def _targets(self) -> dict:
@@ -357,8 +435,9 @@ class Supervisor:
 
     def _relaunch(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self._terminate(signal.SIGTERM)
-            self._publish_exit(self.proc.returncode)
+            self._publish_exit(None, restart=True)    # announced first: the ranks' exits
+            self._terminate(signal.SIGTERM)           # that follow are ours, not a crash
+            self._publish_exit(self.proc.returncode, restart=True)
         self.restarts += 1
         self._launch(resume=True)
 
@@ -391,6 +470,8 @@ class Supervisor:
 
     # ------------------------------------------------------------------ Kafka
     def _emit(self, event: ev.Event) -> None:
+        if getattr(self, "metrics", None) is not None:  # trainguard.service_metrics.RunMetrics
+            self.metrics.event(event)
         if self.publish is None:
             return
         try:
@@ -398,19 +479,23 @@ class Supervisor:
         except Exception as exc:  # the training must go on whatever Kafka does
             self.log(f"cannot publish {event.type}: {exc}")
 
-    def _publish_exit(self, code: int) -> None:
-        status, name = exit_status(code)
+    def _publish_exit(self, code: int | None, restart: bool = False) -> None:
+        status, name = exit_status(code) if code is not None else (None, None)
+        extra = {"source": "supervisor", "incarnation": self.incarnation}
+        if restart:
+            extra["restart"] = True
         self._emit(ev.Lifecycle(job=self.job, ts=self.clock(), node=self.node, rank=None,
                                 event="exit", exit_code=None if name else status, signal=name,
-                                extra={"source": "supervisor",
-                                       "incarnation": self.incarnation}))
+                                extra=extra))
 
     def _record(self, incident: str, action: str, targets: dict, status: str, reason: str,
-                action_id: str | None = None) -> None:
+                code: str) -> None:
+        """An audit record of the supervisor's own restart of a command that exited."""
         self._emit(ev.Action(job=self.job, ts=self.clock(), node=self.node, incident=incident,
                              action=action, targets=targets, status=status, reason=reason,
-                             extra={"action_id": action_id or f"{incident}:{action}",
-                                    "source": "supervisor", "incarnation": self.incarnation}))
+                             extra={"action_id": f"{incident}:{action}", "source": "supervisor",
+                                    "trigger": "exit", "code": code,
+                                    "incarnation": self.incarnation}))
 
 
 def _die_with_parent() -> None:
@@ -440,32 +525,48 @@ def _kill(pid: int, sig: int) -> None:
 
 
 class _Publisher:
-    """Lifecycle to the telemetry topic, action records to the actions topic."""
+    """Lifecycle to the telemetry topic, action records to the actions topic, acks to the
+    orders topic (those two signed with ``keys``), refused orders to the dead-letter topic."""
 
-    def __init__(self, config):
+    def __init__(self, config, keys=None):
         from confluent_kafka import Producer
 
         from trainguard.actions.service import quiet_logger
 
         self.config = config
+        self.keys = keys
         self.producer = Producer(config.kafka(**{
             "linger.ms": 5, "partitioner": "murmur2_random", "message.timeout.ms": 10000,
             "socket.timeout.ms": 5000}), logger=quiet_logger())
 
     def __call__(self, event: ev.Event) -> None:
         topics = self.config.topics
-        topic = topics.actions if isinstance(event, ev.Action) else topics.telemetry
+        if isinstance(event, (ev.Ack, ev.Action)):
+            event = sign(event, self.keys)
+        topic = topics.orders if isinstance(event, ev.Ack) else \
+            topics.actions if isinstance(event, ev.Action) else topics.telemetry
         self.producer.produce(topic, key=event.job.encode(), value=ev.encode(event))
         self.producer.poll(0)
-        if isinstance(event, ev.Action):
+        if isinstance(event, (ev.Action, ev.Ack)):
             self.producer.flush(1.0)
+
+    def deadletter(self, delivery: Delivery, reason: str) -> None:
+        from trainguard.streams.deadletter import deadletter_record
+
+        self.producer.produce(self.config.topics.deadletter, key=delivery.key,
+                              value=deadletter_record(
+                                  reason=reason, topic=delivery.topic,
+                                  partition=delivery.partition, offset=delivery.offset,
+                                  key=delivery.key, raw=delivery.raw, ts=time.time()))
+        self.producer.flush(1.0)
 
     def close(self) -> None:
         self.producer.flush(2.0)
 
 
-def main(args, config) -> int:
-    """``trainguard run [options] -- CMD...``."""
+def main(args, config, keys=None) -> int:
+    """``trainguard run [options] -- CMD...``; ``keys`` (default: from the environment, see
+    :func:`~trainguard.signing.signing_key_from_env`) check the orders and sign the acks."""
     cmd = list(args.cmd or [])
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -478,16 +579,26 @@ def main(args, config) -> int:
         raise UserError(f"--grace must be 0 or more seconds, got {args.grace}")
     if not re.fullmatch(ev.JOB_PATTERN, args.job):
         raise UserError(f"--job {args.job!r} must be 1-128 of [A-Za-z0-9._-]")
+    from trainguard.signing import KEY_ENV, signing_key_from_env, warn_if_unsigned
+
+    keys = keys if keys is not None else signing_key_from_env()
+    warn_if_unsigned(keys, "run", f"orders on {config.topics.orders}")
     started = time.time()
-    publish = _Publisher(config)
-    feed = ActionFeed(config, args.job, since=started)
+    publish = _Publisher(config, keys)
+    feed = OrderFeed(config, args.job, since=started)
     feed.start()
+    # the training command never sees the key: it could sign orders with it
+    environ = {k: v for k, v in os.environ.items() if k != KEY_ENV}
     supervisor = Supervisor(job=args.job, cmd=cmd, max_restarts=args.max_restarts,
                             checkpoint_dir=args.checkpoint_dir, grace_s=args.grace,
-                            environ=dict(os.environ), publish=publish, actions=feed)
+                            environ=environ, publish=publish, orders=feed,
+                            verifier=Verifier(keys), deadletter=publish.deadletter)
     old = {s: signal.signal(s, lambda signum, frame: supervisor.request_stop(signum))
            for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        from trainguard.service_metrics import serve_run_metrics
+
+        serve_run_metrics(supervisor, args, log=_log)
         return supervisor.run()
     except FileNotFoundError as exc:
         raise UserError(f"cannot run {cmd[0]!r}: {exc.strerror}; check the command after --")
@@ -496,3 +607,5 @@ def main(args, config) -> int:
             signal.signal(s, handler)
         feed.stop()
         publish.close()
+        if getattr(supervisor, "metrics", None) is not None:
+            supervisor.metrics.close()

@@ -117,14 +117,14 @@ def load(t0: float, first_step: int = 0, steps: int = STEPS, nan_at=None) -> lis
 
 
 class Worker:
-    def __init__(self, config, worker_id: str, tmp: Path):
+    def __init__(self, config, worker_id: str, tmp: Path, extra: tuple = ()):
         self.port = _free_port()
         self.log = tmp / f"{worker_id}-{self.port}.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [TRAINGUARD, "worker", "--bootstrap", config.bootstrap, "--prefix",
                  config.topics.prefix, "--id", worker_id, "--web-port", str(self.port),
-                 "--data-dir", str(tmp / worker_id), "--loglevel", "warn"],
+                 "--data-dir", str(tmp / worker_id), "--loglevel", "warn", *extra],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def metrics(self) -> dict:

@@ -10,7 +10,10 @@ One per machine. Its duties, each in a thread of its own:
   plus one per ``--kmsg-extra`` file; PCI bus ids mapped to GPU indices through NVML), each
   published at once as a SPEC ``xid`` event to the telemetry topic.
 - **Stack capture**: ``capture_stacks`` commands on the commands topic, answered with one
-  ``stack`` event per local rank on the stacks topic (:mod:`.agent_commands`).
+  ``stack`` event per local rank on the stacks topic (:mod:`.agent_commands`). With a
+  signing key (``TRAINGUARD_SIGNING_KEY``) only commands signed with it are obeyed; refused
+  ones go to the dead-letter topic. Captures are rate-limited per job and machine
+  (``capture_limits``).
 
 Choices:
 
@@ -48,8 +51,11 @@ from typing import Any, Callable, Iterable, Optional
 
 from trainguard import events as ev
 from trainguard.errors import UserError
+from trainguard.signing import Freshness, Verifier
 
-from .agent_commands import CaptureRunner, CommandHandler, CommandListener, KafkaLog, QuietLog
+from .agent_commands import (MAX_COMMAND_AGE, CaptureRunner, CommandHandler, CommandListener,
+                             KafkaLog, QuietLog)
+from .capture_limits import CaptureLimiter, CaptureLimits
 from .kmsg import KmsgFollower
 from .nodename import node_name
 from .nvml import NvmlUnavailable, PynvmlSource, gpu_event_payload
@@ -124,8 +130,10 @@ class GpuSampler:
     """
 
     def __init__(self, source: Any, *, node: str, unavailable_interval: float = 60.0,
-                 on_available: Optional[Callable[[], None]] = None):
+                 on_available: Optional[Callable[[], None]] = None,
+                 on_error: Optional[Callable[[], None]] = None):
         self.source = source
+        self.on_error = on_error
         self.node = node
         self.unavailable_interval = unavailable_interval
         self.on_available = on_available
@@ -148,6 +156,8 @@ class GpuSampler:
     def tick(self, jobs: list, now: float) -> list:
         if self._down is None or now >= self._retry_at:
             payload = self._payload()
+            if payload.get("status") == "unavailable" and self.on_error is not None:
+                self.on_error()
             if payload.get("status") != "unavailable":
                 if not self.available:
                     if self._down is not None:
@@ -237,6 +247,15 @@ class Publisher:
         self._quiet.warn("full", "Kafka producer queue full: dropping %s events", event.type)
         return False
 
+    def send_record(self, topic: str, value: bytes, key: Optional[bytes]) -> bool:
+        """A value that is not an event (a dead-letter record)."""
+        try:
+            self._client.produce(topic, value, key)
+            return True
+        except Exception as exc:
+            self._quiet.warn(("produce", type(exc).__name__), "cannot send to %s: %s", topic, exc)
+            return False
+
     def close(self, timeout: float = 5.0) -> int:
         """Stop polling and flush for at most ``timeout`` s; returns how many were left."""
         self._stop.set()
@@ -273,7 +292,8 @@ class Agent:
                  source: Any = None, kmsg_path: Optional[str] = "/dev/kmsg",
                  dmesg_argv: Optional[list] = None, unavailable_interval: float = 60.0,
                  capture_timeout: float = 10.0, flush_timeout: float = 5.0,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, keys=None,
+                 capture_limits: CaptureLimits = CaptureLimits()):
         self.config = config
         self.node = node
         self.job = job
@@ -288,12 +308,17 @@ class Agent:
         self.capture_timeout = capture_timeout
         self.flush_timeout = flush_timeout
         self.clock = clock
+        self.keys = keys
+        self.capture_limits = capture_limits
         self.registry = Registry(self.runtime_dir)
         self.topics = config.topics
         self.publisher: Optional[Publisher] = None
         self._runner: Optional[CaptureRunner] = None
         self._followers: list = []
         self._nvml_ready = threading.Event()
+        from trainguard.service_metrics import AgentMetrics
+
+        self.metrics = AgentMetrics()
 
     # -- helpers ---------------------------------------------------------------------------
     def entries(self) -> list:
@@ -307,12 +332,25 @@ class Agent:
         return event_jobs(self.job, self.entries() if self.job is None else ())
 
     def publish_xid(self, payload: dict) -> None:
+        self.metrics.xid(payload)
         for event in xid_events(payload, self.jobs(), self.node, self.clock()):
             log.info("Xid %d on GPU %s (%s): %s", event.xid, event.gpu, event.source,
                      event.message[:120])
             self.publisher.send(self.topics.telemetry, event, f"{event.job}/{self.node}".encode())
 
+    def deadletter(self, value, reason: str, msg=None) -> None:
+        from trainguard.streams.deadletter import deadletter_record
+
+        key = msg.key() if msg is not None else None
+        record = deadletter_record(
+            reason=reason, topic=msg.topic() if msg is not None else self.topics.commands,
+            partition=msg.partition() if msg is not None else -1,
+            offset=msg.offset() if msg is not None else -1, key=key, raw=value,
+            ts=self.clock())
+        self.publisher.send_record(self.topics.deadletter, record, key)
+
     def publish_stack(self, event: ev.Stack) -> None:
+        self.metrics.stack(event)
         self.publisher.send(self.topics.stacks, event, f"{event.job}/{event.rank}".encode())
 
     def _nvml_up(self) -> None:
@@ -335,9 +373,11 @@ class Agent:
             try:
                 payload = self.source.wait_event(1000)
             except NvmlUnavailable:
+                self.metrics.nvml_error("wait_event")
                 self._nvml_ready.clear()  # the sampler sets it again when NVML is back
                 continue
             except Exception as exc:
+                self.metrics.nvml_error("wait_event")
                 quiet.warn(type(exc).__name__, "NVML event wait failed: %s", exc)
                 stop.wait(1.0)
                 continue
@@ -372,8 +412,11 @@ class Agent:
                                native=self.native, timeout=self.capture_timeout,
                                clock=self.clock).start()
         self._runner = runner
-        handler = CommandHandler(node=self.node, entries=self.entries, runner=runner,
-                                 clock=self.clock)
+        handler = CommandHandler(
+            node=self.node, entries=self.entries, runner=runner, clock=self.clock,
+            verifier=Verifier(self.keys, freshness=Freshness(max_age_s=MAX_COMMAND_AGE),
+                              clock=self.clock),
+            limiter=CaptureLimiter(self.capture_limits), deadletter=self.deadletter)
         settings = self.config.kafka(**{
             "group.id": f"trainguard-agent-{self.topics.prefix}-{self.node}",
             "client.id": f"trainguard-agent-{self.node}"})
@@ -390,6 +433,7 @@ class Agent:
         try:
             self.publisher = Publisher(self.config.kafka(
                 **{"client.id": f"trainguard-agent-{self.node}"})).start()
+            self.metrics.publisher = self.publisher
         except Exception as exc:  # e.g. a bad setting in --kafka-config
             raise UserError(f"cannot create a Kafka producer for {self.config.bootstrap}: "
                             f"{exc}; check --bootstrap and --kafka-config") from None
@@ -397,7 +441,8 @@ class Agent:
         try:
             sampler = GpuSampler(self.source, node=self.node,
                                  unavailable_interval=self.unavailable_interval,
-                                 on_available=self._nvml_up)
+                                 on_available=self._nvml_up,
+                                 on_error=lambda: self.metrics.nvml_error("sample"))
             self._start_followers()
             listener = self._command_listener()
             threads = [self._spawn(self._nvml_events, "trainguard-nvml-events", stop),
@@ -415,7 +460,9 @@ class Agent:
         next_at = time.monotonic()
         while not stop.is_set():
             try:
-                for event in sampler.tick(self.jobs(), self.clock()):
+                events = sampler.tick(self.jobs(), self.clock())
+                self.metrics.gpu_events(events)
+                for event in events:
                     self.publisher.send(self.topics.telemetry, event,
                                         f"{event.job}/{self.node}".encode())
             except Exception:
@@ -469,10 +516,15 @@ def _check_args(args, node: str) -> None:
             raise UserError(f"--kmsg-extra {path}: folder {parent} does not exist")
 
 
-def main(args, config) -> int:
-    """``trainguard agent``: runs until SIGTERM or SIGINT."""
+def main(args, config, keys=None) -> int:
+    """``trainguard agent``: runs until SIGTERM or SIGINT. ``keys`` (default: from the
+    environment, :func:`~trainguard.signing.signing_key_from_env`) check the commands."""
+    from trainguard.signing import signing_key_from_env, warn_if_unsigned
+
     node = args.node or node_name()
     _check_args(args, node)
+    keys = keys if keys is not None else signing_key_from_env()
+    warn_if_unsigned(keys, "agent", f"capture_stacks commands on {config.topics.commands}")
     runtime_dir = (Path(args.runtime_dir).expanduser() if args.runtime_dir
                    else default_runtime_dir(os.environ))
     _setup_logging()
@@ -485,11 +537,16 @@ def main(args, config) -> int:
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    from trainguard.service_metrics import serve_agent_metrics
+
+    metrics_server = serve_agent_metrics(lambda: agent, args, log=log.info)
     try:
         agent = Agent(config=config, node=node, job=args.job, interval=args.interval,
                       runtime_dir=runtime_dir, kmsg_extra=args.kmsg_extra,
-                      native=bool(args.native))
+                      native=bool(args.native), keys=keys)
         return agent.run(stop)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        if metrics_server is not None:
+            metrics_server.close()

@@ -11,11 +11,17 @@ The agent reads ``<prefix>.commands`` and answers on ``<prefix>.stacks`` with on
   ignored;
 - ``command.node`` null, this agent's ``--node``, or the node name one of those local ranks
   registered under (agent and collectors may name the machine differently);
-- ``ranks``: ``"all"`` is every local rank of the job, a list those of its ranks that run here;
-- a command older than ``max_age`` seconds (by its ``ts``) is ignored: after a restart the
-  agent's consumer group resumes at its committed offset, and stacks of a past moment would
-  mislead;
-- a ``capture_id`` already obeyed is ignored (a redelivery after a rebalance).
+- ``ranks``: ``"all"`` is every local rank of the job, a list those of its ranks that run here.
+
+A command for a local job then passes :class:`~trainguard.signing.Verifier`
+(:class:`CommandHandler`): with a signing key it must be signed by it; always, it must not be
+older than ``MAX_COMMAND_AGE`` seconds (after a restart the agent's consumer group resumes at
+its committed offset, and stacks of a past moment would mislead) nor stamped in the future
+beyond the clock skew allowed. A refused command goes to ``<prefix>.deadletter`` with the
+reason; a ``capture_id`` already obeyed is skipped (a redelivery after a rebalance). Last,
+captures are rate-limited per job and per machine
+(:class:`~trainguard.collectors.capture_limits.CaptureLimiter`), and one pid is never
+captured by two py-spy at once (:class:`CaptureRunner`).
 
 Stale registry entries are skipped, with no ``stack`` event: the registry leaves out dead pids,
 and :func:`address` leaves out a pid that another process took over (the process started
@@ -28,12 +34,12 @@ of each thread and say ``"truncated": true`` (an extra field).
 >>> ranks = [{"job": "j1", "rank": r, "pid": 100 + r, "node": "n1"} for r in range(4)]
 >>> cmd = ev.Command(job="j1", ts=1000.0, command="capture_stacks", capture_id="c1",
 ...                  ranks=[2, 3, 9])
->>> targets, why = address(cmd, "n1", ranks, now=1001.0)
+>>> targets, why = address(cmd, "n1", ranks)
 >>> [e["rank"] for e in targets], why
 ([2, 3], None)
->>> address(cmd.replace(node="n2"), "n1", ranks, now=1001.0)
+>>> address(cmd.replace(node="n2"), "n1", ranks)
 ([], 'addressed to node n2')
->>> address(cmd.replace(job="j2"), "n1", ranks, now=1001.0)
+>>> address(cmd.replace(job="j2"), "n1", ranks)
 ([], 'no local rank of job j2')
 """
 from __future__ import annotations
@@ -43,12 +49,13 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from trainguard import events as ev
+from trainguard.signing import Freshness, Verifier
 
+from .capture_limits import CaptureLimiter
 from .stack_capture import DEFAULT_SIGNAL, capture_pid
 
 __all__ = ["address", "stack_event", "CaptureRunner", "CommandHandler", "CommandListener",
@@ -90,8 +97,7 @@ def _valid_entry(entry) -> bool:
             and type(entry.get("pid")) is int and entry["pid"] > 0)
 
 
-def address(command: ev.Event, node: str, entries: Iterable[dict], now: float,
-            max_age: float = MAX_COMMAND_AGE,
+def address(command: ev.Event, node: str, entries: Iterable[dict],
             started_at: Callable[[int], Optional[float]] = _started_at) -> tuple[list, Optional[str]]:
     """``(registry entries to capture, None)``, or ``([], why the command is not for us)``.
 
@@ -99,8 +105,6 @@ def address(command: ev.Event, node: str, entries: Iterable[dict], now: float,
     """
     if not isinstance(command, ev.Command) or command.command != "capture_stacks":
         return [], f"not a capture_stacks command ({getattr(command, 'type', '?')})"
-    if now - command.ts > max_age:
-        return [], f"stale: sent {now - command.ts:.0f}s ago"
     local = [e for e in entries if _valid_entry(e) and e.get("job") == command.job]
     if not local:
         return [], f"no local rank of job {command.job}"
@@ -183,6 +187,8 @@ class CaptureRunner:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._stop = threading.Event()
         self._threads: list = []
+        self._busy: set = set()  # pids under capture now: one py-spy per pid at a time
+        self._busy_lock = threading.Lock()
 
     def start(self) -> "CaptureRunner":
         for i in range(self.workers):
@@ -218,13 +224,24 @@ class CaptureRunner:
 
         def one(entry: dict) -> None:
             signum = entry.get("stack_signal")
+            pid = entry["pid"]
+            with self._busy_lock:
+                busy = pid in self._busy
+                self._busy.add(pid)
             try:
-                result = self.capture(entry["pid"], native=native, timeout=self.timeout,
-                                      runtime_dir=self.runtime_dir,
-                                      signum=signum if type(signum) is int else DEFAULT_SIGNAL)
+                result = {"pid": pid, "method": "py-spy", "threads": [],
+                          "error": f"busy: a capture of pid {pid} is already under way"} \
+                    if busy else self.capture(pid, native=native, timeout=self.timeout,
+                                              runtime_dir=self.runtime_dir,
+                                              signum=signum if type(signum) is int
+                                              else DEFAULT_SIGNAL)
             except Exception as exc:  # capture_pid never raises; a replacement might
-                result = {"pid": entry["pid"], "method": "py-spy", "threads": [],
+                result = {"pid": pid, "method": "py-spy", "threads": [],
                           "error": f"stack capture failed: {type(exc).__name__}: {exc}"}
+            finally:
+                if not busy:
+                    with self._busy_lock:
+                        self._busy.discard(pid)
             event = stack_event(command, entry, result, self.node, self.clock())
             log.info("capture %s: rank %d pid %d: %s", command.capture_id, event.rank,
                      event.pid, f"{event.method}, {len(event.threads)} threads"
@@ -256,21 +273,25 @@ class CaptureRunner:
 
 
 class CommandHandler:
-    """Decodes one commands-topic message, decides with :func:`address` and hands what is
-    ours to ``runner.submit``; returns a word for what it did. Never raises."""
+    """Decodes one commands-topic message, decides with :func:`address`, checks what is ours
+    with ``verifier`` and ``limiter`` and hands it to ``runner.submit``; returns a word for
+    what it did. Refused commands go to ``deadletter(value, reason, msg)``. Never raises."""
 
     def __init__(self, *, node: str, entries: Callable[[], list], runner: CaptureRunner,
-                 clock: Callable[[], float] = time.time, max_age: float = MAX_COMMAND_AGE,
-                 remember: int = 1024):
+                 clock: Callable[[], float] = time.time, verifier: Optional[Verifier] = None,
+                 limiter: Optional[CaptureLimiter] = None,
+                 deadletter: Optional[Callable[..., None]] = None):
         self.node = node
         self.entries = entries
         self.runner = runner
         self.clock = clock
-        self.max_age = max_age
-        self.remember = remember
-        self._seen: OrderedDict = OrderedDict()
+        self.verifier = verifier or Verifier(freshness=Freshness(max_age_s=MAX_COMMAND_AGE),
+                                             clock=clock)
+        self.limiter = limiter or CaptureLimiter()
+        self.deadletter = deadletter
+        self._quiet = QuietLog(every=60.0)
 
-    def handle(self, value) -> str:
+    def handle(self, value, msg=None) -> str:
         if value is None:
             log.warning("ignoring an empty message on the commands topic")
             return "invalid"
@@ -282,22 +303,34 @@ class CommandHandler:
         if not isinstance(command, ev.Command):
             log.warning("ignoring a %r event on the commands topic", command.type)
             return "invalid"
-        key = (command.job, command.capture_id)
-        if key in self._seen:
-            log.debug("capture %s: already answered", command.capture_id)
-            return "duplicate"
         try:
             entries = self.entries()
         except Exception as exc:
             log.warning("cannot read the rank registry: %s", exc)
             entries = []
-        targets, why = address(command, self.node, entries, self.clock(), self.max_age)
+        targets, why = address(command, self.node, entries)
         if why is not None:
             log.debug("capture %s for job %s ignored: %s", command.capture_id, command.job, why)
             return "ignored"
-        self._seen[key] = True
-        while len(self._seen) > self.remember:
-            self._seen.popitem(last=False)
+        refusal = self.verifier.check(value, f"{command.job}/{command.capture_id}")
+        if refusal is not None and refusal.code == "replayed":
+            log.debug("capture %s: already answered", command.capture_id)
+            return "duplicate"
+        if refusal is not None:
+            self._quiet.warn(("refused", command.job), "capture_stacks for job %s refused: %s",
+                             command.job, refusal)
+            if self.deadletter is not None:
+                try:
+                    self.deadletter(value, f"command refused: {refusal}", msg)
+                except Exception as exc:
+                    log.warning("cannot dead-letter a refused command: %s", exc)
+            return "refused"
+        if not self.limiter.allow(command.job, self.clock()):
+            self._quiet.warn(("limited", command.job), "capture %s for job %s skipped: more "
+                             "than %d captures of the job or %d in all within %gs",
+                             command.capture_id, command.job, self.limiter.limits.per_job,
+                             self.limiter.limits.per_machine, self.limiter.limits.window_s)
+            return "rate_limited"
         if not self.runner.submit(command, targets):
             log.warning("capture %s dropped: %d captures already waiting", command.capture_id,
                         self.runner.max_pending)
@@ -406,7 +439,7 @@ class CommandListener:
                     self._quiet.warn(("msg", msg.error().code()), "commands topic %s: %s",
                                      self.topic, msg.error())
                     continue
-                self.handler.handle(msg.value())
+                self.handler.handle(msg.value(), msg)
         finally:
             try:
                 consumer.close()

@@ -414,6 +414,11 @@ def init(job: str, rank: int | None = None, local_rank: int | None = None,
         log.warning("trainguard.init called twice; returning the running collector")
         return _ACTIVE
     environ = os.environ if environ is None else environ
+    (heartbeat_interval, report_every, flush_timeout, max_queue_events,
+     max_queue_bytes) = _configured(environ, heartbeat_interval=heartbeat_interval,
+                                    report_every=report_every, flush_timeout=flush_timeout,
+                                    max_queue_events=max_queue_events,
+                                    max_queue_bytes=max_queue_bytes).values()
     env_rank = env_int(environ, "RANK")
     env_world = env_int(environ, "WORLD_SIZE")
     env_local = env_int(environ, "LOCAL_RANK")
@@ -436,6 +441,27 @@ def init(job: str, rank: int | None = None, local_rank: int | None = None,
                           stack_signal=stack_signal, flush_timeout=flush_timeout)
     _ACTIVE = collector.start()
     return collector
+
+
+def _configured(environ, **given) -> dict:
+    """``given``, where the caller left an argument at its default, from the ``collector``
+    section of ``TRAINGUARD_CONFIG``; a bad file is logged, never raised."""
+    path = environ.get("TRAINGUARD_CONFIG")
+    if not path:
+        return given
+    import inspect
+
+    from trainguard.configsections import load
+    from trainguard.errors import UserError
+
+    try:
+        tree = load(path, environ, sections=("collector",))
+    except UserError as exc:
+        log.warning("trainguard: ignoring the collector section of %s: %s", path, exc)
+        return given
+    defaults = inspect.signature(init).parameters
+    return {name: tree.value(f"collector.{name}") if value == defaults[name].default
+            else value for name, value in given.items()}
 
 
 def _kafka_config(config: Config | None, bootstrap: str | None, environ):

@@ -12,7 +12,8 @@ analyze``):
       "loss", "grad_norm", "loss_scale"}`` for every step (non-finite numbers as the SPEC
       strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``);
     - ``{"k": "hb", "job", "rank", "node", "ts", "step", "phase", "phase_since", "pid",
-      "dropped"}`` when the rank enters or leaves a ``checkpoint``/``eval``/``init`` phase,
+      "dropped"}`` when the rank enters or leaves an allowed phase (``checkpoint``, ``eval``,
+      ``init`` or a user-declared one),
       else once every ``heartbeat_summary_s`` (5 s): liveness and a hang's odd ranks need no
       more, and progress travels in the step summaries;
     - ``{"k": "life", "job", "rank", "node", "ts", "event", "exit_code", "signal", "pid",

@@ -7,7 +7,7 @@ constructor arguments from it, so the defaults below are the detectors' defaults
 
 >>> config = DetectorConfig(hang_floor_s=30.0)
 >>> config.hang_floor_s, config.straggler_k, config.straggler_n
-(30.0, 8, 10)
+(30.0, 6, 10)
 >>> DetectorConfig(straggler_k=12, straggler_n=10)
 Traceback (most recent call last):
 ...
@@ -16,6 +16,7 @@ ValueError: straggler_k (12) must be between 1 and straggler_n (10)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -33,23 +34,29 @@ class DetectorConfig:
     loss_spike_tail_quantile: float = 0.995
     loss_spike_tail_factor: float = 4.0    # spike: log deviation > factor x tail quantile ...
     loss_spike_min_ratio: float = 1.1      # ... and value > min_ratio x baseline
-    loss_spike_warmup: int = 250           # steps learned before any report
+    loss_spike_warmup: int = 20            # steps learned before any report
     loss_spike_cooldown: int = 20          # quiet steps that end a spike episode
+    loss_spike_early_steps: int = 250      # young curves are rough: in these first steps ...
+    loss_spike_early_min_ratio: float = 1.5  # ... a spike must be at least this x baseline
     grad_spike_window: int = 50
     grad_spike_tail_window: int = 1000
     grad_spike_tail_quantile: float = 0.995
     grad_spike_tail_factor: float = 4.0
     grad_spike_min_ratio: float = 2.5
-    grad_spike_warmup: int = 250
+    grad_spike_warmup: int = 20
     grad_spike_cooldown: int = 20
+    grad_spike_early_steps: int = 250
+    grad_spike_early_min_ratio: float = 5.0
 
     # -- straggler: a rank's compute_time against the median of its peers, per step ---------
-    straggler_ratio: float = 1.2           # slow in a step: compute_time >= ratio x peers' median
+    straggler_ratio: float = 1.2           # slow in a step: compute_time >= ratio x usual
     straggler_min_excess_s: float = 0.002  # ... and at least this many seconds more
-    straggler_k: int = 8                   # persistent: slow in k ...
+    straggler_k: int = 6                   # persistent: slow in k ...
     straggler_n: int = 10                  # ... of the last n steps it reported
     straggler_settle: int = 2              # steps to wait for more ranks before naming them
-    straggler_min_ranks: int = 3           # ranks needed in a step to compare at all
+    straggler_min_ranks: int = 3           # ranks needed in a step (and a stage) to compare
+    straggler_warmup: int = 10             # steps each rank's own baseline is learned over
+    straggler_baseline_alpha: float = 0.05  # ... then its moving-average weight
 
     # -- throughput_drop: Page-Hinkley on the job's log step time, confirmed by a ratio ------
     throughput_warmup: int = 50            # steps before learning starts (compile, warm-up)
@@ -61,14 +68,18 @@ class DetectorConfig:
     throughput_threshold: float = 4.0      # Page-Hinkley threshold, in log step time
     throughput_standout_ratio: float = 1.2  # a rank slower than this vs peers "stands out"
 
-    # -- hang: no new step for longer than an adaptive, phase-aware timeout ------------------
-    hang_floor_s: float = 20.0
-    hang_factor: float = 5.0
+    # -- hang: no progress after the later of the last step and the last allowed phase ------
+    hang_floor_s: float = 20.0             # timeout never below this
+    hang_factor: float = 2.0               # ... x the p99 of the job's step intervals
     hang_quantile: float = 0.99
     hang_window: int = 500                 # step intervals the quantile is learned over
-    hang_checkpoint_s: float = 900.0       # allowance while any rank is in `checkpoint`
-    hang_eval_s: float = 900.0             # ... in `eval`
-    hang_init_s: float = 1200.0            # ... in `init`, and before the first step
+    hang_max_margin: float = 1.0           # ... and never below this x the longest of them
+    hang_min_intervals: int = 5            # before, the first-step budget applies
+    hang_checkpoint_s: float = 1800.0      # default allowance of a `checkpoint` phase
+    hang_eval_s: float = 1800.0            # ... of `eval`
+    hang_phase_s: float = 1800.0           # ... of a user-declared phase
+    hang_first_step_s: float = 1800.0      # budget of `init` and the first step after a start
+    hang_phase_factor: float = 3.0         # allowance >= this x the longest seen in the job
     hang_stale_s: float = 10.0             # a rank with no heartbeat for this long is a suspect
 
     # -- silent: a rank or machine that stops sending while the rest go on -------------------
@@ -119,6 +130,7 @@ class DetectorConfig:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         for name in ("loss_spike_min_ratio", "grad_spike_min_ratio", "straggler_ratio",
+                     "loss_spike_early_min_ratio", "grad_spike_early_min_ratio",
                      "throughput_ratio", "throughput_clip", "throughput_standout_ratio"):
             if getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be above 1, got {getattr(self, name)}")
@@ -132,8 +144,11 @@ class DetectorConfig:
 
     def params_for(self, cls) -> dict:
         """Constructor arguments of detector class ``cls`` from the fields ``<PREFIX>_<arg>``."""
-        out = {}
-        for name in inspect.signature(cls.__init__).parameters:
-            if name != "self":
-                out[name] = getattr(self, f"{cls.PREFIX}_{name}")
-        return out
+        return {name: getattr(self, f"{cls.PREFIX}_{name}") for name in _init_params(cls)}
+
+
+@functools.lru_cache(maxsize=None)
+def _init_params(cls) -> tuple:
+    """The constructor's parameter names (``inspect.signature`` made a new job stage cost
+    about a millisecond: a worker creates one per new job id)."""
+    return tuple(n for n in inspect.signature(cls.__init__).parameters if n != "self")

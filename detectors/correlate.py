@@ -37,6 +37,9 @@ stream of anomalies.
 >>> _ = c.add(a("hang", 1050.0, [2], onset=990.0))  # blamed on another rank: not the NaN's
 >>> [i["kind"] for i in c.incidents()]
 ['gpu_fault', 'hang', 'nan']
+>>> _ = c.add(a("hang", 1150.0, [2], onset=1100.0))  # progress after 1050: a new stall
+>>> [i["kind"] for i in c.incidents()]
+['gpu_fault', 'hang', 'nan', 'hang']
 """
 from __future__ import annotations
 
@@ -88,6 +91,12 @@ CAUSE_LEAD_DEFAULT_S = 10.0
 def _precedes(cause, effect) -> bool:
     lead = CAUSE_LEAD_S.get(effect.kind, CAUSE_LEAD_DEFAULT_S)
     return cause.onset_ts <= effect.onset_ts + lead
+
+
+#: A hang's onset is the job's last progress: one that begins more than this after an
+#: incident was detected follows progress made since (not a step already in flight), so it is
+#: a new incident.
+PROGRESS_SLACK_S = 5.0
 
 
 def _external(anomaly) -> bool:
@@ -195,6 +204,8 @@ class Correlator:
                 continue
             if anomaly.detected_ts < inc.first - self.window_s:
                 continue
+            if anomaly.kind == "hang" and anomaly.onset_ts > inc.last + PROGRESS_SLACK_S:
+                continue     # the job made progress after the incident: a new problem
             if not any(_linked(m, anomaly) for m in inc.members):
                 continue
             if best is None or _RANK.get(inc.root().kind, 99) < _RANK.get(best.root().kind, 99):

@@ -262,6 +262,8 @@ class _Window:
         self.throttled = 0
         self.ups = [0, 0, 0]
         self.last = [None, None, None]
+        self.run = 0                 # throttled samples in a row, and the first one's time
+        self.run_ts = 0.0
 
     def add(self, ts, hw, values, horizon):
         last = self.last
@@ -271,6 +273,12 @@ class _Window:
             rose = self._rises(values)
         self.rows.append((ts, hw, values, rose))
         self.throttled += hw
+        if hw:
+            if not self.run:
+                self.run_ts = ts
+            self.run += 1
+        else:
+            self.run = 0
         while self.rows[0][0] < horizon:
             old = self.rows.popleft()
             self.throttled -= old[1]
@@ -296,7 +304,8 @@ class GpuDegradedDetector(_GpuDetector):
     """Sustained trouble short of a fault, per GPU over the last ``window_s`` seconds:
 
     - hardware throttling (a reason starting with ``hw_``, or ``sw_thermal``) in at least
-      ``throttle_fraction`` of at least ``min_samples`` samples spanning half the window;
+      ``throttle_fraction`` of at least ``min_samples`` samples spanning half the window, or
+      in ``min_samples`` samples in a row spanning a quarter of it;
     - PCIe replays rising by ``pcie_replays`` or more;
     - NVLink errors rising in ``nvlink_increments`` or more samples;
     - single-bit ECC errors rising by ``sbe_increase`` or more, in ``sbe_increments`` samples.
@@ -310,7 +319,7 @@ class GpuDegradedDetector(_GpuDetector):
     ...     g = {"index": 0, "uuid": "GPU-0", "throttle": ["hw_thermal"] if t >= 5 else []}
     ...     found += d.update(ev.Gpu(job="j", ts=float(t), node="n1", gpus=[g]))
     >>> [(f.kind, f.evidence["condition"], f.onset_ts, f.detected_ts) for f in found]
-    [('gpu_degraded', 'throttle', 5.0, 21.0)]
+    [('gpu_degraded', 'throttle', 5.0, 10.0)]
     """
 
     PREFIX = "gpu_degraded"
@@ -363,7 +372,8 @@ class GpuDegradedDetector(_GpuDetector):
         span = ts - rows[0][0]
         throttled = window.throttled
         on = (n >= self.min_samples and span >= self.window_s / 2
-              and throttled >= self.throttle_fraction * n)
+              and throttled >= self.throttle_fraction * n) or (
+            window.run >= self.min_samples and ts - window.run_ts >= self.window_s / 4)
         if on or (node, index, "throttle") in self._active:
             onset = next((r[0] for r in rows if r[1]), ts)
             out += self._condition(node, index, "throttle", on, ts, onset,

@@ -12,9 +12,8 @@ tear-down; offline ``now`` is the recording's event time, online the job's clock
 """
 from __future__ import annotations
 
-from river import stats
-
-from .base import Detector, Finding, fmt_ranks, rank_nodes, whole_nodes
+from .base import Detector, Finding, fmt_ranks, rank_nodes
+from .hang import HangDetector
 
 __all__ = ["HangDetector", "SilentDetector", "CrashDetector"]
 
@@ -51,6 +50,11 @@ class CrashDetector(Detector):
       steps again after its exit. ``finish(now)`` decides a pending tear-down at the end of
       the input.
 
+    - trainguard's own restarts are no crash: ``trainguard run`` announces one with a
+      launcher lifecycle ``exit`` (rank null) carrying ``"restart": true`` before it tears the
+      job down; every exit (and every rank that vanishes) of that tear-down is folded into it
+      without a finding, and its time is kept in ``own_restarts``.
+
     >>> d = CrashDetector(grace_s=3.0)
     >>> for r in range(4):           # rank 3 is SIGKILLed after step 160, torchrun stops the rest
     ...     _ = d.update({"k": "step", "rank": r, "node": "n1", "ts": 99.0, "step": 160})
@@ -75,6 +79,7 @@ class CrashDetector(Detector):
         self._where: dict = {}     # rank -> node
         self._exit: dict = {}      # rank -> time of its exit, until it starts again
         self._wave = None          # the open tear-down, see _open
+        self.own_restarts: list = []   # times trainguard run announced a restart (last 20)
 
     def update(self, item) -> list[Finding]:
         if type(item) is not dict:
@@ -87,6 +92,12 @@ class CrashDetector(Detector):
             return []
         found = []
         event = item.get("event")
+        if rank is None and event == "exit" and item.get("restart"):
+            wave = self._open(ts)               # trainguard run restarting the job
+            wave["own"] = True
+            self.own_restarts.append(ts)
+            del self.own_restarts[:-20]
+            return []
         if k == "step" and rank in self._exit and ts > self._exit[rank]:
             found = self._close(ts)                   # stepping again: a restart
             del self._exit[rank]
@@ -109,6 +120,9 @@ class CrashDetector(Detector):
         wave["last"] = max(wave["last"], ts)
         if not wave["decided"]:
             wave["start"] = min(wave["start"], ts)      # exits may arrive out of order
+        if wave["own"]:
+            wave["torn"][rank] = sig or TEARDOWN_CODES.get(code) or f"code {code}"
+            return []                           # part of our own restart
         if not teardown:
             wave["failed"].append(rank)
             return [self._exited(item)]
@@ -138,7 +152,8 @@ class CrashDetector(Detector):
 
     def _open(self, ts) -> dict:
         if self._wave is None:
-            self._wave = {"start": ts, "last": ts, "torn": {}, "failed": [], "decided": False}
+            self._wave = {"start": ts, "last": ts, "torn": {}, "failed": [], "decided": False,
+                          "own": False}
         return self._wave
 
     def _close(self, now) -> list[Finding]:
@@ -154,6 +169,8 @@ class CrashDetector(Detector):
     def _decide(self, now) -> list[Finding]:
         wave = self._wave
         wave["decided"] = True
+        if wave["own"]:
+            return []        # trainguard's own restart: recorded by the supervisor, no alert
         start, torn = wave["start"], wave["torn"]
         pending = self._pending_ranks(wave)
         vanished = [r for r in pending if self._last[r] < start] if torn else []
@@ -218,180 +235,6 @@ class CrashDetector(Detector):
                        key=f"t{ts:.3f}",
                        evidence={"exit_code": code, "signal": sig,
                                  "rank_nodes": {str(rank): node} if node and ranks else {}})
-
-
-class HangDetector(Detector):
-    """No new step from the job for longer than an adaptive, phase-aware timeout.
-
-    The timeout is ``max(floor_s, factor x quantile of the job's step intervals)``, learned
-    over the last ``window`` intervals (intervals that contained a checkpoint, eval or init
-    phase are not learned). While any rank's heartbeat says it is in ``checkpoint``, ``eval`` or
-    ``init``, the deadline is at least that phase's start plus its allowance; before the first
-    step the ``init`` allowance runs from the job's first event. Suspects are the ranks whose
-    last heartbeat phase or step differs from the majority's, or whose heartbeats went stale
-    (``stale_s``). Ranks that exited are left out; once a rank exited cleanly (code 0), or
-    every rank exited or went stale after some exited (a torn-down job), the job is over and
-    no hang is reported. One finding per stall.
-
-    >>> d = HangDetector(floor_s=10.0)
-    >>> for s in range(30):
-    ...     for r in range(4):
-    ...         _ = d.update({"k": "step", "rank": r, "node": "n1", "ts": 100.0 + s, "step": s})
-    >>> hb = [{"k": "hb", "rank": r, "node": "n1", "ts": 140.0, "step": 29,
-    ...        "phase": "data" if r == 2 else "collective", "phase_since": 130.0}
-    ...       for r in range(4)]
-    >>> _ = [d.update(h) for h in hb]
-    >>> d.advance(135.0)
-    []
-    >>> [(f.kind, f.ranks, f.step, f.onset_ts) for f in d.advance(140.0)]
-    [('hang', [2], 29, 129.0)]
-    """
-
-    PREFIX = "hang"
-    ALLOWED = ("checkpoint", "eval", "init")
-
-    def __init__(self, floor_s: float = 20.0, factor: float = 5.0, quantile: float = 0.99,
-                 window: int = 500, checkpoint_s: float = 900.0, eval_s: float = 900.0,
-                 init_s: float = 1200.0, stale_s: float = 10.0):
-        self.floor_s = floor_s
-        self.factor = factor
-        self.quantile = quantile
-        self.window = window
-        self.checkpoint_s = checkpoint_s
-        self.eval_s = eval_s
-        self.init_s = init_s
-        self.stale_s = stale_s
-        self._allow = {"checkpoint": checkpoint_s, "eval": eval_s, "init": init_s}
-        self._intervals = stats.RollingQuantile(q=quantile, window_size=window)
-        self._n_intervals = 0
-        self._max_step = None
-        self._progress_ts = None
-        self._first_ts = None
-        self._allowed_since_progress = False
-        self._hb: dict = {}            # rank -> (ts, phase, phase_since, step)
-        self._where: dict = {}
-        self._exited: set = set()
-        self._seen: dict = {}          # rank -> last ts
-        self._finished = False
-        self._hung = False
-
-    def update(self, item) -> list[Finding]:
-        if type(item) is not dict:
-            return []
-        k = item.get("k")
-        ts = item.get("ts")
-        if ts is None:
-            return []
-        if self._first_ts is None:
-            self._first_ts = ts
-        rank = item.get("rank")
-        if k == "step":
-            step = item["step"]
-            if self._max_step is None or step > self._max_step:
-                if self._progress_ts is not None and not self._allowed_since_progress:
-                    interval = ts - self._progress_ts
-                    if interval > 0:
-                        self._intervals.update(interval)
-                        self._n_intervals += 1
-                self._max_step = step
-                self._progress_ts = ts
-                self._allowed_since_progress = False
-                self._hung = False
-            if rank is not None:
-                self._exited.discard(rank)
-        elif k == "hb":
-            if rank is None:
-                return []
-            phase = item.get("phase")
-            self._hb[rank] = (ts, phase, item.get("phase_since") or ts, item.get("step"))
-            if phase in self._allow:
-                self._allowed_since_progress = True
-            self._exited.discard(rank)
-        elif k == "life":
-            if item.get("event") == "exit":
-                if rank is not None:
-                    self._exited.add(rank)
-                if item.get("exit_code") == 0 and not item.get("signal"):
-                    self._finished = True
-            elif item.get("event") == "start":
-                self._finished = False
-                self._hung = False
-                self._max_step = None
-                self._progress_ts = None
-                self._first_ts = ts
-                if rank is not None:
-                    self._exited.discard(rank)
-        else:
-            return []
-        if rank is not None:
-            if ts > self._seen.get(rank, ts - 1):
-                self._seen[rank] = ts
-            if item.get("node"):
-                self._where[rank] = item["node"]
-        return []
-
-    def timeout(self) -> float:
-        """The current timeout in seconds, before phase allowances."""
-        learned = self._intervals.get() if self._n_intervals else None
-        return max(self.floor_s, self.factor * learned) if learned else self.floor_s
-
-    def deadline(self) -> float | None:
-        if self._first_ts is None:
-            return None
-        if self._progress_ts is None:
-            deadline = self._first_ts + self.init_s
-        else:
-            deadline = self._progress_ts + self.timeout()
-        for rank, (_, phase, since, _) in self._hb.items():
-            allowance = self._allow.get(phase)
-            if allowance is not None and rank not in self._exited:
-                deadline = max(deadline, since + allowance)
-        return deadline
-
-    def advance(self, now: float) -> list[Finding]:
-        if self._hung or self._finished or self._first_ts is None:
-            return []
-        deadline = self.deadline()
-        if deadline is None or now < deadline:
-            return []
-        if self._exited and all(r in self._exited or now - ts >= self.stale_s
-                                for r, ts in self._seen.items()):
-            return []      # every rank exited or went quiet after some exited: over, not hung
-        self._hung = True
-        suspects, majority = self._suspects(now)
-        onset = self._progress_ts if self._progress_ts is not None else self._first_ts
-        nodes = whole_nodes(suspects, self._where) if suspects else []
-        stalled = now - onset
-        what = (f"no new step after step {self._max_step}" if self._max_step is not None
-                else "no first step")
-        blame = (f"; {fmt_ranks(suspects)} differ from the majority ({majority})"
-                 if suspects else f"; every rank looks alike ({majority})")
-        return [Finding(
-            kind="hang", severity="critical", ranks=suspects, nodes=nodes, step=self._max_step,
-            onset_ts=onset, detected_ts=now, detector=self.PREFIX,
-            summary=f"the job made no progress for {stalled:.0f}s: {what}{blame}",
-            key=f"s{self._max_step}" if self._max_step is not None else f"t{onset:.3f}",
-            evidence={"stalled_s": stalled, "timeout_s": self.timeout(),
-                      "majority": majority, "rank_nodes": rank_nodes(suspects, self._where)})]
-
-    def _suspects(self, now: float):
-        live = {r: h for r, h in self._hb.items() if r not in self._exited}
-        fresh = {r: h for r, h in live.items() if now - h[0] < self.stale_s}
-        stale = sorted(r for r in live if r not in fresh)
-        if not fresh:
-            return stale, "no heartbeats"
-        phases: dict = {}
-        steps: dict = {}
-        for _, phase, _, step in fresh.values():
-            phases[phase] = phases.get(phase, 0) + 1
-            steps[step] = steps.get(step, 0) + 1
-        phase = max(phases.items(), key=lambda kv: (kv[1], str(kv[0])))[0]
-        step = max(steps.items(), key=lambda kv: (kv[1], kv[0] if kv[0] is not None else -1))[0]
-        odd = [r for r, h in fresh.items() if h[1] != phase or h[3] != step]
-        suspects = sorted(set(odd) | set(stale))
-        if len(suspects) * 2 >= len(live):
-            suspects = []
-        return suspects, f"phase {phase}, step {step}"
 
 
 class SilentDetector(Detector):

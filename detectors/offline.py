@@ -19,6 +19,7 @@ found from the heartbeats that kept coming while the steps stopped.
 from __future__ import annotations
 
 
+from trainguard.eventtime import EventTimeFilter, EventTimeLimits
 from trainguard.recording import ReadStats, read_events
 
 from .config import DetectorConfig
@@ -30,15 +31,34 @@ _INCIDENT_KEYS = ("id", "kind", "job", "ranks", "nodes", "step", "onset_ts", "de
                   "severity", "summary", "anomalies")
 
 
-def analyze_events(events, config: DetectorConfig | None = None):
-    """Run an :class:`Engine` over events in event time; returns ``(engine, summary)``."""
+#: refusals listed in the output at most (all are counted)
+MAX_REJECTIONS_LISTED = 100
+
+
+def analyze_events(events, config: DetectorConfig | None = None,
+                   limits: EventTimeLimits | None = None):
+    """Run an :class:`Engine` over events in event time; returns ``(engine, summary)``.
+
+    Events that :class:`~trainguard.eventtime.EventTimeFilter` refuses (an implausible
+    ``ts`` or ``step``) are left out: ``summary["rejected"]`` counts them and
+    ``summary["rejections"]`` lists the first ones with their reasons."""
     engine = Engine(config)
     update = engine.update
+    check = EventTimeFilter(limits).check
     now = None
     types: dict = {}
     jobs: set = set()
     first = None
+    rejected = 0
+    rejections = []
     for event in events:
+        reason = check(event)
+        if reason is not None:
+            rejected += 1
+            if len(rejections) < MAX_REJECTIONS_LISTED:
+                rejections.append({"job": event.job, "type": event.TYPE, "rank": event.rank,
+                                   "ts": event.ts, "reason": reason})
+            continue
         ts = event.ts
         if now is None:
             now = first = ts
@@ -52,16 +72,25 @@ def analyze_events(events, config: DetectorConfig | None = None):
             engine.advance(now)
     if now is not None:
         engine.advance(now, force=True)
-    summary = {"types": types, "jobs": sorted(jobs), "first_ts": first, "last_ts": now}
+    summary = {"types": types, "jobs": sorted(jobs), "first_ts": first, "last_ts": now,
+               "rejected": rejected, "rejections": rejections}
     return engine, summary
 
 
 def analyze_file(path, config: DetectorConfig | None = None) -> dict:
     """SPEC §4 ``{"events": N, "invalid": M, "incidents": [...]}`` for one recording.
 
-    ``events`` counts the valid events, ``invalid`` the lines that were not.
+    ``events`` counts the events analyzed, ``invalid`` the lines that were not: those that
+    failed validation and those refused for an implausible ``ts`` or ``step``, which, when
+    there are any, ``rejected`` counts and ``rejections`` lists (the first 100, with their
+    reasons).
     """
     stats = ReadStats()
-    engine, _ = analyze_events(read_events(path, stats), config)
+    engine, summary = analyze_events(read_events(path, stats), config)
     incidents = [{k: inc[k] for k in _INCIDENT_KEYS} for inc in engine.incidents()]
-    return {"events": stats.events, "invalid": stats.invalid, "incidents": incidents}
+    rejected = summary["rejected"]
+    out = {"events": stats.events - rejected, "invalid": stats.invalid + rejected,
+           "incidents": incidents}
+    if rejected:
+        out.update(rejected=rejected, rejections=summary["rejections"])
+    return out

@@ -23,6 +23,7 @@ events through all three, for offline analysis, as the worker does across Kafka.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import asdict
 
@@ -33,11 +34,12 @@ from .config import DetectorConfig
 from .correlate import Correlator
 from .data_position import DataPositionDetector
 from .gpu import GpuDegradedDetector, GpuFaultDetector, Placement
+from .hang import is_allowed_phase
 from .liveness import CrashDetector, HangDetector, SilentDetector
 from .timing import StragglerDetector, ThroughputDetector
 from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
 
-__all__ = ["RankStage", "NodeStage", "JobStage", "Engine", "StepAggregator", "DETECTORS",
+__all__ = ["RankStage", "NodeStage", "launcher_summary", "on_grid", "JobStage", "Engine", "StepAggregator", "DETECTORS",
            "JOB_DETECTORS", "NODE_DETECTORS"]
 
 #: Every detector class, in the order they run.
@@ -49,13 +51,10 @@ NODE_DETECTORS = (GpuFaultDetector, GpuDegradedDetector)
 JOB_DETECTORS = tuple(cls for cls in DETECTORS if cls not in NODE_DETECTORS)
 
 
-_SPECIAL_PHASES = frozenset(("checkpoint", "eval", "init"))
-
-
 class RankStage:
     """Compacts one rank's events into summary dicts (plain JSON, non-finite numbers as the
     SPEC strings). A heartbeat is forwarded when the rank enters or leaves a ``checkpoint``,
-    ``eval`` or ``init`` phase (they extend the hang timeout), else once every
+    ``eval``, ``init`` or user-declared phase (they pause the hang clock), else once every
     ``config.heartbeat_summary_s``: enough for liveness and for naming a hang's odd ranks,
     while step progress travels in the step summaries. A lifecycle summary carries the rank's
     last step.
@@ -93,7 +92,7 @@ class RankStage:
                      "samples": (event.extra or {}).get("samples")}]
         if kind == "heartbeat":
             phase = event.phase
-            key = (phase, event.phase_since) if phase in _SPECIAL_PHASES else None
+            key = (phase, event.phase_since) if is_allowed_phase(phase) else None
             if key == self._hb_key and event.ts - self._hb_ts < self._every:
                 return []
             self._hb_key = key
@@ -109,8 +108,37 @@ class RankStage:
             return [{"k": "life", "job": event.job, "rank": event.rank, "node": event.node,
                      "ts": event.ts, "event": event.event, "exit_code": event.exit_code,
                      "signal": event.signal, "pid": event.pid, "world_size": event.world_size,
-                     "local_rank": event.local_rank, "step": self._last_step}]
+                     "local_rank": event.local_rank, "step": self._last_step,
+                     "topology": event.topology}]
         return []
+
+
+def on_grid(now: float, every: float) -> float:
+    """The latest point of the event-time grid (multiples of ``every``) at or before ``now``:
+    ``analyze`` and the worker advance the detectors on the same grid, so the same recording
+    gives the same detection times through both.
+
+    >>> on_grid(1764680012.74, 0.5), on_grid(3.0, 0.0)
+    (1764680012.5, 3.0)
+    """
+    return math.floor(now / every) * every if every > 0 else now
+
+
+def launcher_summary(event) -> dict:
+    """The ``life`` summary (rank null) of a launcher's lifecycle event: ``trainguard run``
+    marks the exit that announces its own restart with ``restart: true``.
+
+    >>> from trainguard import events as ev
+    >>> e = ev.Lifecycle(job="j", ts=5.0, node="n1", rank=None, event="exit",
+    ...                  extra={"source": "supervisor", "restart": True})
+    >>> launcher_summary(e)["restart"], launcher_summary(e)["rank"]
+    (True, None)
+    """
+    extra = event.extra or {}
+    return {"k": "life", "job": event.job, "rank": None, "node": event.node, "ts": event.ts,
+            "event": event.event, "exit_code": event.exit_code, "signal": event.signal,
+            "pid": event.pid, "world_size": event.world_size, "local_rank": None,
+            "step": None, "source": extra.get("source"), "restart": extra.get("restart") is True}
 
 
 class NodeStage:
@@ -266,7 +294,7 @@ class JobStage:
         self._on_late = [d["nan"]]     # a record that came after its step was closed
         self._on_step = [d["hang"], d["silent"], d["crash"], d["data_position"]]
         self._on_hb = [d["hang"], d["silent"], d["crash"]]
-        self._on_life = [d["crash"], d["hang"], d["silent"], d["data_position"]]
+        self._on_life = [d["crash"], d["hang"], d["silent"], d["straggler"], d["data_position"]]
         self._on_gpu = [d["silent"]]
         self._timed = [d["hang"], d["silent"], d["crash"]]
         self.placement = Placement()   # names the rank of a GPU in NodeStage findings
@@ -349,6 +377,11 @@ class JobStage:
     def incidents(self) -> list[dict]:
         return self.correlator.incidents()
 
+    def note_false_alarm(self, phase: str | None, seconds: float) -> None:
+        """The action service found a hang of this job to be none (it moved on): widen the
+        allowance of ``phase`` (see :meth:`HangDetector.note_false_alarm`)."""
+        self.detectors["hang"].note_false_alarm(phase, seconds)
+
     def _emit(self, findings) -> list[ev.Anomaly]:
         out = []
         for finding in findings:
@@ -368,8 +401,8 @@ class Engine:
     """Routes raw events through one RankStage per (job, rank) and one JobStage per job,
     which passes a machine's gpu and xid events through its NodeStage for that machine.
 
-    ``advance(now)`` does work at most every ``config.advance_interval_s`` of ``now``
-    (pass ``force=True`` for the final sweep at the end of the input: it also decides what
+    ``advance(now)`` does work at most every ``config.advance_interval_s`` of ``now``, at
+    the latest point of that event-time grid (:func:`on_grid`), as the worker does (pass ``force=True`` for the final sweep at the end of the input: it also decides what
     still waits for more evidence, such as a tear-down within its grace period). Events other than step, heartbeat, lifecycle,
     gpu and xid are ignored, as are rank events without a rank.
     """
@@ -391,6 +424,8 @@ class Engine:
         kind = event.TYPE
         if kind in ("step", "heartbeat", "lifecycle"):
             if event.rank is None:
+                if kind == "lifecycle":        # the launcher's (trainguard run's) own
+                    return self.job_stage(event.job).update(launcher_summary(event))
                 return []
             key = (event.job, event.rank)
             rank_stage = self._ranks.get(key)
@@ -411,10 +446,11 @@ class Engine:
     def advance(self, now: float, force: bool = False) -> list[ev.Anomaly]:
         if not force and now < self.next_advance_ts:
             return []
-        self.next_advance_ts = now + self.config.advance_interval_s
+        at = now if force else on_grid(now, self.config.advance_interval_s)
+        self.next_advance_ts = at + self.config.advance_interval_s
         out = []
         for stage in self._jobs.values():
-            out += stage.advance(now, final=force)
+            out += stage.advance(at, final=force)
         return out
 
     def incidents(self) -> list[dict]:

@@ -4,13 +4,14 @@ Both work on ``jobstep`` items. They are built to exclude each other: a straggle
 slower than its peers in the same step, so a job-wide slowdown never makes one; a throughput
 drop is the whole job slower than its own past while no rank stands out.
 
->>> d = StragglerDetector(k=3, n=4, settle=0)
+>>> d = StragglerDetector(k=3, n=4, settle=0, warmup=3)
 >>> out = []
->>> for s in range(6):
-...     ct = [0.50, 0.51, 0.49, 0.50, 0.50, 0.52, 0.80, 0.50]   # rank 6 is 1.6x slower
+>>> for s in range(9):
+...     slow = 0.80 if s >= 4 else 0.50                       # rank 6 gets 1.6x slower
+...     ct = [0.50, 0.51, 0.49, 0.50, 0.50, 0.52, slow, 0.50]
 ...     out += d.update(make_jobstep(s, 10.0 + s, compute_time=ct))
 >>> [(f.kind, f.ranks, f.step) for f in out]
-[('straggler', [6], 0)]
+[('straggler', [6], 4)]
 """
 from __future__ import annotations
 
@@ -115,50 +116,96 @@ def _compute_times(item) -> dict:
 
 
 class StragglerDetector(Detector):
-    """Ranks persistently slower than their peers.
+    """Ranks persistently slower than their peers of the same role, and than their own past.
 
-    In each step, a rank is *slow* when its ``compute_time`` is at least ``ratio`` x the median
-    of the other ranks' and at least ``min_excess_s`` more. A rank slow in ``k`` of the last
-    ``n`` steps it reported is a straggler. When the first rank qualifies, the detector waits
-    ``settle`` steps for others (a whole slow machine), then names exactly the qualifying ranks;
-    machines all of whose ranks are named are named too. Ranks a few percent apart, a one-off
-    slow step and job-wide slow steps (all ratios stay near 1) are never reported. A named rank
-    is reported again only after it recovered (slow in at most ``n - k`` of the last ``n``).
+    Peers: with a known topology (lifecycle ``topology``, Megatron layout: TP fastest, then
+    DP, then PP) the ranks of the same pipeline stage, when the stage has ``min_ranks``;
+    otherwise the whole job. Each rank has its own *usual share*: the log of its
+    ``compute_time`` over its peers' (a moving average, learned over its first ``warmup``
+    steps, then only from steps less than half the threshold above it). In a step every
+    time is first divided by its rank's usual share, and a rank's *ratio* is its scaled time
+    over the median of its peers' scaled times; so ranks that differ steadily from the start,
+    or a steadily slower stage compared across the job, are not stragglers, and several
+    ranks falling behind at once do not hide each other. A rank is *slow* in a step when its
+    ratio is at least ``ratio`` and its time at least ``min_excess_s`` more. A rank slow in
+    ``k`` of the last ``n`` steps it reported is a
+    straggler, also when single normal steps break the run. When the first rank qualifies,
+    the detector waits ``settle`` steps for others (a whole slow machine), then names exactly
+    the qualifying ranks; machines all of whose ranks are named are named too. A named rank is
+    reported again only after it recovered (slow in at most ``n - k`` of the last ``n``).
+
+    >>> d = StragglerDetector(k=3, n=4, settle=0, warmup=2)
+    >>> out = []
+    >>> for s in range(8):
+    ...     ct = [0.50, 0.51, 0.49, 0.50, 0.50, 0.52, 0.80 if s >= 3 else 0.5, 0.50]
+    ...     out += d.update(make_jobstep(s, 10.0 + s, compute_time=ct))
+    >>> [(f.kind, f.ranks, f.step) for f in out]
+    [('straggler', [6], 3)]
     """
 
     PREFIX = "straggler"
 
-    def __init__(self, ratio: float = 1.2, min_excess_s: float = 0.002, k: int = 8,
-                 n: int = 10, settle: int = 2, min_ranks: int = 3):
+    def __init__(self, ratio: float = 1.2, min_excess_s: float = 0.002, k: int = 6,
+                 n: int = 10, settle: int = 2, min_ranks: int = 3, warmup: int = 10,
+                 baseline_alpha: float = 0.05):
         self.ratio = ratio
         self.min_excess_s = min_excess_s
         self.k = k
         self.n = n
         self.settle = settle
         self.min_ranks = min_ranks
+        self.warmup = warmup
+        self.baseline_alpha = baseline_alpha
+        self._log_ratio = math.log(ratio)
         self._history: dict = {}       # rank -> deque of (slow, step, ts, ratio)
         self._slow_steps: dict = {}    # rank -> how many of its _history steps were slow
+        self._base: dict = {}          # rank -> [log of its usual share, steps learned, share]
         self._where: dict = {}         # rank -> node
+        self._stage_size = 0           # ranks per pipeline stage (tp x dp), 0: unknown
         self._named: set = set()
         self._pending = None           # steps left before naming
 
     def update(self, item) -> list[Finding]:
-        if type(item) is not dict or item.get("k") != "jobstep":
+        if type(item) is not dict:
+            return []
+        k = item.get("k")
+        if k == "life":
+            self._learn_topology(item)
+            return []
+        if k != "jobstep":
             return []
         for rank, rec in item["ranks"].items():
             node = rec.get("node")
             if node and self._where.get(rank) != node:
                 self._where[rank] = node
-        times, ratios = peer_view(item)
+        times, ratios = self._ratios(item)
         if len(times) < self.min_ranks:
             return []
         step, ts = item["step"], item["ts"]
         qualifying = []
+        base_of, log_ratio, warmup = self._base, self._log_ratio, self.warmup
         for rank, r in ratios.items():
+            if r <= 0:
+                continue
+            rel = math.log(r)               # judge the step, learn the rank's usual share
+            base = base_of.get(rank)
+            if base is None:
+                base_of[rank] = [rel, 1, r]
+                slow, r = False, 1.0
+            else:
+                level, learned, _ = base
+                t = times[rank]
+                slow = learned >= warmup and rel >= log_ratio and t - t / r >= self.min_excess_s
+                if learned < warmup:
+                    base[0] = level = level + min(rel, log_ratio) / (learned + 1)
+                    base[1] = learned + 1
+                    base[2] = math.exp(level)
+                elif rel < log_ratio / 2:          # a drift up is not learned: it may grow
+                    base[0] = level = level + self.baseline_alpha * rel
+                    base[2] = math.exp(level)
             hist = self._history.get(rank)
             if hist is None:
                 hist = self._history[rank] = deque(maxlen=self.n)
-            slow = r >= self.ratio and times[rank] - times[rank] / r >= self.min_excess_s
             count = self._slow_steps.get(rank, 0)
             if len(hist) == self.n and hist[0][0]:
                 count -= 1                        # the oldest slow step leaves the window
@@ -180,6 +227,42 @@ class StragglerDetector(Detector):
             return []
         self._pending = None
         self._named.update(qualifying)
+        return [self._finding(qualifying, step, ts)]
+
+    def _learn_topology(self, item) -> None:
+        topo = item.get("topology")
+        if type(topo) is not dict or item.get("event") != "start":
+            return
+        tp, pp, dp = topo.get("tp"), topo.get("pp"), topo.get("dp")
+        if not all(type(x) is int and x > 0 for x in (tp, pp, dp)):
+            return
+        world = item.get("world_size")
+        if world is not None and world != tp * pp * dp:
+            return
+        self._stage_size = tp * dp if pp > 1 else 0
+
+    def _ratios(self, item):
+        """``(compute_times, ratios)``: each rank's scaled time over the median of its
+        peers' (see the class); peers within a pipeline stage where the topology is known."""
+        times = peer_view(item)[0]
+        base = self._base
+        scaled = {}
+        for rank, t in times.items():
+            b = base.get(rank)
+            scaled[rank] = t / b[2] if b is not None else t
+        size = self._stage_size
+        if size:
+            stages: dict = {}
+            for rank, t in scaled.items():
+                stages.setdefault(rank // size, {})[rank] = t
+            if all(len(group) >= self.min_ranks for group in stages.values()):
+                ratios = {}
+                for group in stages.values():
+                    ratios.update(peer_ratios(group))
+                return times, ratios
+        return times, (peer_ratios(scaled) if len(scaled) >= 2 else {})
+
+    def _finding(self, qualifying, step, ts) -> Finding:
         first = min((h for r in qualifying for h in self._history[r] if h[0]),
                     key=lambda h: (h[1], h[2]))
         mean_ratio = {str(r): round(sum(h[3] for h in self._history[r]) / len(self._history[r]), 3)
@@ -187,14 +270,16 @@ class StragglerDetector(Detector):
         nodes = whole_nodes(qualifying, self._where)
         where = f" (all of machine{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
         worst = max(float(v) for v in mean_ratio.values())
-        return [Finding(
+        peers = "the peers of their pipeline stage" if self._stage_size else "their peers"
+        return Finding(
             kind="straggler", severity="warning", ranks=sorted(qualifying), nodes=nodes,
             step=first[1], onset_ts=first[2], detected_ts=ts, detector=self.PREFIX,
-            summary=(f"{fmt_ranks(qualifying)}{where} slower than their peers in {self.k}+ of "
-                     f"{self.n} steps, up to {worst:.2f}x the peers' median compute time"),
+            summary=(f"{fmt_ranks(qualifying)}{where} slower than {peers} (each against its "
+                     f"usual pace) in {self.k}+ of {self.n} steps, up to {worst:.2f}x"),
             evidence={"mean_ratio": mean_ratio, "ratio_threshold": self.ratio,
                       "k": self.k, "n": self.n, "detected_step": step,
-                      "rank_nodes": rank_nodes(qualifying, self._where)})]
+                      "stage_size": self._stage_size,
+                      "rank_nodes": rank_nodes(qualifying, self._where)})
 
 
 class ThroughputDetector(Detector):

@@ -145,7 +145,9 @@ class SpikeDetector(Detector):
     a deviation above ``tail_factor`` x that quantile and a value above ``min_ratio`` x the
     baseline. Values enter the baseline clipped at that threshold (winsorized), so a spike does
     not teach the baseline, while a lasting level shift is learned in about ``window / 2``
-    steps. Nothing is reported in the first ``warmup`` steps; ``cooldown`` quiet steps end a
+    steps. Nothing is reported in the first ``warmup`` steps, and in the first ``early_steps``
+    (a young, rough curve) only jumps of ``early_min_ratio`` x the baseline or more. The state
+    is the job's: it carries over restarts of the job. ``cooldown`` quiet steps end a
     spike episode, and each episode is reported once. Values <= 0 are skipped.
     """
 
@@ -154,8 +156,8 @@ class SpikeDetector(Detector):
     KIND = ""
 
     def __init__(self, window: int = 50, tail_window: int = 1000, tail_quantile: float = 0.995,
-                 tail_factor: float = 4.0, min_ratio: float = 1.1, warmup: int = 250,
-                 cooldown: int = 20):
+                 tail_factor: float = 4.0, min_ratio: float = 1.1, warmup: int = 20,
+                 cooldown: int = 20, early_steps: int = 250, early_min_ratio: float = 1.5):
         self.window = window
         self.tail_window = tail_window
         self.tail_quantile = tail_quantile
@@ -163,6 +165,9 @@ class SpikeDetector(Detector):
         self.min_ratio = min_ratio
         self.warmup = warmup
         self.cooldown = cooldown
+        self.early_steps = early_steps
+        self.early_min_ratio = early_min_ratio
+        self._log_early_ratio = math.log(max(min_ratio, early_min_ratio))
         self._median = stats.RollingQuantile(q=0.5, window_size=window)
         self._tail = stats.RollingQuantile(q=tail_quantile, window_size=tail_window)
         self._log_min_ratio = math.log(min_ratio)
@@ -197,6 +202,9 @@ class SpikeDetector(Detector):
         clipped = dev if dev < threshold else threshold
         self._median.update(base + clipped)
         self._tail.update(clipped if clipped > 0 else 0.0)
+        if self._n <= self.early_steps and threshold < self._log_early_ratio and \
+                dev <= self._log_early_ratio:
+            dev = 0.0       # young curves are rough: only a big jump counts there
         if self._n <= self.warmup or dev <= threshold:
             self._quiet += 1
             if self._quiet >= self.cooldown:
@@ -221,10 +229,10 @@ class LossSpikeDetector(SpikeDetector):
     """Loss spikes (see :class:`SpikeDetector`).
 
     >>> d = LossSpikeDetector(warmup=20)
-    >>> curve = [3.0 + 0.01 * ((s * 7) % 5) for s in range(60)] + [4.5] + [3.0] * 5
+    >>> curve = [3.0 + 0.01 * ((s * 7) % 5) for s in range(60)] + [4.8] + [3.0] * 5
     >>> [(f.step, round(f.evidence["ratio"], 2)) for s, x in enumerate(curve)
     ...  for f in d.learn(x, s, float(s), float(s))]
-    [(60, 1.49)]
+    [(60, 1.59)]
     """
 
     PREFIX = "loss_spike"
@@ -247,8 +255,9 @@ class GradSpikeDetector(SpikeDetector):
     KIND = "grad_spike"
 
     def __init__(self, window: int = 50, tail_window: int = 1000, tail_quantile: float = 0.995,
-                 tail_factor: float = 4.0, min_ratio: float = 2.5, warmup: int = 250,
-                 cooldown: int = 20):
+                 tail_factor: float = 4.0, min_ratio: float = 2.5, warmup: int = 20,
+                 cooldown: int = 20, early_steps: int = 250, early_min_ratio: float = 5.0):
         super().__init__(window=window, tail_window=tail_window, tail_quantile=tail_quantile,
                          tail_factor=tail_factor, min_ratio=min_ratio, warmup=warmup,
-                         cooldown=cooldown)
+                         cooldown=cooldown, early_steps=early_steps,
+                         early_min_ratio=early_min_ratio)

@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=20, metavar="N")
     p.add_argument("--checkpoint-dir", default=os.environ.get("TRAINGUARD_CHECKPOINT_DIR")
                    or "checkpoints")
+    p.add_argument("--checkpoint-sleep", type=float, default=0.0, metavar="SECONDS",
+                   help="extra seconds each checkpoint takes (a big model on slow storage)")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
                    help="extra seconds of 'compute' per step, to pace the job")
     p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
@@ -211,6 +213,8 @@ def main(argv=None):
         finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
         if rank == 0 and (done % args.checkpoint_every == 0 or done == args.steps):
             with tg.phase("checkpoint"):
+                if args.checkpoint_sleep:
+                    time.sleep(args.checkpoint_sleep)
                 if finite:
                     log(f"checkpoint {save_checkpoint(ckpt_dir, done, model, opt)}")
                 else:

@@ -13,11 +13,12 @@ topic                              key        what
                                               as telemetry; retention one day
 ``<prefix>.anomalies``             job        ``ev.encode(anomaly)``
 ``<prefix>.deadletter``            original   invalid input (:mod:`.deadletter`)
-``<app>-rank-state``               job/rank   compacted; pickled rank and node slots
+``<app>-rank-state``               job/rank   compacted; rank and node slots (data-only
+                                              JSON, :mod:`.snapshots`)
                                               (partition of their telemetry; a node slot's
                                               key is ``job NUL node``)
 ``<app>-job-state-changelog``      job        compacted; the Faust table ``job-state`` of
-                                              pickled job slots (partition of the job's
+                                              job slots, data-only (partition of the job's
                                               summaries)
 =================================  =========  ===============================================
 

@@ -21,6 +21,7 @@ snapshot and a crash is found and sent again after the restart, with the same id
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -30,6 +31,8 @@ from trainguard import events as ev
 
 from .logic import InvalidSummaries
 from .processors import JobProcessor, state_partition
+from .shorten import encode_anomaly
+from .snapshots import StateError
 
 __all__ = ["make_app", "JobRuntime"]
 
@@ -53,6 +56,7 @@ class JobRuntime:
         self.anomalies = None
         self.rank_service = None
         self.pending: list = []          # processed, not yet acknowledged events
+        self.unconfirmed: list = []      # (future, key, value) of anomalies sent
         self.synced: set = set()         # summaries partitions loaded from the table
         self.next_snapshot = clock() + settings.job_snapshot_interval_s
 
@@ -70,9 +74,17 @@ class JobRuntime:
             return
         live = self.processor.state.slots
         for key, blob in list(self.table.data.items()):
-            if blob and key not in live and state_partition(blob) in new:
+            if not blob or key in live:
+                continue
+            try:
+                mine = state_partition(blob) in new
+            except StateError as exc:      # not a snapshot of ours: never loaded
+                self.table.data.pop(key, None)
+                self.processor.state.failed(key, exc)
+                continue
+            if mine:
                 self.processor.restore(key, blob)
-        loaded = self.processor.load_saved(new)
+        loaded = self.processor.load_saved(new, self.clock())
         self.synced |= new
         log.info("job side: partitions %s owned, %d job stages restored", sorted(new), loaded)
 
@@ -83,10 +95,30 @@ class JobRuntime:
 
     def emit(self, anomalies) -> None:
         """Into the producer's buffer at once (no await): a snapshot that records an
-        anomaly as sent is taken after it, and the commit flushes the buffer first."""
+        anomaly as sent is taken after it. Each is shortened to fit the broker's limit and
+        counted once delivered; the checkpoint commits nothing while one is unconfirmed."""
         for anomaly in anomalies:
-            self.anomalies.send_soon(key=anomaly.job.encode(), value=ev.encode(anomaly))
-            self.metrics.inc("anomalies_out")
+            key, value = anomaly.job.encode(), encode_anomaly(anomaly)
+            self.unconfirmed.append((self.anomalies.send_soon(key=key, value=value),
+                                     key, value))
+
+    def confirm(self) -> tuple[bool, int]:
+        """After a flush: count the delivered anomalies, send the failed ones again;
+        ``(every anomaly sent so far reached the topic, how many failed)``."""
+        waiting, failed = [], 0
+        for fut, key, value in self.unconfirmed:
+            if fut.done() and fut.exception() is None:
+                self.metrics.inc("anomalies_out")
+                continue
+            if fut.done():
+                failed += 1
+                self.metrics.inc("anomalies_failed")
+                log.warning("anomaly for job %r not delivered (%s); sending it again",
+                            key[:100], fut.exception())
+                fut = self.anomalies.send_soon(key=key, value=value)
+            waiting.append((fut, key, value))
+        self.unconfirmed = waiting
+        return not waiting, failed
 
     async def on_event(self, event) -> None:
         message = event.message
@@ -138,18 +170,37 @@ class JobRuntime:
             await self.checkpoint()
 
     async def checkpoint(self) -> None:
+        """Confirm the anomalies sent so far, then snapshot, then commit. A snapshot records
+        which anomalies a job sent, so it is taken only once they are all delivered: while
+        one is not, nothing is snapshotted or committed (it is sent again), and a crash
+        meanwhile replays the input that found it, which finds it again."""
+        self.next_snapshot = self.clock() + self.settings.job_snapshot_interval_s
+        delivered = False
+        for _ in range(3):                 # anomalies found while flushing: flush again
+            try:
+                await self.app.producer.flush()
+                for _ in range(3):         # let the delivery callbacks run
+                    await asyncio.sleep(0)
+            except Exception as exc:
+                log.warning("job side flush failed: %s", exc)
+                break
+            delivered, failed = self.confirm()
+            if delivered or failed:
+                break
+        if not delivered:
+            self.metrics.inc("snapshot_failures")
+            return
         now = self.clock()
-        self.next_snapshot = now + self.settings.job_snapshot_interval_s
-        for key, partition, blob in self.processor.snapshot() + self.processor.evict(now):
+        for key, partition, blob in self.processor.evict(now) + self.processor.snapshot():
             if blob is None:
                 self.table.data.pop(key, None)
             else:
                 self.table.data[key] = blob
             self.table.send_changelog(partition, key, blob)
+        self.metrics.inc("snapshots")
         acks, self.pending = self.pending, []
         for event in acks:
             event.ack()
-        self.metrics.inc("snapshots")
         try:
             await self.app.consumer.commit()   # flushes the producer first
         except Exception as exc:
@@ -164,8 +215,12 @@ class JobRuntime:
     def refresh_gauges(self) -> None:
         m = self.metrics
         failures = self.processor.state.restore_failures
+        evictions, evicted = self.processor.state.evictions, len(self.processor.state.saved)
         if self.rank_service is not None:
-            failures += self.rank_service.processor.state.restore_failures
+            rank_state = self.rank_service.processor.state
+            failures += rank_state.restore_failures
+            evictions += rank_state.evictions
+            evicted += len(rank_state.saved)
             m.set_gauge("consumer_lag", self.rank_service.lag(), topic=self.topics.telemetry)
             m.set_gauge("assigned_partitions", self.rank_service.assigned(),
                         topic=self.topics.telemetry)
@@ -189,6 +244,8 @@ class JobRuntime:
             getattr(getattr(slot.stage, "steps", None), "late", 0)
             for slot in self.processor.state.slots.values()))
         m.counters["restore_failures"] = failures
+        m.counters["evictions"] = evictions
+        m.set_gauge("evicted_stages", evicted)
 
 
 def make_app(*, settings, topics, runtime: JobRuntime, faust_broker: str, credentials=None,

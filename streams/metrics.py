@@ -27,13 +27,21 @@ from __future__ import annotations
 
 import bisect
 
-__all__ = ["Metrics", "COUNTERS", "LAG_BUCKETS"]
+from trainguard.metrics import Metric, format_histogram, parse_exposition
+
+__all__ = ["Metrics", "COUNTERS", "GAUGES", "LAG_BUCKETS", "declared", "parse_exposition"]
 
 COUNTERS = {
     "events_in": "Telemetry messages consumed.",
     "invalid": "Telemetry messages sent to the dead-letter topic.",
     "ignored": "Valid rank events without a rank, ignored.",
-    "anomalies_out": "Anomalies produced to the anomalies topic.",
+    "anomalies_out": "Anomalies delivered to the anomalies topic (confirmed by the broker).",
+    "anomalies_failed": "Anomaly deliveries that failed (each is sent again; offsets wait).",
+    "deliveries_failed": "Rank-side deliveries (summaries, dead letters, state) that failed "
+                         "(each is produced again; offsets wait).",
+    "deadletters_out": "Dead-letter records delivered to the dead-letter topic.",
+    "time_rejected": "Telemetry events dead-lettered for an implausible ts or step.",
+    "evictions": "Stages evicted from memory to their snapshot (idle, or beyond the cap).",
     "summaries_out": "Messages produced to the internal summaries topic.",
     "summaries_in": "Messages consumed from the internal summaries topic.",
     "summaries_invalid": "Unreadable summaries messages skipped.",
@@ -56,11 +64,23 @@ GAUGES = {
     "assigned_partitions": "Partitions assigned to this worker.",
     "rank_stages": "Rank stages held in memory.",
     "job_stages": "Job stages held in memory.",
+    "evicted_stages": "Snapshots of evicted (idle) stages held until their key speaks again "
+                      "or idle_ttl_s passes.",
     "late_step_records": "Step records that reached their job stage after the step was closed "
                          "(a lagging rank worker); checked for a non-finite loss only.",
 }
 LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
                60.0, 300.0)
+LAG_HELP = "Wall time of a job stage's update minus the event's ts."
+_LABELS = {"consumer_lag": ("topic",), "assigned_partitions": ("topic",)}
+
+
+def declared() -> list:
+    """The worker's metrics as :class:`~trainguard.metrics.Metric` declarations (docs,
+    dashboard checks)."""
+    return ([Metric(n, "counter", h) for n, h in COUNTERS.items()]
+            + [Metric(n, "gauge", h, labels=_LABELS.get(n, ())) for n, h in GAUGES.items()]
+            + [Metric("event_lag_seconds", "histogram", LAG_HELP, buckets=LAG_BUCKETS)])
 
 
 def _labels(labels: dict) -> str:
@@ -115,27 +135,7 @@ class Metrics:
                 if gname == name:
                     lines.append(f"{full}{_labels(dict(labels))} {value}")
         full = "trainguard_event_lag_seconds"
-        lines += [f"# HELP {full} Wall time of a job stage's update minus the event's ts.",
-                  f"# TYPE {full} histogram"]
-        running = 0
-        for bound, count in zip(LAG_BUCKETS, self.lag_counts):
-            running += count
-            lines.append(f'{full}_bucket{{le="{bound}"}} {running}')
-        running += self.lag_counts[-1]
-        lines += [f'{full}_bucket{{le="+Inf"}} {running}', f"{full}_sum {self.lag_sum:.6f}",
-                  f"{full}_count {running}"]
+        lines += [f"# HELP {full} {LAG_HELP}", f"# TYPE {full} histogram"]
+        lines += format_histogram(full, LAG_BUCKETS, self.lag_counts, self.lag_sum)
         return "\n".join(lines) + "\n"
 
-
-def parse_exposition(text: str) -> dict:
-    """``{"name{labels}": value}`` from exposition text (for tests and the benchmark).
-
-    >>> parse_exposition('# HELP x y\\nx_total 4\\nlag{topic="t"} 2.5\\n')
-    {'x_total': 4.0, 'lag{topic="t"}': 2.5}
-    """
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out

@@ -9,8 +9,9 @@ and runs ``advance(now)``. Both keep their stages in *slots* that remember where
 input came from, so that after a restore from a snapshot, input the snapshot already
 covered is skipped instead of applied twice (the consumer's committed offset never passes a
 snapshot, see :mod:`trainguard.streams.ranks`). Snapshots are ``(key, partition, blob)``:
-``blob`` is a pickle of ``(STATE_VERSION, slot)`` behind a 5-byte header (codec, source
-partition), ``None`` is a tombstone for an evicted slot.
+``blob`` is the data-only encoding of the slot (:mod:`.snapshots`), ``None`` a tombstone
+for a slot idle longer than ``idle_ttl_s``. Slots idle ``evict_idle_s``, or beyond
+``max_live``, leave memory for a blob, and come back when their key has input again.
 
 >>> from trainguard.detectors import RankStage
 >>> raw = (b'{"v":1,"type":"step","job":"j1","ts":10.0,"node":"n1","rank":0,"step":4,'
@@ -28,64 +29,26 @@ from __future__ import annotations
 
 import logging
 import math
-import pickle
-import struct
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from trainguard import events as ev
+from trainguard.eventtime import EventTimeFilter
+from trainguard.detectors.stages import launcher_summary, on_grid
 
 from .deadletter import deadletter_record
 from .logic import (NODE_TYPES, InvalidSummaries, SourceMarks, classify, decode_summaries,
                     encode_summaries, node_key, stage_key, trusted_event)
+from .snapshots import (STATE_VERSION, Slots, StateError, dump_state, load_state, state_header,
+                        state_partition)
 
 __all__ = ["RankProcessor", "JobProcessor", "RankOutput", "dump_state", "load_state",
-           "state_partition"]
+           "state_partition", "STATE_VERSION"]
 
 log = logging.getLogger(__name__)
-_RAW, _ZLIB = b"P", b"Z"
-_HEADER = struct.Struct(">ci")
-COMPRESS_ABOVE = 8192
 DEFAULT_IDLE_TTL_S = 6 * 3600.0
 #: an event stamped further ahead of the worker's clock than this moves a job's clock no more
 FUTURE_SLACK_S = 5.0
-#: the stages' pickled layout; a snapshot of another layout is a restore failure (the stage
-#: starts afresh) rather than a stage whose detectors miss attributes. Raise it whenever a
-#: stage or detector changes what it keeps.
-STATE_VERSION = 3
-
-
-def dump_state(obj, partition: int) -> bytes:
-    """Pickle ``obj`` behind a header naming its source partition; zlib when large.
-
-    >>> blob = dump_state({"a": 1}, 7)
-    >>> state_partition(blob), load_state(blob)
-    (7, {'a': 1})
-    """
-    data = pickle.dumps((STATE_VERSION, obj), protocol=pickle.HIGHEST_PROTOCOL)
-    if len(data) > COMPRESS_ABOVE:
-        return _HEADER.pack(_ZLIB, partition) + zlib.compress(data, 1)
-    return _HEADER.pack(_RAW, partition) + data
-
-
-def state_partition(blob: bytes) -> int:
-    return _HEADER.unpack_from(blob)[1]
-
-
-def load_state(blob: bytes):
-    """The object of :func:`dump_state`. Snapshots come only from this worker's own
-    internal topics; they are never read from user-writable topics."""
-    codec, _ = _HEADER.unpack_from(blob)
-    data = blob[_HEADER.size:]
-    if codec == _ZLIB:
-        data = zlib.decompress(data)
-    elif codec != _RAW:
-        raise ValueError(f"unknown snapshot codec {codec!r}")
-    loaded = pickle.loads(data)
-    if type(loaded) is not tuple or len(loaded) != 2 or loaded[0] != STATE_VERSION:
-        raise ValueError("a snapshot of another trainguard version")
-    return loaded[1]
 
 
 @dataclass
@@ -131,6 +94,7 @@ class RankOutput:
     ignored: int = 0
     replayed: int = 0
     errors: int = 0
+    time_rejected: int = 0         # of invalid: an implausible ts or step
 
     def messages(self) -> list[tuple[bytes, bytes]]:
         """Summaries messages ``(key, value)``, keyed by job."""
@@ -141,67 +105,10 @@ class RankOutput:
         return out
 
 
-class _Slots:
-    """Slots by key, lazily loaded from restored snapshots, with dirty tracking."""
-
-    def __init__(self, idle_ttl_s: float):
-        self.idle_ttl_s = idle_ttl_s
-        self.slots: dict = {}
-        self.saved: dict = {}      # key -> blob restored but not loaded yet
-        self.dirty: set = set()
-        self.restore_failures = 0
-
-    def load(self, key):
-        blob = self.saved.pop(key, None)
-        if blob is None:
-            return None
-        try:
-            slot = load_state(blob)
-        except Exception:          # an old or damaged snapshot: start that stage afresh
-            self.restore_failures += 1
-            return None
-        self.slots[key] = slot
-        return slot
-
-    def restore(self, key, blob) -> None:
-        self.slots.pop(key, None)
-        if blob is None:
-            self.saved.pop(key, None)
-        else:
-            self.saved[key] = blob
-
-    def snapshot(self) -> list:
-        out = []
-        for key in sorted(self.dirty):
-            slot = self.slots.get(key)
-            if slot is not None:
-                out.append((key, slot.partition, dump_state(slot, slot.partition)))
-        self.dirty.clear()
-        return out
-
-    def evict(self, now: float) -> list:
-        """Tombstones ``(key, partition, None)`` for slots idle longer than the TTL."""
-        old = [k for k, s in self.slots.items() if now - s.touched > self.idle_ttl_s]
-        out = []
-        for key in old:
-            slot = self.slots.pop(key)
-            self.dirty.discard(key)
-            out.append((key, slot.partition, None))
-        return out
-
-    def drop(self, partitions: set) -> None:
-        """Forget the slots of partitions this worker no longer owns."""
-        for key in [k for k, s in self.slots.items() if s.partition in partitions]:
-            del self.slots[key]
-            self.dirty.discard(key)
-        for key in [k for k, b in self.saved.items() if state_partition(b) in partitions]:
-            del self.saved[key]
-
-
 class _SlotsProcessor:
     """What both processors do with their slots' state: snapshot, evict, restore, drop."""
 
-    state: _Slots
+    state: Slots
 
     def snapshot(self) -> list:
         return self.state.snapshot()
@@ -223,12 +130,16 @@ class RankProcessor(_SlotsProcessor):
 
     def __init__(self, make_stage: Callable[[], Any], *,
                  make_node_stage: Callable[[], Any] | None = None,
-                 telemetry_topic: str = "telemetry", idle_ttl_s: float = DEFAULT_IDLE_TTL_S):
+                 telemetry_topic: str = "telemetry", idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
+                 evict_idle_s: float | None = None, max_live: int | None = None,
+                 shared: dict | None = None, time_filter: EventTimeFilter | None = None):
         self.make_stage = make_stage
         self.make_node_stage = make_node_stage
+        self.time_filter = time_filter if time_filter is not None else EventTimeFilter()
         self.telemetry_topic = telemetry_topic
         self.idle_ttl_s = idle_ttl_s
-        self.state = _Slots(idle_ttl_s)
+        self.state = Slots(idle_ttl_s=idle_ttl_s, evict_idle_s=evict_idle_s,
+                           max_live=max_live, kinds=(RankSlot,), shared=shared)
 
     def __len__(self) -> int:
         return len(self.state.slots)
@@ -242,11 +153,21 @@ class RankProcessor(_SlotsProcessor):
 
     def decode(self, records: Iterable, out: RankOutput) -> dict:
         """``{partition: [(ts, record), ...]}`` with ``record = (partition, offset, key,
-        value, event, reason)``: ``event`` None and ``reason`` set for an invalid one."""
+        value, event, reason)``: ``event`` None and ``reason`` set for an invalid one, or
+        one that :class:`~trainguard.eventtime.EventTimeFilter` refuses (judged by the
+        broker's timestamp of the message too, when a record carries it as a fifth item, in
+        seconds)."""
         decoded: dict = {}
-        for partition, offset, key, value in records:
+        check = self.time_filter.check
+        for rec in records:
+            partition, offset, key, value = rec[:4]
             out.events += 1
             event, reason = classify(value)
+            if event is not None:
+                reason = check(event, rec[4] if len(rec) > 4 else None)
+                if reason is not None:
+                    event = None
+                    out.time_rejected += 1
             bucket = decoded.get(partition)
             if bucket is None:
                 bucket = decoded[partition] = []
@@ -273,14 +194,24 @@ class RankProcessor(_SlotsProcessor):
                     continue
                 skey, make = node_key(event.job, event.node), self.make_node_stage
             elif event.rank is None:
-                out.ignored += 1
+                if event.TYPE == "lifecycle":    # the launcher's: straight to the job side
+                    items.setdefault(event.job, []).append(
+                        (partition, offset, 0, launcher_summary(event)))
+                else:
+                    out.ignored += 1
                 continue
             else:
                 skey, make = stage_key(event.job, event.rank), self.make_stage
-            slot = slots.get(skey) or self.state.load(skey)
-            if slot is None:
-                slot = slots[skey] = RankSlot(make(), partition, -1)
-            elif slot.partition == partition and offset <= slot.offset:
+            slot = slots.get(skey)
+            if slot is not None:
+                del slots[skey]          # the most recently used goes last
+                slots[skey] = slot
+            else:
+                slot = self.state.load(skey)
+                if slot is None:
+                    slot = RankSlot(make(), partition, -1)
+                    self.state.put(skey, slot)
+            if slot.partition == partition and offset <= slot.offset:
                 out.replayed += 1
                 continue
             slot.partition, slot.offset, slot.touched = partition, offset, now
@@ -302,20 +233,25 @@ class JobProcessor(_SlotsProcessor):
     (each job on its own clock, :meth:`JobSlot.now`).
 
     ``apply`` also advances a job in event time, as ``trainguard analyze`` does, whenever
-    its items move its clock on by ``advance_every_s`` (None: never): a backlog or a fast
-    replay brings many seconds of event time between two ticks of the wall-clock timer, and
-    a hang that such a stretch holds (steps stop, heartbeats go on, then the ranks exit)
+    its items move its clock past a point of the grid of ``advance_every_s`` (None: never;
+    the timer's ``advance`` uses the same grid, ``detectors.stages.on_grid``): a backlog or
+    a fast replay brings many seconds of event time between two ticks of the wall-clock
+    timer, and a hang that such a stretch holds (steps stop, heartbeats go on, then the ranks exit)
     would otherwise never be looked for while it lasted.
     """
 
     def __init__(self, make_stage: Callable[[], Any], *,
                  idle_ttl_s: float = DEFAULT_IDLE_TTL_S, observe_lag=None,
-                 advance_every_s: float | None = 0.5):
+                 advance_every_s: float | None = 0.5, evict_idle_s: float | None = None,
+                 max_live: int | None = None, shared: dict | None = None):
         self.make_stage = make_stage
         self.idle_ttl_s = idle_ttl_s
+        self.evict_idle_s = evict_idle_s
         self.observe_lag = observe_lag
         self.advance_every_s = advance_every_s
-        self.state = _Slots(idle_ttl_s)
+        self.state = Slots(idle_ttl_s=idle_ttl_s, evict_idle_s=evict_idle_s,
+                           max_live=max_live, kinds=(JobSlot,), shared=shared,
+                           reuse_blobs=True)
         self.applied = 0
         self.replayed = 0
         self.errors = 0
@@ -325,11 +261,16 @@ class JobProcessor(_SlotsProcessor):
 
     def _slot(self, job: str, partition: int) -> JobSlot:
         key = job.encode()
-        slot = self.state.slots.get(key) or self.state.load(key)
-        if slot is None:
-            slot = self.state.slots[key] = JobSlot(self.make_stage(), partition)
-            if getattr(slot.stage, "job", "") is None:
-                slot.stage.job = job
+        slot = self.state.slots.get(key)
+        if slot is not None:
+            self.state.touch(key, slot)
+        else:
+            slot = self.state.load(key)
+            if slot is None:
+                slot = JobSlot(self.make_stage(), partition)
+                if getattr(slot.stage, "job", "") is None:
+                    slot.stage.job = job
+                self.state.put(key, slot)
         slot.partition = partition
         return slot
 
@@ -361,10 +302,11 @@ class JobProcessor(_SlotsProcessor):
             except Exception:            # a detector bug must not stop the stream
                 self.errors += 1
                 log.exception("job stage %s failed on an item from %d/%d", job, p, o)
-            if every is not None and watermark - slot.clock >= every:
-                slot.clock = watermark
+            if every is not None and watermark > slot.clock and \
+                    on_grid(watermark, every) > slot.clock:
+                slot.clock = on_grid(watermark, every)     # analyze's event-time grid
                 try:
-                    out += stage.advance(watermark)
+                    out += stage.advance(slot.clock)
                 except Exception:
                     self.errors += 1
                     log.exception("job stage %s failed in advance()", job)
@@ -375,7 +317,9 @@ class JobProcessor(_SlotsProcessor):
         out = []
         for key, slot in self.state.slots.items():
             try:
-                found = slot.stage.advance(slot.now(now))
+                every = self.advance_every_s
+                at = slot.now(now)
+                found = slot.stage.advance(on_grid(at, every) if every else at)
             except Exception:
                 self.errors += 1
                 log.exception("job stage %s failed in advance()", key.decode())
@@ -385,10 +329,22 @@ class JobProcessor(_SlotsProcessor):
                 out += found
         return out
 
-    def load_saved(self, partitions: set) -> int:
-        """Load every restored job of ``partitions`` now (so that ``advance`` sees jobs
-        that send nothing any more); returns how many."""
-        keys = [k for k, b in self.state.saved.items() if state_partition(b) in partitions]
+    def load_saved(self, partitions: set, now: float | None = None) -> int:
+        """Load the restored jobs of ``partitions`` that had input within ``evict_idle_s``
+        now (so that ``advance`` sees jobs that send nothing any more; the others were
+        evicted as idle and come back when they speak); returns how many."""
+        recent = (now - self.evict_idle_s if now is not None and self.evict_idle_s is not None
+                  else -math.inf)
+        keys = []
+        for key, blob in list(self.state.saved.items()):
+            try:
+                partition, touched = state_header(blob)
+            except StateError as exc:
+                del self.state.saved[key]
+                self.state.failed(key, exc)
+                continue
+            if partition in partitions and touched >= recent:
+                keys.append(key)
         return sum(1 for k in keys if self.state.load(k) is not None)
 
 

@@ -28,6 +28,7 @@ from mode import Service
 
 from .logic import EventTimeAligner
 from .processors import RankOutput, RankProcessor, state_partition
+from .snapshots import StateError
 
 __all__ = ["RankService"]
 
@@ -66,6 +67,7 @@ class RankService(Service):
         self.aligner = EventTimeAligner(max_hold_s=settings.align_hold_s)
         self._committed: dict = {}
         self._failed = 0
+        self._retry: list = []          # (topic, value, key, partition) whose delivery failed
         self._stopping = False
         self._task = None
         self._next_snapshot = 0.0
@@ -171,7 +173,8 @@ class RankService(Service):
                     log.warning("telemetry consume error: %s", m.error())
                 continue
             p, o = m.partition(), m.offset()
-            records.append((p, o, m.key(), m.value()))
+            kind, stamp = m.timestamp()
+            records.append((p, o, m.key(), m.value(), stamp / 1000.0 if kind else None))
             self.fetched[p] = o + 1
             self.last_seen[p] = now
         if records:
@@ -252,6 +255,7 @@ class RankService(Service):
         m = self.metrics
         m.inc("events_in", out.events)
         m.inc("invalid", out.invalid)
+        m.inc("time_rejected", out.time_rejected)
         m.inc("ignored", out.ignored)
         m.inc("replayed", out.replayed)
         m.inc("stage_errors", out.errors)
@@ -271,15 +275,25 @@ class RankService(Service):
                 self.producer.poll(0.05)
 
     def _delivered(self, err, msg) -> None:
+        if err is None:
+            if msg.topic() == self.topics.deadletter:
+                self.metrics.inc("deadletters_out")
+            return
         if err is not None:
             self._failed += 1
-            log.warning("delivery to %s failed: %s", msg.topic(), err)
+            self.metrics.inc("deliveries_failed")
+            # produced again before the next commit, which waits until it is delivered
+            self._retry.append((msg.topic(), msg.value(), msg.key(), msg.partition()))
+            log.warning("delivery to %s failed (produced again): %s", msg.topic(), err)
 
     # -- snapshots and commits ------------------------------------------------------------
     def _write_snapshot(self) -> dict:
+        retry, self._retry = self._retry, []
+        for topic, value, key, partition in retry:
+            self._produce(topic, value, key, partition if partition >= 0 else None)
         now = self.clock()
         self._next_snapshot = now + self.settings.snapshot_interval_s
-        for key, partition, blob in self.processor.snapshot() + self.processor.evict(now):
+        for key, partition, blob in self.processor.evict(now) + self.processor.snapshot():
             self._produce(self.topics.rank_state, blob, key, partition % self.state_partitions)
         self.metrics.inc("snapshots")
         return dict(self.positions)
@@ -290,7 +304,7 @@ class RankService(Service):
         if undelivered or self._failed:
             self.metrics.inc("snapshot_failures")
             log.warning("rank snapshot (%s): %d messages undelivered, %d failed; offsets not "
-                        "committed", why, undelivered, self._failed)
+                        "committed until they are delivered", why, undelivered, self._failed)
             self._failed = 0
             return False
         assigned = {tp.partition for tp in self.consumer.assignment()}
@@ -389,7 +403,13 @@ class RankService(Service):
         for key, blob in latest.items():
             if not blob:
                 self.processor.restore(key, None)
-            elif state_partition(blob) in partitions:
+                continue
+            try:
+                mine = state_partition(blob) in partitions
+            except StateError as exc:      # not a snapshot of ours: never loaded
+                self.processor.state.failed(key, exc)
+                continue
+            if mine:
                 self.processor.restore(key, blob)
                 count += 1
         return count

@@ -2,7 +2,7 @@
 back.
 
 ``record --out FILE [--job J] [--seconds S] [--from-beginning]`` reads the telemetry,
-commands, stacks, anomalies and actions topics (from now, or from the oldest retained
+commands, stacks, anomalies, actions and orders topics (from now, or from the oldest retained
 message) and writes every valid envelope, in the order received, as one line; with ``--job``
 only that job's. Invalid messages are counted, not written (they are the dead-letter topic's
 business). It stops after ``S`` seconds or on Ctrl-C / SIGTERM, and always closes the file.
@@ -13,7 +13,9 @@ topic of its type, keyed as the collectors key them, paced by the recorded ``ts`
 and action incident ids are then derived anew from the new job (so consumers that
 de-duplicate by id do not mistake the replay for the original). ``--retime`` shifts every
 timestamp (``ts``, and ``phase_since``, ``onset_ts``, ``detected_ts``) so that the recording
-starts now. Invalid lines are counted and reported, not fatal.
+starts now. Invalid lines are counted and reported, not fatal. Each message carries its
+event's ``ts`` as its Kafka timestamp, so that the worker's event-time check
+(:mod:`trainguard.eventtime`) takes an old recording for what it is.
 
 >>> from trainguard.config import Topics
 >>> e = ev.Heartbeat(job="j1", ts=100.0, node="n1", rank=3, pid=7, phase="data",
@@ -45,7 +47,8 @@ PRODUCER_SETTINGS = {"linger.ms": 5, "partitioner": "murmur2_random",
 
 
 def recorded_topics(topics: Topics) -> list[str]:
-    return [topics.telemetry, topics.commands, topics.stacks, topics.anomalies, topics.actions]
+    return [topics.telemetry, topics.commands, topics.stacks, topics.anomalies, topics.actions,
+            topics.orders]
 
 
 def topic_for(event: ev.Event, topics: Topics) -> str:
@@ -53,7 +56,7 @@ def topic_for(event: ev.Event, topics: Topics) -> str:
     if kind in TELEMETRY:
         return topics.telemetry
     return {"command": topics.commands, "stack": topics.stacks, "anomaly": topics.anomalies,
-            "action": topics.actions}[kind]
+            "action": topics.actions, "order": topics.orders, "ack": topics.orders}[kind]
 
 
 def message_key(event: ev.Event) -> bytes:
@@ -224,11 +227,13 @@ def replay_main(args, config: Config) -> int:
     from confluent_kafka import Producer
 
     from trainguard.recording import ReadStats, read_events
+    from trainguard.topics import create_topics
 
     pacer = Pacer(args.speed)
     _check_job(args.job)
     stats = ReadStats()
     events = read_events(args.file, stats)
+    create_topics(config)      # and a clear error now if Kafka cannot be reached
     producer = Producer(config.kafka(**PRODUCER_SETTINGS))
     sent, shift, began = 0, None, time.monotonic()
     failed = []
@@ -251,8 +256,10 @@ def replay_main(args, config: Config) -> int:
                 value = ev.encode(out)
                 while True:
                     try:
+                        # stamped with the event's own time, as a collector sends it: the
+                        # worker refuses events far from their message's timestamp
                         producer.produce(topic_for(out, config.topics), value, message_key(out),
-                                         on_delivery=delivered)
+                                         on_delivery=delivered, timestamp=int(out.ts * 1000))
                         break
                     except BufferError:
                         producer.poll(0.05)

@@ -45,7 +45,7 @@ class WorkerSettings:
     prefix: str = "tg"
     worker_id: str = "trainguard-worker"
     web_port: int = 6066
-    web_bind: str = "0.0.0.0"
+    web_bind: str = "127.0.0.1"      # Faust's web also serves /router and /table pages
     data_dir: str = ".tg/worker"
     loglevel: str = "warn"
     batch_max: int = 5000            # telemetry records per batch of the rank side
@@ -58,6 +58,10 @@ class WorkerSettings:
     align_hold_s: float = 3.0        # longest the aligner waits for a stalled partition
     grace_s: float = 20.0            # after SIGTERM/SIGINT, hard exit if not stopped by then
     idle_ttl_s: float = 6 * 3600.0   # stages without input this long are dropped
+    evict_idle_s: float = 1800.0     # stages without input this long leave memory for their
+                                     # snapshot, and come back when their key speaks again
+    max_live_jobs: int = 2000        # job stages in memory at most (least recently used go)
+    max_live_ranks: int = 200_000    # rank and node stages in memory at most
     partitions: int = 0              # of the summaries topic; 0: as many as telemetry
     gc_interval_s: float = 30.0      # full garbage collection this often; 0: CPython's own
     extra: dict = field(default_factory=dict)
@@ -71,6 +75,11 @@ class WorkerSettings:
             raise ConfigError(f"--loglevel {self.loglevel!r} must be one of {', '.join(LOGLEVELS)}")
         if not self.gc_interval_s >= 0:
             raise ValueError("gc_interval_s must be 0 (CPython's own collection) or positive")
+        for name in ("max_live_jobs", "max_live_ranks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if not self.evict_idle_s > 0:
+            raise ConfigError("--evict-idle-s must be positive")
         for name in ("batch_max", "poll_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

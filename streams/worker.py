@@ -45,9 +45,27 @@ class WorkerTopics:
 def settings_from_args(args, config: Config) -> WorkerSettings:
     from trainguard.broker import trainguard_home
 
+    if getattr(args, "worker_settings", None) is not None:   # from the configuration tree
+        return args.worker_settings
     data_dir = args.data_dir or str(trainguard_home() / "worker")
+    memory = {name: getattr(args, name) for name in ("evict_idle_s", "max_live_jobs",
+                                                     "max_live_ranks")
+              if getattr(args, name, None) is not None}
+    if getattr(args, "web_bind", None):
+        memory["web_bind"] = args.web_bind
     return WorkerSettings(prefix=config.topics.prefix, worker_id=args.id,
-                          web_port=args.web_port, data_dir=data_dir, loglevel=args.loglevel)
+                          web_port=args.web_port, data_dir=data_dir, loglevel=args.loglevel,
+                          **memory)
+
+
+def make_data_dir(path: str) -> None:
+    from pathlib import Path
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot make the worker's data folder {path}: {exc.strerror}; "
+                        "set --data-dir or TRAINGUARD_HOME") from None
 
 
 def build(settings: WorkerSettings, config: Config, detector_config=None):
@@ -68,12 +86,17 @@ def build(settings: WorkerSettings, config: Config, detector_config=None):
                           rank_state=settings.rank_state_topic)
     detector_config = detector_config or DetectorConfig()
     metrics = Metrics()
+    shared = {"detector_config": detector_config}    # not snapshotted: the running one
     ranks = RankProcessor(partial(RankStage, detector_config),
                           make_node_stage=partial(NodeStage, detector_config),
-                          telemetry_topic=topics.telemetry, idle_ttl_s=settings.idle_ttl_s)
+                          telemetry_topic=topics.telemetry, idle_ttl_s=settings.idle_ttl_s,
+                          evict_idle_s=settings.evict_idle_s,
+                          max_live=settings.max_live_ranks, shared=shared)
     jobs = JobProcessor(partial(JobStage, detector_config), idle_ttl_s=settings.idle_ttl_s,
                         observe_lag=metrics.observe_lag,
-                        advance_every_s=detector_config.advance_interval_s)
+                        advance_every_s=detector_config.advance_interval_s,
+                        evict_idle_s=settings.evict_idle_s,
+                        max_live=settings.max_live_jobs, shared=shared)
     collection = (ScheduledCollection(settings.gc_interval_s) if settings.gc_interval_s > 0
                   else None)
     runtime = JobRuntime(settings=settings, topics=topics, processor=jobs, metrics=metrics,
@@ -144,6 +167,7 @@ def _check_port(bind: str, port: int) -> None:
 def main(args, config: Config) -> int:
     settings = settings_from_args(args, config)
     _check_port(settings.web_bind, settings.web_port)
+    make_data_dir(settings.data_dir)
     logging.basicConfig(level=settings.python_loglevel, stream=sys.stderr,
                         format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: "
                                "%(message)s")
@@ -154,7 +178,8 @@ def main(args, config: Config) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):    # until the Faust worker installs its own
         signal.signal(s, early_exit)
     try:
-        app, rank_service, runtime = build(settings, config)
+        app, rank_service, runtime = build(settings, config,
+                                           getattr(args, "detector_config", None))
     except SystemExit:
         return 0
     if runtime.collection is not None:       # garbage collection on the job side's timer

@@ -230,9 +230,12 @@ class Deployment:
         self.limit_s = limit_s
         self.procs = Procs(self.folder)
         self.home = self.folder / "home"
+        from trainguard.signing import KEY_ENV, generate_key
+
         self.env = {"TRAINGUARD_BOOTSTRAP": config.bootstrap,
                     "TRAINGUARD_TOPIC_PREFIX": config.topics.prefix,
-                    "TRAINGUARD_HOME": str(self.home)}
+                    "TRAINGUARD_HOME": str(self.home),
+                    KEY_ENV: generate_key()}  # every service signs or checks orders
 
     def __enter__(self):
         return self

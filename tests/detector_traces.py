@@ -20,6 +20,7 @@ import math
 import random
 
 from trainguard import events as ev
+from trainguard.detectors.checks import drive, stage_items  # noqa: F401 (tests use them here)
 
 T0 = 1764680000.0
 PHASES = (("data", 0.05), ("forward", 0.35), ("backward", 0.40), ("optimizer", 0.05),
@@ -351,38 +352,3 @@ def run_engine(events, config=None):
     if now is not None:
         found += engine.advance(now, force=True)
     return found, engine
-
-
-def stage_items(events, config=None) -> list:
-    """What a JobStage's detectors see: ``("u", item)`` for summaries, jobsteps and node
-    events, ``("a", now)`` for each advance in event time."""
-    from trainguard.detectors import DetectorConfig, RankStage, StepAggregator
-
-    config = config or DetectorConfig()
-    ranks: dict = {}
-    steps = StepAggregator(close_lag=config.step_close_lag, close_s=config.step_close_s)
-    out = []
-    now = None
-    for e in events:
-        now = e.ts if now is None or e.ts > now else now
-        if e.type in ("gpu", "xid"):
-            out.append(("u", e))
-        elif e.type in ("step", "heartbeat", "lifecycle") and e.rank is not None:
-            stage = ranks.setdefault(e.rank, RankStage(config))
-            for summary in stage.update(e):
-                out.append(("u", summary))
-                if summary["k"] == "step":
-                    out += [("u", js) for js in steps.add(summary)]
-                elif summary["k"] == "life":
-                    steps.life(summary)
-        out += [("u", js) for js in steps.expire(now)]
-        if not out or out[-1] != ("a", now):
-            out.append(("a", now))
-    return out
-
-
-def drive(detector, items) -> list:
-    found = []
-    for op, x in items:
-        found += detector.update(x) if op == "u" else detector.advance(x)
-    return found

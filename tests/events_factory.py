@@ -35,4 +35,9 @@ def examples() -> list[ev.Event]:
                    summary="rank 6 is 1.5x slower than its peers", evidence={"ratio": 1.5}),
         ev.Action(job="j1", ts=TS, incident="i-1", action="restart", targets={"ranks": [6]},
                   status="dry_run", reason="dry-run mode"),
+        ev.Order(job="j1", ts=TS, order_id="o-1", op="evict", incident="i-1",
+                 targets={"nodes": ["n3"], "exclude_nodes": ["n3"]}),
+        ev.Ack(job="j1", ts=TS, node="n1", order_id="o-1", status="done", op="evict",
+               reason="excluded n3 from the next launch", code=None, key_id="0123abcd",
+               sig="0" * 64),
     ]

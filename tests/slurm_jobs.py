@@ -70,10 +70,12 @@ def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
 
     Returns the timeline in seconds from the Xid (``detected_s``: the first anomaly;
     ``ordered_s``: the restart's record; ``resumed_s``: the first step after it) and what
-    happened (nodes before and after, the resume step, the action records)."""
+    happened (nodes before and after, the resume step, the action records: ``(action,
+    status, ack_status, reason)``, ``ack_status`` None where no order was acked)."""
     from actions_harness import Collector, Deployment, wait_for
 
     from trainguard.chaos import xid_line
+    from trainguard.signing import KEY_ENV, generate_key
 
     job = f"xid-{how}"
     folder = Path(folder)
@@ -82,8 +84,9 @@ def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
     script = train_script(folder, job, steps=steps, checkpoint_every=10, step_sleep=0.1,
                           launcher=launcher)
     home = folder / "home"
+    key = generate_key()  # the action service signs its orders; trainguard run checks them
     env = {"TRAINGUARD_BOOTSTRAP": config.bootstrap, "TRAINGUARD_HOME": str(home),
-           "TRAINGUARD_TOPIC_PREFIX": config.topics.prefix}
+           "TRAINGUARD_TOPIC_PREFIX": config.topics.prefix, KEY_ENV: key}
     out = str(folder / "slurm-%j.out")
     job_id = slurm.run("sbatch", "--parsable", "-H", "--requeue", "-N",
                        "3" if how == "spare" else "2", "-o", out, "-J", job, str(script),
@@ -96,7 +99,7 @@ def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
     anomalies = Collector(config, config.topics.anomalies)
     result: dict = {"how": how, "slurm_job": job_id}
     with Deployment(folder / "services", config, limit_s=int(timeout) + 200) as d:
-        d.env.update(SLURM_CONF=str(slurm.conf), TRAINGUARD_HOME=str(home))
+        d.env.update(SLURM_CONF=str(slurm.conf), TRAINGUARD_HOME=str(home), **{KEY_ENV: key})
         try:
             d.start(policy=policy, agent=False)
             slurm.run("scontrol", "release", job_id)
@@ -146,7 +149,7 @@ def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
                 resume_step=first_resumed.step,
                 nodes_after=nodes_stepping(telemetry.events, restart.ts),
                 anomaly_kinds=sorted({a.kind for a in found}),
-                actions=[(e.action, e.status, e.extra.get("source"), e.reason[:160])
+                actions=[(e.action, e.status, e.extra.get("ack_status"), e.reason[:160])
                          for e in actions.events if e.type == "action" and e.job == job])
             log(f"{how}: resumed at step {first_resumed.step} on {result['nodes_after']}, "
                 f"{result['resumed_s']} s after the Xid")

@@ -7,8 +7,10 @@ from types import SimpleNamespace as NS
 
 from trainguard import events as ev
 from trainguard.actions.drivers import KubernetesDriver, SlurmDriver
-from trainguard.actions.pipeline import driver_actions
-from trainguard.actions.policy import Decision, Incident
+from trainguard.actions.orders import check_targets, outcome_status
+from trainguard.actions.pipeline import ListRecorder, build_pipeline, driver_actions
+from trainguard.actions.policy import Decision, Incident, Policy
+from trainguard.actions.state import ServiceState
 from trainguard.actions.supervisor import Supervisor
 
 INCIDENT = Incident(id="inc-1", job="j1", kind="gpu_fault", severity="critical", ranks=[0],
@@ -35,7 +37,7 @@ class NoPods:
 def test_drivers_that_changed_nothing_are_not_applicable():
     act = driver_actions(SlurmDriver(drain=False, runner=ok_runner))
     status, reason = act["evict"](decision("evict", nodes=["n1"]), INCIDENT)
-    assert status == "not_applicable" and reason.startswith("not_applicable: the driver")
+    assert status == "not_applicable" and reason.startswith("no_change: the driver")
     assert reason.endswith("[no call made]")
     act = driver_actions(KubernetesDriver(core_api=NoPods()))
     status, reason = act["restart"](decision("restart", exclude_nodes=[]), INCIDENT)
@@ -55,10 +57,24 @@ def test_the_local_supervisor_never_says_done_for_an_eviction():
     published = []
     sup = Supervisor(job="j1", cmd=["python", "train.py"], environ={}, node="box",
                      publish=published.append, log=lambda m: None)
-    order = ev.Action(job="j1", ts=1.0, incident="inc-1", action="evict",
-                      targets={"job": "j1", "nodes": ["box"]}, status="planned",
-                      reason="gpu_fault", extra={"action_id": "a1", "source": "actions"})
-    assert sup.obey(order) == "not_applicable"
-    [record] = published
-    assert record.status == "not_applicable" and "nothing was excluded" in record.reason
-    assert ev.decode(ev.encode(record)).status == "not_applicable"  # valid on the wire
+    order = ev.Order(job="j1", ts=1.0, order_id="o-1", op="evict", incident="inc-1",
+                     targets={"nodes": ["box"]})
+    assert sup.obey(order, check_targets("evict", order.targets)) == "not_applicable"
+    [ack] = published
+    assert (ack.status, ack.code) == ("not_applicable", "cannot_exclude")
+    assert "nothing was excluded" in ack.reason
+    assert ev.decode(ev.encode(ack)).status == "not_applicable"  # valid on the wire
+    assert outcome_status(ack) == "not_applicable"  # and so it is recorded on the audit log
+
+
+def test_a_driver_that_changed_nothing_is_recorded_not_applicable_with_its_code():
+    rec = ListRecorder()
+    pipe = build_pipeline(policy=Policy(), state=ServiceState(), recorder=rec,
+                          drivers=driver_actions(SlurmDriver(drain=False, runner=ok_runner)))
+    a = ev.Anomaly(job="j1", ts=101.0, id="a1", kind="gpu_fault", severity="critical",
+                   ranks=[0], nodes=["n1"], onset_ts=100.0, detected_ts=101.0,
+                   detector="gpu_fault", summary="Xid 79 on n1")
+    pipe.process(a, now=102.0)
+    [evict] = [r for r in rec.events if r.action == "evict"]
+    assert (evict.status, evict.extra["code"]) == ("not_applicable", "no_change")
+    assert ev.decode(ev.encode(evict)).status == "not_applicable"

@@ -60,8 +60,8 @@ def _hang_scenario(d, c, hook):
     acts = [e for e in c["actions"].drain(1.0) if e.job == "hang"]
     capture = [a for a in acts if a.action == "capture_stacks" and a.status == "done"]
     assert capture and capture[0].targets["suspects"] == [2], d.procs.log("actions")[-3000:]
-    assert [a.status for a in acts if a.action == "restart" and a.extra["source"] ==
-            "supervisor"] == ["done"]
+    assert [a.status for a in acts if a.action == "restart"
+            and a.extra.get("ack_status") == "done"] == ["done"]
     fault = d.chaos_log("hang")[0]["injected_ts"]
     relaunch = min(e.ts for e in c["telemetry"].drain(1.0) if e.type == "lifecycle"
                    and e.job == "hang" and e.rank is None and e.event == "start"
@@ -91,10 +91,10 @@ def test_repeated_failures_hit_the_restart_cap_and_page(world):
     chaos = "crash@step=12,rank=1;crash@step=22,rank=1;crash@step=32,rank=1"
     run = d.supervise("loop", d.torchrun(4, steps=STEPS, job="loop"), chaos=chaos,
                       max_restarts=5)
-    wait_for(lambda: any(a.reason.startswith("page") for a in c["actions"].drain(0.5)
+    wait_for(lambda: any(a.extra.get("code") == "page" for a in c["actions"].drain(0.5)
                          if a.job == "loop"), timeout=240, what="the page")
     capped = [a for a in c["actions"].events if a.job == "loop" and a.action == "restart"
-              and a.reason.startswith("restart_cap")]
+              and a.extra.get("code") == "restart_cap"]
     assert capped and capped[0].status == "rate_limited"
     hook.wait_for(lambda reqs: any(b"restart_cap" in r.body for r in reqs), timeout=10)
     run.terminate()

@@ -114,7 +114,7 @@ def test_a_restarted_service_with_a_lost_state_file_does_not_restart_again(kafka
         assert [e.incident for e in restarts(actions.events, "planned")] == ["inc-a1"]
         second = [e for e in actions.events if e.incident == "inc-a2"
                   and e.action == "restart"][0]
-        assert second.status == "rate_limited" and second.reason.startswith("covered:")
+        assert second.status == "rate_limited" and second.extra["code"] == "covered"
     finally:
         actions.close()
 
@@ -145,14 +145,16 @@ def answer_captures(config, stop, ranks=4, stuck=2, node="hostA"):
 
 @pytest.mark.slow
 def test_hang_capture_restart_and_resume_through_kafka(kafka_config, tmp_path):
-    """anomaly -> `trainguard actions` (capture through Kafka) -> `trainguard run` restarts
-    the hung child, which resumes from its checkpoint; `done` comes back on the topic."""
+    """anomaly -> `trainguard actions` (capture through Kafka) -> signed orders on the orders
+    topic -> `trainguard run` restarts the hung child, which resumes from its checkpoint; its
+    acks come back and the service records their outcome (`done`) on the audit log."""
     script = write_child(tmp_path)
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps({"capture": {"rounds": 2, "interval_s": 0.5,
                                               "deadline_s": 5, "quiet_s": 0.5}}))
     env = {"TRAINGUARD_BOOTSTRAP": kafka_config.bootstrap,
            "TRAINGUARD_TOPIC_PREFIX": kafka_config.topics.prefix,
+           "TRAINGUARD_SIGNING_KEY": "a-shared-test-key-of-the-deployment",
            "CHILD_LOG": str(tmp_path / "child.jsonl"), "CHILD_MODE": "hang@5",
            "CHILD_STEPS": "12", "CHILD_STEP_S": "0.05"}
     procs, stop = Procs(tmp_path), threading.Event()
@@ -174,20 +176,24 @@ def test_hang_capture_restart_and_resume_through_kafka(kafka_config, tmp_path):
                         onset=hang[0]["t"]))
         done = actions.wait(lambda es: [e for e in es if e.action == "restart"
                                         and e.status == "done"], timeout=40,
-                            what="the supervisor's done")
+                            what="the acked outcome")
         assert run.wait(timeout=30) == 0, procs.log("run")
         starts = [e for e in read_log(log) if e["event"] == "start"]
         assert [(s["step"], s["resume"]) for s in starts] == [(0, None), (5, "1")]
         assert [e["step"] for e in read_log(log) if e["event"] == "step"] == list(range(12))
-        by = {(e.action, e.status, e.extra.get("source")) for e in actions.events}
-        assert ("capture_stacks", "done", "actions") in by
-        assert ("evict", "planned", "actions") in by  # one machine: nothing to exclude
-        assert ("evict", "not_applicable", "supervisor") in by
-        assert ("evict", "done", "supervisor") not in by
-        assert ("restart", "planned", "actions") in by
+        by = {(e.action, e.status, e.extra.get("ack_status")) for e in actions.events}
+        assert ("capture_stacks", "done", None) in by
+        assert ("evict", "planned", None) in by  # one machine: nothing to exclude
+        assert ("evict", "not_applicable", "not_applicable") in by
+        assert not [e for e in actions.events if e.action == "evict" and e.status == "done"]
+        assert ("restart", "planned", None) in by
+        assert {e.extra.get("source") for e in actions.events} == {"actions"}
+        assert "WARNING: no signing key" not in procs.log("run") + procs.log("actions")
         capture = [e for e in actions.events if e.action == "capture_stacks"][0]
         assert capture.targets["suspects"] == [2]
         assert done[0].extra["action_id"] == "inc-hang-1:restart"
+        assert done[0].extra["order_id"] == [e for e in actions.events if e.action == "restart"
+                                             and e.status == "planned"][0].extra["order_id"]
         assert starts[1]["exclude"] == "hostA"
         life = telemetry.wait(lambda es: [e for e in es if isinstance(e, ev.Lifecycle)
                                           and e.job == "jh" and e.event == "exit"

@@ -7,6 +7,8 @@ from trainguard import events as ev
 from trainguard.actions.alerts import SendResult
 from trainguard.actions.capture import (FakeClock, JobDirectory, ListSource, StackCapture,
                                         StackGatherer)
+from trainguard.actions.order_desk import OrderDesk
+from trainguard.actions.orders import ack_of
 from trainguard.actions.pipeline import (Dedup, ListRecorder, Work, action_event, apply_limits,
                                          build_pipeline, incident_of)
 from trainguard.actions.policy import CaptureSettings, Decision, Limits, Policy
@@ -37,7 +39,7 @@ def summary(records):
 def test_pipeline_is_assembled_in_order():
     p, _, _ = pipe()
     assert repr(p) == ("Pipeline(correlate -> dedup -> investigate -> decide -> limit -> act "
-                       "-> record -> notify)")
+                       "-> record -> dispatch -> notify)")
 
 
 def test_crash_becomes_planned_restart_records():
@@ -480,7 +482,9 @@ def test_a_straggler_that_hangs_escalates_to_one_restart():
     first = p.process(anomaly(kind="straggler", id="s1", ranks=[2], nodes=[],
                               evidence={"slowdown": 1.5, **where}), now=T0 + 2)
     assert summary(first.records) == [("capture_stacks", "done"), ("alert", "done")]
-    hang = anomaly(kind="hang", id="h1", ranks=[2], nodes=[], onset=T0 + 20,
+    # the rank hangs while still being reported slow (onset within the correlator's 5 s of
+    # the straggler's detection): one root cause, one incident; a later onset is a new one
+    hang = anomaly(kind="hang", id="h1", ranks=[2], nodes=[], onset=T0 + 4,
                    detected=T0 + 80, evidence=where)
     work = p.process(hang, now=T0 + 81)
     assert work.incident.id == "inc-s1" and work.incident.kind == "straggler"
@@ -503,19 +507,27 @@ def test_a_straggler_that_hangs_escalates_to_one_restart():
 
 def _crash_restart_satisfied(state=None):
     """Rank 3 of j1 is killed at T0, ``trainguard run`` relaunches the job on its own at
-    T0+1, then the crash's restart is ordered and answered ``already_satisfied``."""
-    directory = JobDirectory()
-    p, rec, _ = pipe(correlator=Correlator(), directory=directory, state=state)
+    T0+1, then the crash's restart is ordered and acked ``already_satisfied``."""
+    directory, sent, recorder = JobDirectory(), [], ListRecorder()
+    desk = OrderDesk(send=sent.append, recorder=recorder, directory=directory,
+                     clock=lambda: T0 + 4.6)
+    p = build_pipeline(policy=Policy(), state=state if state is not None else ServiceState(),
+                       recorder=recorder, correlator=Correlator(), directory=directory,
+                       orders=desk)
     directory.observe(ev.Lifecycle(job="j1", ts=T0 + 1, node="vm", event="start", pid=1,
                                    world_size=4))
     p.process(anomaly(id="c3", ranks=[3], nodes=["vm"], onset=T0, detected=T0 + 4),
               now=T0 + 4.5)
-    directory.observe(ev.Action(
-        job="j1", ts=T0 + 4.6, node="vm", incident="inc-c3", action="restart",
-        targets={"job": "j1"}, status="done",
-        reason="already_satisfied: launch 2 started 1.0s after the incident began, with the "
-               "exclusions asked for; not restarted again"))
-    return p, rec
+    order = [o for o in sent if o.incident == "inc-c3"][0]
+    ack = ack_of(order, "already_satisfied", "relaunched_since_onset",
+                 "launch 2 started 1.0s after the incident began", ts=T0 + 4.6, node="vm")
+    assert desk.receive(ack, ev.encode(ack)) == ("filed", None)
+    assert directory.satisfied("j1") == {"inc-c3"}
+    outcome = recorder.events[-1]
+    assert (outcome.incident, outcome.action, outcome.status) == ("inc-c3", "restart", "done")
+    assert outcome.extra["ack_status"] == "already_satisfied"
+    assert outcome.extra["order_id"] == order.order_id
+    return p, recorder
 
 
 def test_a_restart_already_satisfied_expects_nothing_later():

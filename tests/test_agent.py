@@ -13,6 +13,8 @@ from trainguard.collectors import agent as agent_mod
 from trainguard.collectors.agent import Agent, GpuSampler, Publisher, event_jobs
 from trainguard.collectors.agent_commands import (CaptureRunner, CommandHandler, address,
                                                   stack_event)
+from trainguard.collectors.capture_limits import CaptureLimiter, CaptureLimits
+from trainguard.signing import SigningKeys, Verifier, sign
 from trainguard.collectors.nvml import PynvmlSource
 from trainguard.config import Config, Topics
 
@@ -40,7 +42,7 @@ def roundtrip(event: ev.Event) -> ev.Event:
 
 # -- addressing ----------------------------------------------------------------------------
 def test_all_ranks_of_the_job_on_this_node():
-    targets, why = address(command(), "n1", ranks() + ranks(job="j2"), now=NOW + 1)
+    targets, why = address(command(), "n1", ranks() + ranks(job="j2"))
     assert why is None and [(e["job"], e["rank"]) for e in targets] == [("j1", r) for r in range(4)]
 
 
@@ -48,22 +50,21 @@ def test_all_ranks_of_the_job_on_this_node():
     ({"job": "j2"}, "no local rank of job j2"),
     ({"node": "elsewhere"}, "addressed to node elsewhere"),
     ({"ranks": [7, 8]}, "none of ranks [7, 8] runs here"),
-    ({"ts": NOW - 600}, "stale"),
 ])
 def test_commands_not_for_this_agent_are_ignored(changes, reason):
-    targets, why = address(command(**changes), "n1", ranks(), now=NOW + 1)
+    targets, why = address(command(**changes), "n1", ranks())
     assert targets == [] and why.startswith(reason)
 
 
 def test_node_may_be_the_agents_name_or_the_ranks_own():
     entries = ranks(node="gpu-host-7")
     for node in (None, "agent-name", "gpu-host-7"):
-        targets, why = address(command(node=node), "agent-name", entries, now=NOW)
+        targets, why = address(command(node=node), "agent-name", entries)
         assert why is None and len(targets) == 4
 
 
 def test_rank_list_selects_local_ranks_only():
-    targets, _ = address(command(ranks=[3, 1, 12]), "n1", ranks(), now=NOW)
+    targets, _ = address(command(ranks=[3, 1, 12]), "n1", ranks())
     assert [e["rank"] for e in targets] == [1, 3]
 
 
@@ -71,14 +72,13 @@ def test_malformed_entries_and_reused_pids_are_skipped():
     entries = ranks() + [{"job": "j1", "rank": "x", "pid": 5}, {"job": "j1", "rank": 9},
                          "not a dict"]
     started = {1000: NOW - 70, 1001: NOW - 10, 1002: NOW + 3600, 1003: None}
-    targets, why = address(command(), "n1", entries, now=NOW,
-                           started_at=lambda pid: started.get(pid))
+    targets, why = address(command(), "n1", entries, started_at=lambda pid: started.get(pid))
     assert why is None and [e["rank"] for e in targets] == [0, 1, 3]  # 1002: a new process
 
 
 def test_only_the_enumerated_command_form_is_obeyed():
     assert address(ev.Heartbeat(job="j1", ts=NOW, pid=1, phase="idle", phase_since=NOW),
-                   "n1", ranks(), now=NOW)[0] == []
+                   "n1", ranks())[0] == []
 
 
 # -- the handler ---------------------------------------------------------------------------
@@ -108,6 +108,67 @@ def test_handler_accepts_ignores_and_never_raises():
                 ev.encode(ev.Heartbeat(job="j1", ts=NOW, pid=1, phase="idle", phase_since=NOW))):
         assert handler.handle(bad) == "invalid"
     assert [(c.capture_id, len(e)) for c, e in runner.got] == [("c-ok", 4)]
+
+
+KEYS = SigningKeys.parse("agent-test-key-0123456789abcdef")
+
+
+def test_handler_refuses_stale_future_forged_and_dead_letters_them():
+    runner, dead = FakeRunner(), []
+    handler = CommandHandler(
+        node="n1", entries=lambda: ranks(), runner=runner, clock=lambda: NOW,
+        verifier=Verifier(KEYS, clock=lambda: NOW),
+        deadletter=lambda value, reason, msg: dead.append(reason))
+    cases = {"unsigned": command(capture_id="c-unsigned"),
+             "bad_signature": sign(command(capture_id="c-bad"), KEYS).replace(ranks=[0]),
+             "unknown_key": sign(command(capture_id="c-k"),
+                                 SigningKeys.parse("some-other-key-0123456789")),
+             "stale": sign(command(capture_id="c-old", ts=NOW - 600), KEYS),
+             "future": sign(command(capture_id="c-future", ts=NOW + 3600), KEYS)}
+    for code, cmd in cases.items():
+        assert handler.handle(ev.encode(cmd)) == "refused", code
+        assert dead[-1].startswith(f"command refused: {code}")
+    assert handler.handle(ev.encode(sign(command(job="j2"), KEYS))) == "ignored"  # not ours
+    good = ev.encode(sign(command(capture_id="c-good"), KEYS))
+    assert handler.handle(good) == "accepted" and handler.handle(good) == "duplicate"
+    assert [c.capture_id for c, _ in runner.got] == ["c-good"] and len(dead) == len(cases)
+
+
+def test_a_flood_of_commands_gives_a_bounded_number_of_captures():
+    runner = FakeRunner()
+    clock = {"now": NOW}
+    handler = CommandHandler(node="n1", entries=lambda: ranks(), runner=runner,
+                             clock=lambda: clock["now"],
+                             limiter=CaptureLimiter(CaptureLimits(per_job=3, per_machine=5,
+                                                                  window_s=60)))
+    words = []
+    for i in range(1000):  # 1,000 in 20 s, each with a new capture id
+        clock["now"] = NOW + i * 0.02
+        words.append(handler.handle(ev.encode(command(capture_id=f"c{i}", ts=clock["now"]))))
+    assert words.count("accepted") == 3 and words.count("rate_limited") == 997
+    clock["now"] = NOW + 61
+    assert handler.handle(ev.encode(command(capture_id="later", ts=clock["now"]))) == "accepted"
+
+
+def test_one_capture_per_pid_at_a_time():
+    started, release = threading.Event(), threading.Event()
+
+    def capture(pid, native, timeout, runtime_dir, signum):
+        started.set()
+        release.wait(5)
+        return {"pid": pid, "method": "py-spy", "error": None, "threads": []}
+
+    published = []
+    runner = CaptureRunner(published.append, node="n1", runtime_dir=None, capture=capture,
+                           clock=lambda: NOW)
+    first = threading.Thread(target=runner.run, args=(command(capture_id="c1"), ranks()[:1]))
+    first.start()
+    assert started.wait(5)
+    second = runner.run(command(capture_id="c2"), ranks()[:1])  # the same pid, meanwhile
+    release.set()
+    first.join(5)
+    assert second[0].error.startswith("busy: a capture of pid 1000")
+    assert [e.error for e in published if e.capture_id == "c1"] == [None]
 
 
 def test_handler_survives_a_broken_registry_and_a_full_runner():

@@ -185,7 +185,10 @@ def test_real_stack_capture_of_a_4_rank_gloo_job(kafka_config, tmp_path):
                            env=env, cwd=tmp_path, start_new_session=True,
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
-    agent, lines = start_agent(kafka_config, tmp_path)
+    from trainguard.broker import free_port
+
+    metrics_port = free_port()
+    agent, lines = start_agent(kafka_config, tmp_path, "--metrics-port", str(metrics_port))
     stacks = Reader(kafka_config, kafka_config.topics.stacks)
     producer = Producer(kafka_config.kafka())
     try:
@@ -220,6 +223,9 @@ def test_real_stack_capture_of_a_4_rank_gloo_job(kafka_config, tmp_path):
         assert "load_batch" in functions(by_rank[2])
         assert all("load_batch" not in functions(by_rank[r]) for r in (0, 1, 3))
         assert agent.poll() is None  # the garbage message did not stop it
+        from test_service_metrics import scrape
+
+        assert scrape(metrics_port)['trainguard_stack_captures_total{status="ok"}'] == 4
     finally:
         kill_tree(job)
         stop_process(agent)

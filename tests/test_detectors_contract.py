@@ -1,17 +1,22 @@
-"""One contract over every detector: configuration, clone, pickle mid-stream, determinism,
-missing optional fields; and the stages' own contract (pickle, JSON summaries, stable ids)."""
+"""One contract over every detector, through the checks shipped as
+``trainguard.detectors.checks`` (configuration, clone, pickle mid-stream, determinism, no wall
+clock, missing optional fields, valid findings); and the stages' own contract (pickle, JSON
+summaries, stable ids)."""
 import dataclasses
-import inspect
 import json
 import pickle
+import time
+from pathlib import Path
 
 import pytest
 
 from trainguard import events as ev
-from trainguard.detectors import (DETECTORS, DetectorConfig, Engine, JobStage, RankStage,
-                                  anomaly_id)
+from trainguard.detectors import (DETECTORS, DetectorConfig, Engine, JobStage, NanDetector,
+                                  RankStage, anomaly_id)
+from trainguard.detectors.checks import (CHECKS, check_detector, drive, layout_of_registry,
+                                         stage_items, state_changes, state_layout)
 
-from detector_traces import JobSim, drive, run_engine, stage_items
+from detector_traces import JobSim, run_engine
 
 # A trace on which each detector finds something, so the round trips carry real state.
 SCENARIOS = {
@@ -58,89 +63,50 @@ def items_for(prefix):
     return _ITEMS[prefix]
 
 
-def as_dicts(findings):
-    return [dataclasses.asdict(f) for f in findings]
-
-
 @pytest.fixture(params=DETECTORS, ids=lambda c: c.__name__)
 def cls(request):
     return request.param
 
 
-def test_constructor_stores_every_argument_and_config_matches_defaults(cls):
-    config = DetectorConfig()
-    params = config.params_for(cls)
-    detector = cls(**params)
-    for name, value in params.items():
-        assert getattr(detector, name) == value
-    defaults = {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items()
-                if n != "self"}
-    assert defaults == params, f"{cls.__name__} defaults differ from DetectorConfig"
-
-
-def test_clone_is_fresh_and_equal(cls):
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_detector_contract(cls, check):
+    """The shipped checks (trainguard.detectors.checks), over a trace on which the detector
+    finds something."""
     items = items_for(cls.PREFIX)
-    trained = cls()
-    first = drive(trained, items)
-    assert first, f"the {cls.PREFIX} scenario should make {cls.__name__} find something"
-    clone = trained.clone()
-    assert type(clone) is cls and clone._get_params() == trained._get_params()
-    assert repr(clone) == repr(trained)
-    assert as_dicts(drive(clone, items)) == as_dicts(first)
+    assert drive(cls(), items), f"the {cls.PREFIX} scenario should make {cls.__name__} find"
+    check(cls(**DetectorConfig().params_for(cls)), items)
 
 
-def test_pickle_mid_stream_gives_identical_output(cls):
-    items = items_for(cls.PREFIX)
-    reference = cls()
-    expected = as_dicts(drive(reference, items))
-    for cut in (len(items) // 3, 2 * len(items) // 3):
-        detector = cls()
-        before = drive(detector, items[:cut])
-        restored = pickle.loads(pickle.dumps(detector))
-        assert as_dicts(before + drive(restored, items[cut:])) == expected
+class Moody(NanDetector):
+    """Finds on some runs only: it counts inputs in a class attribute."""
+    seen = [0]
+
+    def update(self, item):
+        Moody.seen[0] += 1
+        return super().update(item) if Moody.seen[0] % 7 else []
 
 
-def test_deterministic(cls):
-    items = items_for(cls.PREFIX)
-    assert as_dicts(drive(cls(), items)) == as_dicts(drive(cls(), items))
+class ClockReader(NanDetector):
+    def advance(self, now):
+        return [] if time.time() else []
 
 
-def _bare_items():
-    """Every input kind with all optional fields missing or null."""
-    items = []
-    for s in range(40):
-        for r in range(3):
-            rec = {"k": "step", "job": "j", "rank": r, "node": None, "ts": 10.0 + s,
-                   "step": s, "step_time": 0.5}
-            items.append(("u", rec))
-        items.append(("u", {"k": "jobstep", "job": "j", "step": s, "ts": 10.0 + s,
-                            "first_ts": 10.0 + s, "world": 3,
-                            "ranks": {r: {"k": "step", "job": "j", "rank": r, "ts": 10.0 + s,
-                                          "step": s, "step_time": 0.5, "compute_time": None,
-                                          "loss": None, "grad_norm": None}
-                                      for r in range(3)}}))
-        items.append(("u", {"k": "hb", "job": "j", "rank": 0, "ts": 10.5 + s, "step": None,
-                            "phase": "forward", "phase_since": None}))
-        items.append(("u", ev.Gpu(job="j", ts=10.0 + s, gpus=[{"index": 0, "uuid": "G"}])))
-        items.append(("u", ev.Gpu(job="j", ts=10.0 + s, node="n1",
-                                  gpus=[{"index": 0, "uuid": "G"}, {"index": 1, "uuid": "H"}]
-                                  if s < 20 else [{"index": 0, "uuid": "G"}])))
-        items.append(("u", ev.Gpu(job="j", ts=10.2 + s, node="n1", gpus=[],
-                                  status="unavailable", reason="no NVML")))
-        items.append(("a", 10.9 + s))
-    items.append(("u", ev.Xid(job="j", ts=60.0, xid=79, source="kmsg", message="")))
-    items.append(("u", ev.Xid(job="j", ts=60.0, node="n1", xid=48, source="nvml", message="")))
-    items.append(("u", {"k": "life", "job": "j", "rank": 1, "ts": 61.0, "event": "exit"}))
-    items.append(("u", {"k": "life", "job": "j", "rank": None, "ts": 61.0, "event": "exit",
-                        "exit_code": 3}))
-    items.append(("u", {"k": "life", "job": "j", "rank": 2, "ts": 62.0, "event": "start"}))
-    items.append(("u", {"k": "whatever", "ts": 63.0}))
-    items.append(("a", 500.0))
-    return items
+def test_a_users_detector_that_breaks_the_contract_is_told_which_rule():
+    with pytest.raises(AssertionError, match="Moody"):
+        check_detector(Moody(), items_for("nan"))
+    with pytest.raises(AssertionError, match="ClockReader read the wall clock"):
+        check_detector(ClockReader())
+
+    class Local(NanDetector):
+        pass
+
+    with pytest.raises(AssertionError, match="does not pickle"):
+        check_detector(Local())
 
 
-def test_no_crash_on_missing_optional_fields(cls):
-    drive(cls(), _bare_items())
+def test_every_registered_detector_passes_check_detector_on_bare_inputs():
+    for cls in DETECTORS:
+        check_detector(cls())
 
 
 def test_engine_accepts_events_with_only_required_fields():
@@ -222,3 +188,29 @@ def test_config_validation():
     with pytest.raises(ValueError):
         DetectorConfig(straggler_k=0)
     assert DetectorConfig(hang_floor_s=5).hang_floor_s == 5.0
+
+
+LAYOUT_FILE = Path(__file__).parent / "data" / "detector_state_layout.json"
+
+
+def test_stored_state_changes_only_with_the_state_version():
+    """Each registered detector's and stage's stored state (classes and attribute names) is
+    fingerprinted per state version in tests/data/detector_state_layout.json. A change of what
+    they keep needs a new state version (a worker would otherwise load old snapshots into new
+    objects); then store the new fingerprints:
+    ``python -m trainguard.detectors.checks > tests/data/detector_state_layout.json``."""
+    problems = state_changes(json.loads(LAYOUT_FILE.read_text()), layout_of_registry())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_fingerprint_check_sees_a_new_attribute():
+    current = layout_of_registry()
+    changed = NanDetector()
+    changed.extra_memory = {}
+    name = "NanDetector"
+    bumped = dict(current, **{name: {"version": current[name]["version"],
+                                     "layout": state_layout(changed)}})
+    assert state_changes(current, bumped) == [
+        "NanDetector: its stored state changed (trainguard.detectors.training.NanDetector: "
+        "+extra_memory) but its state version is still "
+        f"{current[name]['version']}; raise it"]

@@ -127,7 +127,7 @@ def test_record_and_replay_round_trip_through_the_broker(kafka_config, kafka_boo
     report = capsys.readouterr().err
     assert f"{len(mine)} events" in report and "1 invalid lines skipped" in report
     names = [target.topics.telemetry, target.topics.commands, target.topics.stacks,
-             target.topics.anomalies, target.topics.actions]
+             target.topics.anomalies, target.topics.actions, target.topics.orders]
     got = _read_all(target, names, len(mine))
     assert len(got) == len(mine)
     for topic, key, value in got:

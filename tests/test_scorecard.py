@@ -16,7 +16,7 @@ def test_outcome_of_a_hang_detected_and_restarted():
                {"incident": "inc-a1", "action": "restart", "status": "planned", "ts": 121.5,
                 "anomalies": ["a1"], "source": "actions"},
                {"incident": "inc-a1", "action": "restart", "status": "done", "ts": 125.0,
-                "source": "supervisor"}]
+                "source": "actions", "order_id": "o-1", "ack_status": "done"}]
     steps = [(4, 98.0, 99.0), (5, 130.0, 131.0)]
     [fault] = outcomes(injections, anomalies, actions, steps)
     assert fault.detected_ts == 120.0
@@ -29,7 +29,7 @@ def test_supervisor_restart_after_a_crash_counts_for_that_fault():
     injections = [{"id": "f1", "kind": "crash", "ranks": [3], "injected_ts": 100.0},
                   {"id": "f2", "kind": "hang", "ranks": [1], "injected_ts": 300.0}]
     actions = [{"incident": "j:exit:1:90", "action": "restart", "status": "done", "ts": 104.0,
-                "source": "supervisor"}]
+                "source": "supervisor", "trigger": "exit"}]
     crash, hang = outcomes(injections, [], actions, [(7, 110.0, 111.0), (9, 320.0, 321.0)])
     assert crash.actions == ["restart"] and crash.recovered_ts == 111.0
     assert hang.actions == []
@@ -84,7 +84,7 @@ def test_actions_after_the_next_fault_began_still_count_for_their_own():
     actions = [{"incident": "inc-h", "action": "capture_stacks", "status": "done", "ts": 123.0,
                 "anomalies": ["h"]},
                {"incident": "inc-h", "action": "restart", "status": "done", "ts": 125.0,
-                "source": "supervisor"},
+                "source": "actions", "order_id": "o-2", "ack_status": "done"},
                {"incident": "inc-n", "action": "alert", "status": "done", "ts": 112.5,
                 "anomalies": ["n"]}]
     hang, nan = outcomes(injections, anomalies, actions, [(9, 130.0, 131.0)])

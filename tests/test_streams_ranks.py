@@ -46,6 +46,9 @@ class Msg:
     def value(self):
         return self._v[4]
 
+    def timestamp(self):
+        return (0, -1)           # TIMESTAMP_NOT_AVAILABLE
+
 
 class Broker:
     def __init__(self):

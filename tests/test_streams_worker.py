@@ -54,13 +54,14 @@ class WorkerProcess:
         self.log = log
         self.port = None
         self.proc = None
+        self.extra_args: list = []
 
     def start(self) -> "WorkerProcess":
         self.port = free_port()
         cmd = [TRAINGUARD, "worker", "--bootstrap", self.config.bootstrap,
                "--prefix", self.config.topics.prefix, "--id", self.worker_id,
                "--web-port", str(self.port), "--data-dir", str(self.data_dir),
-               "--loglevel", "warn"]
+               "--loglevel", "warn", *self.extra_args]
         out = open(self.log, "ab")
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -230,7 +231,12 @@ def test_nan_and_crash_reach_the_anomalies_topic(worker_env):
     crash = reader.wait_for(lambda r: [a for a in r.anomalies(crash_job) if a.kind == "crash"],
                             "crash anomaly", worker=worker)
     assert crash[0].ranks == [1] and crash[0].severity == "critical"
+    # counted once the broker confirms delivery, which the worker learns on a later poll
+    deadline = time.monotonic() + 20
     values = worker.metrics()
+    while values["trainguard_anomalies_out_total"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        values = worker.metrics()
     assert values["trainguard_anomalies_out_total"] >= 2
     assert values["trainguard_events_in_total"] >= len(nan_events) + len(crash_events)
 

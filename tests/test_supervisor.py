@@ -1,23 +1,28 @@
-"""``trainguard run``'s supervisor with a real child process; actions injected, no Kafka."""
+"""``trainguard run``'s supervisor with a real child process; orders injected, no Kafka."""
 import os
 import queue
 import signal
 import sys
 import threading
+import time
+import uuid
 
 import pytest
 
 from actions_harness import alive, read_log, wait_for, write_child
 from trainguard import events as ev
-from trainguard.actions.supervisor import Supervisor, descendants
+from trainguard.actions.supervisor import Delivery, Supervisor, descendants
+from trainguard.signing import SigningKeys, Verifier, sign
+
+KEYS = SigningKeys.parse("supervisor-test-key-0123456789")
 
 
-class Actions:
+class Orders:
     def __init__(self):
         self.q = queue.Queue()
 
-    def put(self, action):
-        self.q.put(action)
+    def put(self, order):
+        self.q.put(Delivery.of(order))
 
     def poll(self, timeout):
         try:
@@ -26,13 +31,11 @@ class Actions:
             return None
 
 
-def planned(action="restart", incident="inc1", onset=None, action_id=None, **targets):
-    targets = {"job": "j1", **targets}
+def planned(op="restart", incident="inc1", onset=None, order_id=None, **targets):
     if onset is not None:
         targets["onset_ts"] = onset
-    extra = {"action_id": action_id or f"{incident}:{action}", "source": "actions"}
-    return ev.Action(job="j1", ts=1.0, incident=incident, action=action, targets=targets,
-                     status="planned", reason="test", extra=extra)
+    return ev.Order(job="j1", ts=time.time(), order_id=order_id or f"o-{uuid.uuid4().hex}",
+                    op=op, targets=targets, incident=incident)
 
 
 @pytest.fixture
@@ -41,18 +44,21 @@ def child(tmp_path):
     ckpt = tmp_path / "ckpt"
     log = tmp_path / "child.jsonl"
 
-    def make(mode="", steps=30, max_restarts=3, grace_s=2.0, step_s=0.02, launcher=()):
+    def make(mode="", steps=30, max_restarts=3, grace_s=2.0, step_s=0.02, keys=None,
+             dead=None, launcher=()):
         published = []
         env = {**os.environ, "CHILD_LOG": str(log), "CHILD_MODE": mode,
                "CHILD_STEPS": str(steps), "CHILD_STEP_S": str(step_s)}
         env.pop("TRAINGUARD_RESUME", None)
-        actions = Actions()
+        orders = Orders()
         sup = Supervisor(job="j1", cmd=[*launcher, sys.executable, str(script)],
                          max_restarts=max_restarts,
                          checkpoint_dir=str(ckpt), grace_s=grace_s, environ=env, node="hostA",
-                         publish=published.append, actions=actions, log=lambda m: None,
-                         poll_s=0.02)
-        return sup, actions, published
+                         publish=published.append, orders=orders, log=lambda m: None,
+                         poll_s=0.02, verifier=Verifier(keys),
+                         deadletter=None if dead is None else
+                         (lambda delivery, reason: dead.append((delivery, reason))))
+        return sup, orders, published
 
     make.log = log
     return make
@@ -94,6 +100,11 @@ def records(published, **match):
             and all(getattr(e, k) == v for k, v in match.items())]
 
 
+def acks(published, **match):
+    return [e for e in published if isinstance(e, ev.Ack)
+            and all(getattr(e, k) == v for k, v in match.items())]
+
+
 def test_crash_is_restarted_and_resumes_from_checkpoint(child):
     sup, _, published = child(mode="crash@5", steps=10)
     with Running(sup) as run:
@@ -105,7 +116,7 @@ def test_crash_is_restarted_and_resumes_from_checkpoint(child):
     restart = records(published, action="restart")[0]
     assert restart.status == "done" and restart.reason.startswith("exit: the command exited "
                                                                   "with code 3")
-    assert restart.extra["source"] == "supervisor"
+    assert restart.extra["source"] == "supervisor" and restart.extra["trigger"] == "exit"
     life = [(e.event, e.exit_code) for e in published if isinstance(e, ev.Lifecycle)]
     assert life == [("start", None), ("exit", 3), ("start", None), ("exit", 0)]
     assert all(e.rank is None and e.node == "hostA" for e in published)
@@ -119,41 +130,51 @@ def test_crash_loop_stops_after_the_restart_budget(child):
     assert len(events_of(child.log, "start")) == 3
     statuses = [r.status for r in records(published, action="restart")]
     assert statuses == ["done", "done", "rate_limited"]
-    assert records(published, action="restart")[-1].reason.startswith("budget_exhausted")
+    assert records(published, action="restart")[-1].extra["code"] == "budget_exhausted"
 
 
-def test_restart_action_restarts_a_hung_child_once(child):
-    sup, actions, published = child(mode="hang@4", steps=30, step_s=0.05)
+def test_restart_order_restarts_a_hung_child_once(child):
+    sup, orders, published = child(mode="hang@4", steps=30, step_s=0.05)
     with Running(sup) as run:
         wait_for(lambda: events_of(child.log, "hang"), what="the hang")
-        actions.put(planned(onset=sup.clock()))
+        first = planned(onset=sup.clock())
+        orders.put(first)
         wait_for(lambda: len(events_of(child.log, "start")) == 2, what="the relaunch")
-        actions.put(planned(onset=sup.clock()))                          # delivered twice
-        actions.put(planned(onset=sup.clock(), action_id="other-id"))     # same incident
-        wait_for(lambda: actions.q.empty(), what="the duplicates to be read")
+        orders.put(first)                                               # delivered twice
+        orders.put(planned(onset=sup.clock(), order_id="other-id"))     # same incident
+        wait_for(lambda: len(acks(published)) == 3, what="the acks")
         assert not events_of(child.log, "end")  # they were read while the child ran
         assert run.join() == 0
     starts = events_of(child.log, "start")
     assert len(starts) == 2 and starts[1]["step"] == 4 and starts[1]["resume"] == "1"
-    done = records(published, action="restart", incident="inc1")
-    assert [r.status for r in done] == ["done"]
-    assert done[0].extra["action_id"] == "inc1:restart"
+    answers = [(a.order_id, a.status, a.code) for a in acks(published)]
+    assert answers == [(first.order_id, "done", "relaunched"),
+                       (first.order_id, "rejected", "replayed"),
+                       ("other-id", "already_satisfied", "incident_restarted")]
+    assert all(a.incident == "inc1" and a.op == "restart" and a.node == "hostA"
+               for a in acks(published))
+    assert not records(published, action="restart")  # orders are acked, not audited here
+    # the tear-down is announced before it happens, so no detector takes it for a crash
+    life = [(e.event, e.exit_code, e.signal, e.extra.get("restart")) for e in published
+            if isinstance(e, ev.Lifecycle)]
+    assert life[:3] == [("start", None, None, None), ("exit", None, None, True),
+                        ("exit", None, "SIGTERM", True)] and life[3][0] == "start"
 
 
 def test_on_one_machine_an_eviction_is_not_applicable_never_done(child):
-    sup, actions, published = child(mode="hang@3", steps=6)
+    sup, orders, published = child(mode="hang@3", steps=6)
     with Running(sup) as run:
         wait_for(lambda: events_of(child.log, "hang"), what="the hang")
-        actions.put(planned("evict", nodes=["n3"], exclude_nodes=["n3"]))
-        actions.put(planned("restart", onset=sup.clock() - 1, exclude_nodes=["n3"]))
+        orders.put(planned("evict", nodes=["n3"], exclude_nodes=["n3"]))
+        orders.put(planned("restart", onset=sup.clock() - 1, exclude_nodes=["n3"]))
         assert run.join() == 0
     starts = events_of(child.log, "start")
     assert [s["exclude"] for s in starts] == [None, "n3"]  # told, for its information
-    [evict] = records(published, action="evict")
-    assert evict.status == "not_applicable"
-    assert evict.reason.startswith("not_applicable: trainguard run starts python")
+    [evict, restart] = acks(published)
+    assert (evict.op, evict.status, evict.code) == ("evict", "not_applicable", "cannot_exclude")
+    assert evict.reason.startswith("trainguard run starts python")
     assert "cannot keep the job off n3; nothing was excluded" in evict.reason
-    assert records(published, action="restart")[0].status == "done"  # that one relaunched
+    assert (restart.op, restart.status) == ("restart", "done")  # that one relaunched
 
 
 def test_an_srun_command_is_relaunched_off_the_evicted_machines(child, tmp_path):
@@ -164,67 +185,122 @@ def test_an_srun_command_is_relaunched_off_the_evicted_machines(child, tmp_path)
     srun.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/srun.argv\n"
                     "while [ \"${1#-}\" != \"$1\" ]; do shift; done\nexec \"$@\"\n")
     srun.chmod(0o755)
-    sup, actions, published = child(mode="hang@3", steps=6, launcher=[str(srun), "-N2"])
+    sup, orders, published = child(mode="hang@3", steps=6, launcher=[str(srun), "-N2"])
     with Running(sup) as run:
         wait_for(lambda: events_of(child.log, "hang"), what="the hang")
-        actions.put(planned("evict", nodes=["tg2"], exclude_nodes=["tg2"]))
-        actions.put(planned("restart", onset=sup.clock() - 1, exclude_nodes=["tg2"]))
+        orders.put(planned("evict", nodes=["tg2"], exclude_nodes=["tg2"]))
+        orders.put(planned("restart", onset=sup.clock() - 1, exclude_nodes=["tg2"]))
         assert run.join() == 0
-    [evict] = records(published, action="evict")
-    assert evict.status == "done" and "srun --exclude=tg2" in evict.reason
+    [evict] = acks(published, op="evict")
+    assert (evict.status, evict.code) == ("done", "excluded")
+    assert "srun --exclude=tg2" in evict.reason
     launches = (tmp_path / "srun.argv").read_text().splitlines()
     assert [line.split()[0] for line in launches] == ["-N2", "--exclude=tg2"]
 
 
 def test_rollback_passes_the_step(child):
-    sup, actions, _ = child(mode="hang@3", steps=6)
+    sup, orders, _ = child(mode="hang@3", steps=6)
     with Running(sup) as run:
         wait_for(lambda: events_of(child.log, "hang"), what="the hang")
-        actions.put(planned("rollback", rollback_step=1, onset=sup.clock()))
+        orders.put(planned("rollback", rollback_step=1, onset=sup.clock()))
         assert run.join() == 0
     start = events_of(child.log, "start")[1]
     assert start["rollback"] == "1" and start["resume_step"] == "1"
 
 
 def test_restart_for_an_incident_older_than_the_launch_is_already_satisfied(child):
-    sup, actions, published = child(mode="crash@3", steps=40, step_s=0.05)
+    sup, orders, published = child(mode="crash@3", steps=40, step_s=0.05)
     with Running(sup) as run:
         wait_for(lambda: len(events_of(child.log, "start")) == 2, what="the crash restart")
         crash_onset = events_of(child.log, "crash")[0]["t"]
-        actions.put(planned(incident="crash-inc", onset=crash_onset))
-        wait_for(lambda: records(published, incident="crash-inc"), what="the reply")
+        orders.put(planned(incident="crash-inc", onset=crash_onset))
+        wait_for(lambda: acks(published, incident="crash-inc"), what="the ack")
         assert run.join() == 0
     assert len(events_of(child.log, "start")) == 2  # no second restart
-    reply = records(published, incident="crash-inc")[0]
-    assert reply.status == "done" and reply.reason.startswith("already_satisfied")
+    ack = acks(published, incident="crash-inc")[0]
+    assert (ack.status, ack.code) == ("already_satisfied", "relaunched_since_onset")
 
 
-def test_restart_action_beyond_the_budget_is_rate_limited(child):
-    sup, actions, published = child(mode="hang@2", steps=5, max_restarts=0)
+def test_restart_order_beyond_the_budget_fails(child):
+    sup, orders, published = child(mode="hang@2", steps=5, max_restarts=0)
     with Running(sup):
         wait_for(lambda: events_of(child.log, "hang"), what="the hang")
-        actions.put(planned(onset=sup.clock()))
-        wait_for(lambda: records(published, action="restart"), what="the reply")
-        assert records(published, action="restart")[0].status == "rate_limited"
+        orders.put(planned(onset=sup.clock()))
+        wait_for(lambda: acks(published), what="the ack")
+        assert (acks(published)[0].status, acks(published)[0].code) == ("failed",
+                                                                         "budget_exhausted")
         assert len(events_of(child.log, "start")) == 1
 
 
-def test_actions_of_other_jobs_or_statuses_are_ignored(child):
-    sup, _, _ = child()
-    other = planned()
-    other.job = "j2"
-    assert sup.obey(other) is None
-    assert sup.obey(planned().replace(status="done")) is None
-    assert sup.obey(planned("alert")) is None
+def test_orders_of_other_jobs_and_other_events_are_ignored(child):
+    sup, _, published = child()
+    assert sup.take(Delivery.of(planned().replace(job="j2"))) is None
+    action = ev.Action(job="j1", ts=time.time(), incident="i", action="restart", targets={},
+                       status="planned", reason="the old channel")
+    assert sup.take(Delivery.of(action)) is None
+    assert not published
+
+
+def test_a_signed_supervisor_refuses_forged_stale_replayed_and_bad_targets(child):
+    """With a key: unsigned, badly signed, stale, future, replayed orders and orders with
+    hostile targets are dead-lettered and acked ``rejected``; nothing is carried out and the
+    restart budget is untouched. A correctly signed order is obeyed."""
+    dead = []
+    sup, orders, published = child(mode="hang@2", steps=6, keys=KEYS, dead=dead)
+    other = SigningKeys.parse("a-key-that-is-not-the-right-one")
+    with Running(sup) as run:
+        wait_for(lambda: events_of(child.log, "hang"), what="the hang")
+        now = sup.clock()
+        good = sign(planned(onset=now, order_id="o-good"), KEYS)
+        tampered = ev.encode(good).replace(b'"o-good"', b'"o-evil"')
+        forged = [
+            Delivery.of(planned(onset=now, order_id="o-unsigned")),
+            Delivery.of(sign(planned(onset=now, order_id="o-other-key"), other)),
+            Delivery(event=ev.decode(tampered), raw=tampered),
+            Delivery.of(sign(planned(onset=now).replace(ts=now - 3600), KEYS)),
+            Delivery.of(sign(planned(onset=now).replace(ts=now + 3600), KEYS)),
+            Delivery.of(sign(planned("evict", nodes=["$(touch /tmp/x)", "--help"]), KEYS)),
+            Delivery.of(sign(planned("rollback", rollback_step=2**62), KEYS)),
+        ]
+        for delivery in forged:
+            orders.q.put(delivery)
+        wait_for(lambda: len(acks(published)) == len(forged), what="the rejections")
+        assert len(events_of(child.log, "start")) == 1 and sup.restarts == 0
+        assert not sup.excluded
+        orders.put(good)
+        wait_for(lambda: len(events_of(child.log, "start")) == 2, what="the relaunch")
+        orders.put(good)  # replayed
+        wait_for(lambda: len(acks(published)) == len(forged) + 2, what="the replay's ack")
+        assert run.join() == 0
+    codes = [(a.order_id, a.status, a.code) for a in acks(published)]
+    assert [c[1:] for c in codes[:len(forged)]] == [
+        ("rejected", "unsigned"), ("rejected", "unknown_key"), ("rejected", "bad_signature"),
+        ("rejected", "stale"), ("rejected", "future"), ("rejected", "invalid_target"),
+        ("rejected", "invalid_target")]
+    assert codes[-2:] == [("o-good", "done", "relaunched"), ("o-good", "rejected", "replayed")]
+    assert len(dead) == len(forged) + 1
+    assert all(reason.startswith("order refused: ") for _, reason in dead)
+    assert "bad_signature" in dead[2][1] and "nodes[0]" in dead[5][1]
+    assert len(events_of(child.log, "start")) == 2 and sup.restarts == 1
+    assert events_of(child.log, "start")[1]["exclude"] is None
+
+
+def test_stop_order_stops_the_command(child):
+    sup, orders, published = child(mode="hang@1", steps=5)
+    with Running(sup) as run:
+        wait_for(lambda: events_of(child.log, "hang"), what="the hang")
+        orders.put(planned("stop"))
+        assert run.join() == 128 + signal.SIGTERM
+    assert [(a.op, a.status, a.code) for a in acks(published)] == [("stop", "done", "stopping")]
 
 
 def test_sigterm_ignoring_child_and_its_detached_grandchild_are_killed(child):
-    sup, actions, _ = child(mode="ignore_term@2", steps=4, grace_s=0.5)
+    sup, orders, _ = child(mode="ignore_term@2", steps=4, grace_s=0.5)
     with Running(sup) as run:
         wait_for(lambda: events_of(child.log, "hang"), what="the hang")
         grandchild = events_of(child.log, "grandchild")[0]["pid"]
         assert alive(grandchild)
-        actions.put(planned(onset=sup.clock()))
+        orders.put(planned(onset=sup.clock()))
         wait_for(lambda: len(events_of(child.log, "start")) == 2, what="the relaunch")
         wait_for(lambda: not alive(grandchild), timeout=5, what="the grandchild's death")
         second = events_of(child.log, "grandchild")[-1]["pid"]

@@ -26,6 +26,10 @@ def _add_kafka_flags(parser: argparse.ArgumentParser) -> None:
 def config_from(args):
     from .config import Config
 
+    if getattr(args, "tree", None) is not None and "kafka.bootstrap" in args.tree.keys:
+        from .configsections import kafka_config
+
+        return kafka_config(args.tree)
     return Config.from_env(bootstrap=getattr(args, "bootstrap", None),
                            prefix=getattr(args, "prefix", None),
                            kafka_config=getattr(args, "kafka_config", None))
@@ -59,10 +63,20 @@ def cmd_topics(args) -> int:
     return 0
 
 
+def check_output_file(path, flag: str) -> None:
+    """Refuse, before any work, an output path that is a folder or in no folder that exists."""
+    from pathlib import Path
+
+    if Path(path).is_dir():
+        raise UserError(f"{flag} {path} is a folder; give a file name")
+
+
 def cmd_analyze(args) -> int:
     from .detectors.offline import analyze_file
 
-    result = analyze_file(args.file)
+    if args.report:
+        check_output_file(args.report, "--report")
+    result = analyze_file(args.file, getattr(args, "detector_config", None))
     if args.report:
         write_analysis_report(args.file, result, args.report)
     if args.json:
@@ -178,18 +192,29 @@ def build_parser() -> argparse.ArgumentParser:
     fr.add_argument("dir", help="folder of Flight Recorder dumps, one per rank")
     fr.add_argument("--json", action="store_true", help="print SPEC JSON")
     fr.set_defaults(func=cmd_fr)
+
+    from .configcli import add_config_command, add_config_flag
+
+    add_config_command(sub, _add_kafka_flags)
+    for name, command in sub.choices.items():
+        if name != "config":          # `config show` has its own; `config check` takes FILE
+            add_config_flag(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
+        from .configcli import apply_config
+
+        apply_config(parser, argv, args)
         return args.func(args) or 0
     except UserError as exc:
         print(f"trainguard {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         print(f"trainguard {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from trainguard.service_metrics import add_metrics_flags
+
 
 def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     up = sub.add_parser("up", help="a whole local deployment: broker, topics, worker, "
@@ -15,12 +17,21 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     worker = sub.add_parser("worker", help="the Faust stream processors")
     worker.add_argument("--web-port", type=int, default=6066,
                         help="port of the Prometheus /metrics endpoint (default 6066)")
+    worker.add_argument("--web-bind", metavar="ADDRESS", default=None,
+                        help="address the web server (/metrics, Faust's pages) listens on "
+                             "(default 127.0.0.1; 0.0.0.0 for every interface)")
     worker.add_argument("--data-dir", default=None,
                         help="Faust data folder (default: $TRAINGUARD_HOME/worker)")
     worker.add_argument("--id", default="trainguard-worker",
                         help="Faust app id; workers with one id share the work")
     worker.add_argument("--loglevel", default="warn",
                         choices=("crit", "error", "warn", "info", "debug"))
+    worker.add_argument("--evict-idle-s", type=float, default=1800.0,
+                        help="stages idle this long leave memory for their snapshot (1800)")
+    worker.add_argument("--max-live-jobs", type=int, default=2000,
+                        help="job stages kept in memory at most, ~40 KB each (2000)")
+    worker.add_argument("--max-live-ranks", type=int, default=200_000,
+                        help="rank and node stages kept in memory at most (200000)")
     add_kafka_flags(worker)
     worker.set_defaults(func=delegate(".streams.worker"))
 
@@ -31,6 +42,7 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     actions.add_argument("--state", metavar="FILE",
                          help="where decisions are kept across restarts")
     add_kafka_flags(actions)
+    add_metrics_flags(actions, "actions")
     actions.set_defaults(func=delegate(".actions.service"))
 
     agent = sub.add_parser("agent", help="the node agent of this machine")
@@ -45,6 +57,7 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
                        help="local registry of rank processes (default: $TRAINGUARD_HOME/run)")
     agent.add_argument("--native", action="store_true", help="py-spy --native stacks")
     add_kafka_flags(agent)
+    add_metrics_flags(agent, "agent")
     agent.set_defaults(func=delegate(".collectors.agent"))
 
     run = sub.add_parser("run", help="launch and supervise a training command",
@@ -56,6 +69,7 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
                      help="seconds between SIGTERM and SIGKILL on restart")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command")
     add_kafka_flags(run)
+    add_metrics_flags(run, "run")
     run.set_defaults(func=delegate(".actions.supervisor"))
 
     record = sub.add_parser("record", help="Kafka topics to a recording")

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 from .errors import UserError
 
+import logging
 import os
 import re
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_PREFIX = "tg"
-TOPIC_SUFFIXES = ("telemetry", "commands", "stacks", "anomalies", "actions", "deadletter")
+TOPIC_SUFFIXES = ("telemetry", "commands", "stacks", "anomalies", "actions", "deadletter",
+                  "orders")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,100}")
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -65,6 +69,11 @@ class Topics:
     def deadletter(self) -> str:
         return f"{self.prefix}.deadletter"
 
+    @property
+    def orders(self) -> str:
+        """SPEC §6: orders to ``trainguard run`` and drivers, and their acks."""
+        return f"{self.prefix}.orders"
+
     def all(self) -> list[str]:
         return [f"{self.prefix}.{suffix}" for suffix in TOPIC_SUFFIXES]
 
@@ -95,6 +104,18 @@ def load_client_settings(path: str | Path, environ=None) -> dict[str, str]:
     return settings
 
 
+def check_client_settings(settings: dict, source) -> None:
+    """Let librdkafka judge the settings now (unknown key, bad value), not deep in a command.
+
+    A client without ``bootstrap.servers`` connects nowhere; it is dropped at once."""
+    from confluent_kafka import KafkaException, Producer
+
+    try:
+        Producer({**settings, "log_level": 0})
+    except KafkaException as exc:
+        raise ConfigError(f"Kafka config {source}: {exc.args[0].str()}") from None
+
+
 @dataclass(kw_only=True, frozen=True)
 class Config:
     """Kafka connection and topic naming shared by every trainguard process."""
@@ -110,6 +131,8 @@ class Config:
             host, _, port = server.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"bootstrap server {server!r} must be host:port")
+            if not 0 < int(port) < 65536:
+                raise ConfigError(f"bootstrap server {server!r}: port {port} is not 1-65535")
 
     @classmethod
     def from_env(cls, bootstrap: str | None = None, prefix: str | None = None,
@@ -121,11 +144,69 @@ class Config:
         prefix = prefix or environ.get("TRAINGUARD_TOPIC_PREFIX") or DEFAULT_PREFIX
         kafka_config = kafka_config or environ.get("TRAINGUARD_KAFKA_CONFIG")
         settings = load_client_settings(kafka_config, environ) if kafka_config else {}
+        if settings:
+            check_client_settings(settings, kafka_config)
         return cls(bootstrap=bootstrap, topics=Topics(prefix=prefix), client_settings=settings)
 
     def kafka(self, **overrides) -> dict:
-        """confluent-kafka / librdkafka settings: bootstrap, pass-through settings, overrides."""
-        return {"bootstrap.servers": self.bootstrap, **self.client_settings, **overrides}
+        """confluent-kafka / librdkafka settings: bootstrap, pass-through settings, overrides;
+        librdkafka's own log lines go to :func:`kafka_logger` unless ``logger`` is given."""
+        return {"bootstrap.servers": self.bootstrap, "logger": kafka_logger(),
+                **self.client_settings, **overrides}
 
     def faust_broker(self) -> str:
         return ";".join(f"kafka://{server}" for server in self.bootstrap.split(","))
+
+
+_DIGITS_RE = re.compile(r"\d+")
+
+
+class _OncePerText(logging.Filter):
+    """Passes a warning or error once per ``every`` seconds per text (digits ignored).
+
+    With the broker unreachable, librdkafka logs each failed connection attempt of each of
+    its threads: hundreds of lines before the command's own one-line error.
+    """
+
+    def __init__(self, every: float = 600.0, clock=time.monotonic):
+        super().__init__()
+        self.every = every
+        self.clock = clock
+        self.last: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return False
+        key = _DIGITS_RE.sub("#", record.getMessage())
+        now = self.clock()
+        if now - self.last.get(key, -self.every) < self.every:
+            return False
+        if len(self.last) > 1000:
+            self.last.clear()
+        self.last[key] = now
+        return True
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (tests swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def kafka_logger() -> logging.Logger:
+    """The Python logger librdkafka's lines go to: ``trainguard.kafka``, warnings and errors
+    only, each distinct line once per 10 minutes, on stderr."""
+    logger = logging.getLogger("trainguard.kafka")
+    if not logger.handlers:
+        handler = _StderrHandler()
+        handler.addFilter(_OncePerText())
+        handler.setFormatter(logging.Formatter("trainguard: kafka: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    return logger

@@ -110,9 +110,12 @@ def run_trainguard(plan: DemoPlan, config: Config, out: Path, minutes: float, vi
     run_dir.mkdir(parents=True)
     job = f"demo-{uuid.uuid4().hex[:6]}"
     node = socket.gethostname()
+    from .signing import KEY_ENV, generate_key
+
     env = {**chaos_env(plan, run_dir), "TRAINGUARD_BOOTSTRAP": config.bootstrap,
            "TRAINGUARD_TOPIC_PREFIX": config.topics.prefix,
-           "TRAINGUARD_HOME": str(run_dir / "home")}
+           "TRAINGUARD_HOME": str(run_dir / "home"),
+           KEY_ENV: generate_key()}  # the demo's services sign and check orders and commands
     from .live import EventTap
 
     tap = EventTap(config, run_dir / "recording.jsonl.gz", job=job)

@@ -34,8 +34,9 @@ from .fields import (AnyObject, Bool, Int, InvalidEvent, ListOf, Nullable, Num, 
 
 __all__ = [
     "VERSION", "InvalidEvent", "Event", "Step", "Heartbeat", "Gpu", "Xid", "Lifecycle",
-    "Command", "Stack", "Anomaly", "Action", "EVENT_TYPES", "ANOMALY_KINDS", "SEVERITIES",
-    "ACTIONS", "ACTION_STATUSES", "encode", "decode", "from_dict", "to_dict", "json_schema",
+    "Command", "Stack", "Anomaly", "Action", "Order", "Ack", "EVENT_TYPES", "ANOMALY_KINDS",
+    "SEVERITIES", "ACTIONS", "ACTION_STATUSES", "ORDER_OPS", "ACK_STATUSES", "encode", "decode",
+    "from_dict", "to_dict", "json_schema",
 ]
 
 VERSION = 1
@@ -45,6 +46,11 @@ ANOMALY_KINDS = ("nan", "loss_spike", "grad_spike", "straggler", "throughput_dro
 SEVERITIES = ("info", "warning", "critical")
 ACTIONS = ("alert", "capture_stacks", "restart", "evict", "rollback", "none")
 ACTION_STATUSES = ("planned", "done", "failed", "dry_run", "rate_limited", "not_applicable")
+ORDER_OPS = ("restart", "evict", "rollback", "stop")
+ACK_STATUSES = ("done", "failed", "already_satisfied", "not_applicable", "rejected")
+#: the optional signature fields of orders, acks and commands (trainguard/signing.py)
+SIGNATURE = {"key_id": Str(pattern=r"[0-9a-f]{8}"), "sig": Str(pattern=r"[0-9a-f]{64}")}
+ORDER_ID = Str(min_length=1, max_length=128)
 
 ENVELOPE = {
     "job": Str(pattern=JOB_PATTERN),
@@ -198,11 +204,13 @@ class Command(Event):
         "command": Str(enum=("capture_stacks",)), "capture_id": Str(min_length=1, max_length=128),
         "ranks": OneOf(RANKS, Str(enum=("all",))),
     }
-    OPTIONAL: ClassVar[dict] = {"native": Bool()}
+    OPTIONAL: ClassVar[dict] = {"native": Bool(), **SIGNATURE}
     command: str
     capture_id: str
     ranks: Any = "all"
     native: bool | None = None
+    key_id: str | None = None
+    sig: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -261,9 +269,56 @@ class Action(Event):
     reason: str
 
 
+@dataclass(kw_only=True)
+class Order(Event):
+    """SPEC §6: an order of the action service to ``trainguard run`` or a driver, on
+    ``<prefix>.orders``. ``targets`` is checked by the receiver before use
+    (``trainguard.actions.orders.check_targets``).
+
+    ``incident`` (optional) names the incident the order deals with; ``key_id`` and ``sig``
+    (optional) are the HMAC signature of ``trainguard/signing.py``.
+    """
+
+    TYPE: ClassVar[str] = "order"
+    REQUIRED: ClassVar[dict] = {"order_id": ORDER_ID, "op": Str(enum=ORDER_OPS),
+                                "targets": AnyObject()}
+    OPTIONAL: ClassVar[dict] = {"incident": Str(min_length=1, max_length=512), **SIGNATURE}
+    order_id: str
+    op: str
+    targets: dict
+    incident: str | None = None
+    key_id: str | None = None
+    sig: str | None = None
+
+
+@dataclass(kw_only=True)
+class Ack(Event):
+    """SPEC §6: the answer to one order, on the same topic. ``reason`` is for humans only;
+    a program decides on ``status`` and, where given, ``code`` (an enumerated word such as
+    ``budget_exhausted`` or ``bad_signature``, see docs/CONTRACT.md).
+
+    ``op`` and ``incident`` (optional) repeat the order's; ``key_id``/``sig`` as on orders.
+    """
+
+    TYPE: ClassVar[str] = "ack"
+    REQUIRED: ClassVar[dict] = {"order_id": ORDER_ID, "status": Str(enum=ACK_STATUSES),
+                                "reason": Str()}
+    OPTIONAL: ClassVar[dict] = {"code": Nullable(Str(pattern=r"[a-z_]{1,64}")),
+                                "op": Str(enum=ORDER_OPS),
+                                "incident": Str(min_length=1, max_length=512), **SIGNATURE}
+    order_id: str
+    status: str
+    reason: str
+    code: str | None = None
+    op: str | None = None
+    incident: str | None = None
+    key_id: str | None = None
+    sig: str | None = None
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.TYPE: cls for cls in (Step, Heartbeat, Gpu, Xid, Lifecycle, Command, Stack, Anomaly,
-                              Action)
+                              Action, Order, Ack)
 }
 _ENVELOPE_KEYS = frozenset(("v", "type", *ENVELOPE, *ENVELOPE_NULLABLE))
 _DECLARED = {name: frozenset((*cls.REQUIRED, *cls.OPTIONAL)) for name, cls in EVENT_TYPES.items()}

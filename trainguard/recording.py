@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import gzip
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterator
@@ -43,6 +44,53 @@ def _open_binary(path: Path, mode: str) -> IO[bytes]:
     return open(path, mode)
 
 
+def _zstd_chunks(path: Path) -> Iterator[bytes]:
+    """Decompressed pieces of a ``.zst`` file of one or more frames; a file that ends inside
+    a frame (a recorder killed mid-write, a cut download) is an error, not a short read."""
+    import zstandard
+
+    decompressor = zstandard.ZstdDecompressor()
+    frame = decompressor.decompressobj()
+    fed = False
+    with open(path, "rb") as raw:
+        while True:
+            data = raw.read(_CHUNK)
+            if not data:
+                break
+            while data:
+                fed = True
+                out = frame.decompress(data)
+                if out:
+                    yield out
+                if not frame.eof:
+                    break
+                data, frame, fed = frame.unused_data, decompressor.decompressobj(), False
+    if fed:
+        raise EOFError("the file ends inside a zstd frame (truncated)")
+
+
+def _decompressed_chunks(path: Path) -> Iterator[bytes]:
+    if path.name.endswith(".zst"):
+        try:
+            import zstandard  # noqa: F401
+        except ImportError:
+            raise RecordingError(f"{path}: reading .zst needs the zstandard package") from None
+        yield from _zstd_chunks(path)
+        return
+    with _open_binary(path, "rb") as raw:
+        while chunk := raw.read(_CHUNK):
+            yield chunk
+
+
+def _read_errors() -> tuple:
+    errors: tuple = (OSError, EOFError, zlib.error)
+    try:
+        import zstandard
+    except ImportError:
+        return errors
+    return (*errors, zstandard.ZstdError)
+
+
 def iter_lines(path: str | Path) -> Iterator[bytes]:
     """Non-blank lines of a recording, without the ``\\n`` (whitespace around the JSON is
     the JSON reader's to skip)."""
@@ -50,27 +98,23 @@ def iter_lines(path: str | Path) -> Iterator[bytes]:
     if not path.is_file():
         raise RecordingError(f"recording {path} does not exist or is not a file")
     try:
-        with _open_binary(path, "rb") as raw:
-            partial: list = []       # the pieces of a line that spans chunks
-            while True:
-                chunk = raw.read(_CHUNK)
-                if not chunk:
-                    break
-                lines = chunk.split(b"\n")
-                if len(lines) == 1:
-                    partial.append(chunk)
-                    continue
-                if partial:
-                    partial.append(lines[0])
-                    lines[0] = b"".join(partial)
-                partial = [lines.pop()]
-                for line in lines:
-                    if line and not line.isspace():
-                        yield line
-            rest = b"".join(partial)
-            if rest and not rest.isspace():
-                yield rest
-    except (OSError, EOFError) as exc:
+        partial: list = []       # the pieces of a line that spans chunks
+        for chunk in _decompressed_chunks(path):
+            lines = chunk.split(b"\n")
+            if len(lines) == 1:
+                partial.append(chunk)
+                continue
+            if partial:
+                partial.append(lines[0])
+                lines[0] = b"".join(partial)
+            partial = [lines.pop()]
+            for line in lines:
+                if line and not line.isspace():
+                    yield line
+        rest = b"".join(partial)
+        if rest and not rest.isspace():
+            yield rest
+    except _read_errors() as exc:
         raise RecordingError(f"cannot read {path}: {exc}") from None
 
 
@@ -107,6 +151,8 @@ class RecordingWriter:
         if not self.path.name.endswith(SUFFIXES):
             raise RecordingError(f"{self.path}: a recording's name ends in one of "
                                  f"{', '.join(SUFFIXES)}")
+        if self.path.is_dir():
+            raise RecordingError(f"{self.path} is a folder; give a recording's file name")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._out = _open_binary(self.path, "wb")
         self.lines = 0

@@ -119,8 +119,9 @@ def outcomes(injections: list[dict], anomalies: list[dict], actions: list[dict],
 def _actions_for(actions: list[dict], anomaly_ids: set, later_ids: set, since: float,
                  until: float) -> list:
     """The actions taken for these anomalies' incidents since the fault (the action service
-    names the anomalies of each decision; the supervisor's records name the incident only),
-    plus the supervisor's own restarts of a failed command between this fault and the next.
+    names the anomalies of each decision; the outcomes of its orders name the incident only),
+    plus the supervisor's own restarts of a failed command (``trigger: "exit"``) between this
+    fault and the next.
 
     An incident that a later fault's anomaly joined (a straggler, then a hang of the same
     rank) runs the later fault's ladder from the first decision naming that anomaly on:
@@ -132,7 +133,7 @@ def _actions_for(actions: list[dict], anomaly_ids: set, later_ids: set, since: f
     return [a for a in actions
             if a.get("status") in ("done", "planned", "dry_run") and since <= a["ts"]
             and ((a.get("incident") in incidents and a["ts"] < cut)
-                 or (a.get("source") == "supervisor" and ":exit:" in a.get("incident", "")
+                 or (a.get("source") == "supervisor" and a.get("trigger") == "exit"
                      and a["ts"] < until))]
 
 

@@ -10,7 +10,7 @@ from .config import Config
 DEFAULT_TELEMETRY_PARTITIONS = 24
 
 
-class TopicError(UserError):
+class TopicError(UserError, ValueError):
     """Topics could not be created; the message says why."""
 
 
@@ -25,8 +25,9 @@ class TopicPlan:
 
     def __post_init__(self):
         for name in ("telemetry_partitions", "other_partitions", "deadletter_partitions"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise TopicError(f"{name} must be an integer of at least 1, got {value!r}")
 
     def partitions(self, config: Config) -> dict[str, int]:
         topics = config.topics

@@ -4,9 +4,14 @@ A broker when none is configured (``--bootstrap``/``TRAINGUARD_BOOTSTRAP`` unset
 local address where nothing answers), the topics, then the stream worker, the action service
 and this machine's node agent, each a process of its own with a log under
 ``$TRAINGUARD_HOME/up/``. Runs until Ctrl-C or SIGTERM and stops everything it started.
+
+The services get a signing key for their orders and commands: ``TRAINGUARD_SIGNING_KEY`` when
+set, else a fresh one, written to ``$TRAINGUARD_HOME/up/signing.key`` (mode 0600) so that
+``trainguard run`` can be given the same.
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -29,6 +34,22 @@ def ensure_broker(config: Config, log=print) -> bool:
         raise UserError(f"no Kafka broker answers at {config.bootstrap}; check --bootstrap")
     log(local_broker(port=int(port)).start(log=log))
     return True
+
+
+def own_signing_key(folder: Path) -> tuple[dict, Path | None]:
+    """``(environment for the services, key file or None)``: nothing when the user set a key
+    (the services inherit it), else a fresh key, also written to ``folder/signing.key``."""
+    from .signing import KEY_ENV, generate_key, signing_key_from_env
+
+    if signing_key_from_env() is not None:
+        return {}, None
+    key = generate_key()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "signing.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(key + "\n")
+    return {KEY_ENV: key}, path
 
 
 def kafka_args(config: Config) -> list[str]:
@@ -56,10 +77,15 @@ def main(args, config: Config) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     log_dir = trainguard_home() / "up"
+    key_env, key_file = own_signing_key(Path(log_dir))
     with ServiceSet(log_dir=Path(log_dir)) as services:
         agent_args = ["--job", args.job] if args.job else []
-        start_pipeline(services, config, dry_run=args.dry_run, agent_args=agent_args)
+        start_pipeline(services, config, dry_run=args.dry_run, agent_args=agent_args,
+                       env=key_env)
         print(f"trainguard is up on {config.bootstrap} (logs in {log_dir}); Ctrl-C stops it")
+        if key_file:
+            print(f"orders are signed: run jobs with TRAINGUARD_SIGNING_KEY=$(cat {key_file}) "
+                  "trainguard run ...")
         try:
             while not stop["now"]:
                 for child in services.dead():

@@ -71,6 +71,9 @@ class AlertmanagerSink(Sink):
 
     def __post_init__(self):
         super().__post_init__()
+        if not isinstance(self.extra_labels, dict):
+            raise ValueError("extra_labels must be a table of label names to strings, like "
+                             f"{{\"cluster\": \"c1\"}}, got {type(self.extra_labels).__name__}")
         for name, value in self.extra_labels.items():
             if not LABEL_NAME.fullmatch(str(name)) or name in RESERVED:
                 raise ValueError(f"extra label {name!r}: must match {LABEL_NAME.pattern} and "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 import threading
 import time
 import urllib.error
@@ -339,12 +340,13 @@ class Sink:
                           *parts.path.split("/"),
                           *(v for _, v in urllib.parse.parse_qsl(parts.query))]
                 values += [p for p in pieces if len(p) >= TOKEN_MIN]
-        return sorted(values, key=len, reverse=True)
+                values += _basic_auth_forms(parts)
+        return sorted(set(values), key=len, reverse=True)
 
     def _scrub(self, text: str) -> str:
         for secret in self._secret_values():
             text = text.replace(secret, "***")
-        return text
+        return _AUTH_HEADER_RE.sub(r"\1 ***", text)
 
     def __repr__(self) -> str:
         shown = []
@@ -360,6 +362,22 @@ class Sink:
         return f"{type(self).__name__}({', '.join(shown)})"
 
     __str__ = __repr__
+
+
+#: an ``Authorization`` value a receiver echoes back: whatever its credentials, never shown
+_AUTH_HEADER_RE = re.compile(r"(?i)\b(Basic|Bearer|Token)\s+[A-Za-z0-9+/=._~-]{4,}")
+
+
+def _basic_auth_forms(parts) -> list[str]:
+    """The forms in which a URL's user info can come back: the password (however short),
+    ``user:password`` raw and percent-decoded, and its base64 as sent in the header."""
+    if parts.password is None:
+        return []
+    user = urllib.parse.unquote(parts.username or "")
+    password = urllib.parse.unquote(parts.password)
+    cred = f"{user}:{password}"
+    forms = [parts.password, password, cred, base64.b64encode(cred.encode()).decode()]
+    return [f for f in forms if f]
 
 
 def _snippet(body: bytes) -> str:

@@ -1,0 +1,156 @@
+"""The typed control channel (SPEC §6): orders on ``<prefix>.orders``, their acks, and the
+checks every target passes before it is used.
+
+The action service turns a planned job action into an :class:`~trainguard.events.Order`
+(:func:`order_of`); ``trainguard run`` answers each with an :class:`~trainguard.events.Ack`
+whose ``status`` (and ``code``) say what became of it; the service records that outcome on
+the audit log (:func:`outcome_status`). No program reads a ``reason``: it is for humans.
+
+Targets come over the network, so they are checked against what a scheduler accepts
+(:func:`check_targets`) before anything reaches an environment variable or a command line:
+
+>>> check_targets("evict", {"nodes": ["gpu-node-07", "n1.rack2"], "job": "j1"})
+{'nodes': ['gpu-node-07', 'n1.rack2'], 'exclude_nodes': ['gpu-node-07', 'n1.rack2']}
+>>> check_targets("rollback", {"rollback_step": 120, "onset_ts": 1764680000.5})
+{'exclude_nodes': [], 'onset_ts': 1764680000.5, 'rollback_step': 120}
+>>> check_targets("restart", {"exclude_nodes": ["$(touch /tmp/x)", "--help"]})
+Traceback (most recent call last):
+...
+trainguard.actions.orders.InvalidTarget: exclude_nodes[0]: '$(touch /tmp/x)' is not a node name (1-253 of letters, digits, '-', '_', '.', starting with a letter or digit)
+>>> check_targets("rollback", {"rollback_step": 2**62})
+Traceback (most recent call last):
+...
+trainguard.actions.orders.InvalidTarget: rollback_step: 4611686018427387904 is above the maximum 1000000000000
+"""
+from __future__ import annotations
+
+import math
+import re
+import uuid
+
+from trainguard import events as ev
+from trainguard.fields import Int, InvalidEvent
+
+__all__ = ["InvalidTarget", "check_targets", "check_nodes", "order_of", "new_order_id",
+           "outcome_status", "ack_of", "NODE_NAME", "MAX_NODES", "ACK_CODES", "JOB_OPS"]
+
+#: a scheduler's node name: Slurm and Kubernetes both accept these (Kubernetes: a DNS
+#: subdomain, at most 253 characters); nothing that a shell or an option parser would read
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+NODE_HINT = "1-253 of letters, digits, '-', '_', '.', starting with a letter or digit"
+MAX_NODES = 512
+MAX_STEP = 10**12
+STEP = Int(minimum=0, maximum=MAX_STEP)
+JOB_OPS = ("restart", "evict", "rollback")
+#: the ``code`` of an ack, by status (a program decides on these, never on ``reason``)
+ACK_CODES = {
+    "done": ("relaunched", "excluded", "stopping"),
+    "already_satisfied": ("relaunched_since_onset", "incident_restarted", "already_excluded"),
+    "failed": ("budget_exhausted", "launch_failed"),
+    "not_applicable": ("unsupported_op", "cannot_exclude"),
+    "rejected": ("unsigned", "unknown_key", "bad_signature", "stale", "future", "replayed",
+                 "malformed", "invalid_target"),
+}
+
+
+class InvalidTarget(ValueError):
+    """An order's target that will not be used; the message names it and why."""
+
+
+def check_nodes(value, path: str) -> list[str]:
+    """Distinct node names in order, each matching :data:`NODE_NAME`, at most
+    :data:`MAX_NODES` of them."""
+    if value is None:
+        return []
+    if type(value) is not list:
+        raise InvalidTarget(f"{path}: expected a list of node names, got {type(value).__name__}")
+    if len(value) > MAX_NODES:
+        raise InvalidTarget(f"{path}: {len(value)} nodes, more than {MAX_NODES}")
+    out: list[str] = []
+    for i, name in enumerate(value):
+        if type(name) is not str or not NODE_NAME.fullmatch(name):
+            shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."
+            raise InvalidTarget(f"{path}[{i}]: {shown} is not a node name ({NODE_HINT})")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def _step(value, path: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return STEP.check(value, path)
+    except InvalidEvent as exc:
+        raise InvalidTarget(str(exc)) from None
+
+
+def _onset(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise InvalidTarget(f"onset_ts: {value!r} is not a Unix time")
+    return float(value)
+
+
+def check_targets(op: str, targets) -> dict:
+    """The targets of an order of ``op``, checked and reduced to what ``op`` uses:
+    ``nodes`` (evict), ``exclude_nodes`` (every job op; an eviction's nodes are excluded
+    too), ``onset_ts`` and ``rollback_step`` (restart, rollback). Anything else is left out.
+    Raises :class:`InvalidTarget`."""
+    if type(targets) is not dict:
+        raise InvalidTarget("targets: expected an object")
+    out: dict = {}
+    if op == "evict":
+        out["nodes"] = check_nodes(targets.get("nodes"), "nodes")
+    exclude = check_nodes(targets.get("exclude_nodes"), "exclude_nodes")
+    if op in JOB_OPS:
+        out["exclude_nodes"] = list(dict.fromkeys([*exclude, *out.get("nodes", [])]))
+    if op in ("restart", "rollback"):
+        onset = _onset(targets.get("onset_ts"))
+        if onset is not None:
+            out["onset_ts"] = onset
+    if op == "rollback":
+        out["rollback_step"] = _step(targets.get("rollback_step"), "rollback_step")
+    return out
+
+
+def new_order_id() -> str:
+    return f"o-{uuid.uuid4().hex}"
+
+
+def order_of(decision, incident, ts: float, order_id: str | None = None) -> ev.Order:
+    """The order carrying out a planned job decision (``restart``, ``evict``, ``rollback``).
+    Raises :class:`InvalidTarget` when its targets would be refused anyway."""
+    targets = check_targets(decision.action, dict(decision.targets))
+    return ev.Order(job=incident.job, ts=ts, order_id=order_id or new_order_id(),
+                    op=decision.action, targets=targets, incident=incident.id)
+
+
+def ack_of(order: ev.Order, status: str, code: str | None, reason: str, ts: float,
+           node: str | None = None) -> ev.Ack:
+    """The answer to ``order``."""
+    return ev.Ack(job=order.job, ts=ts, node=node, order_id=order.order_id, status=status,
+                  code=code, reason=reason, op=order.op, incident=order.incident)
+
+
+def outcome_status(ack: ev.Ack) -> str:
+    """The ``action`` status an ack's outcome is recorded with.
+
+    >>> a = ev.Ack(job="j", ts=1.0, order_id="o", status="failed", code="budget_exhausted",
+    ...            reason="all 3 restarts of --max-restarts are spent")
+    >>> outcome_status(a), outcome_status(a.replace(code="launch_failed"))
+    ('rate_limited', 'failed')
+    >>> outcome_status(a.replace(status="already_satisfied", code="relaunched_since_onset"))
+    'done'
+    >>> outcome_status(a.replace(status="not_applicable", code="cannot_exclude"))
+    'not_applicable'
+    """
+    if ack.status in ("done", "already_satisfied"):
+        return "done"  # the job is in the state the order asked for
+    if ack.status == "not_applicable" and ack.code == "cannot_exclude":
+        return "not_applicable"  # nothing to change where the job runs: not a failure
+    if ack.status == "failed" and ack.code == "budget_exhausted":
+        return "rate_limited"
+    return "failed"

@@ -1,0 +1,376 @@
+"""The hang detector: no progress from the job for longer than its own history allows.
+
+The no-progress clock starts at the later of the job's last new step and the end of the last
+*allowed phase* (``checkpoint``, ``eval``, ``init`` or a user-declared one: any phase name
+that is not one of the step's own, :data:`STEP_PHASES`). While a rank is inside an allowed
+phase, the deadline is at least that phase's start plus its allowance. Allowances are learned
+per job and phase (the longest this job ever spent in it, times ``phase_factor``) and never
+drop below generous defaults; the first step after a (re)start has its own budget
+(``first_step_s``). A user phase during which steps go on (one wrapped around the whole
+loop) is no pause: it stops counting as an allowance for that job.
+
+Between steps, the timeout is ``max(floor_s, factor x p99 of the job's step intervals,
+max_margin x the longest interval seen)``, counted from the later of the last step and the
+latest phase change of any rank within the step (a job-wide slow step still moves from
+phase to phase; a hung job does not); until ``min_intervals`` intervals are learned, the
+warm-up steps get the first-step budget (a job of 10-minute steps is not hung 30 s into
+its second step).
+
+A hang is reported once per stall; progress ends the stall, so a later stall is a new finding
+(its key holds the onset). :meth:`HangDetector.note_false_alarm` widens the allowance of a
+phase after the action service found a reported hang to be none.
+
+>>> d = HangDetector(floor_s=10.0)
+>>> for s in range(30):
+...     for r in range(4):
+...         _ = d.update({"k": "step", "rank": r, "node": "n1", "ts": 100.0 + s, "step": s})
+>>> hb = [{"k": "hb", "rank": r, "node": "n1", "ts": 140.0, "step": 29,
+...        "phase": "data" if r == 2 else "collective", "phase_since": 130.0}
+...       for r in range(4)]
+>>> _ = [d.update(h) for h in hb]
+>>> d.advance(135.0)
+[]
+>>> [(f.kind, f.ranks, f.step, f.onset_ts) for f in d.advance(140.0)]
+[('hang', [2], 29, 129.0)]
+
+A 45 s checkpoint after 6 s steps is no hang: the clock starts when it ends.
+
+>>> d = HangDetector()
+>>> for s in range(10):
+...     _ = d.update({"k": "step", "rank": 0, "ts": 6.0 * s, "step": s})
+>>> _ = d.update({"k": "hb", "rank": 0, "ts": 55.0, "step": 9, "phase": "checkpoint",
+...               "phase_since": 54.0})
+>>> _ = d.update({"k": "hb", "rank": 0, "ts": 100.0, "step": 9, "phase": "data",
+...               "phase_since": 99.0})
+>>> d.advance(110.0), d.deadline() - 99.0
+([], 20.0)
+"""
+from __future__ import annotations
+
+from river import stats
+
+from .base import Detector, Finding, fmt_ranks, rank_nodes, whole_nodes
+
+__all__ = ["HangDetector", "STEP_PHASES", "is_allowed_phase"]
+
+#: Phases of the step itself (SPEC names, and the collector's ``step`` and ``idle``): time
+#: spent in them is the step's, not an allowance.
+STEP_PHASES = frozenset(("data", "forward", "backward", "optimizer", "collective", "idle",
+                         "step"))
+
+
+#: The order of a step's phases, to tell the ranks behind from the ones that went on.
+PHASE_ORDER = {"idle": 0, "step": 0, "data": 1, "forward": 2, "backward": 3, "optimizer": 4,
+               "collective": 5}
+
+
+def is_allowed_phase(phase) -> bool:
+    """``checkpoint``, ``eval``, ``init`` and user-declared phases pause the step clock.
+
+    >>> [is_allowed_phase(p) for p in ("checkpoint", "compile", "forward", None)]
+    [True, True, False, False]
+    """
+    return type(phase) is str and phase not in STEP_PHASES
+
+
+class HangDetector(Detector):
+    """No new step from the job for longer than its learned timeout (see the module)."""
+
+    PREFIX = "hang"
+
+    def __init__(self, floor_s: float = 20.0, factor: float = 2.0, quantile: float = 0.99,
+                 window: int = 500, max_margin: float = 1.0, min_intervals: int = 5,
+                 checkpoint_s: float = 1800.0, eval_s: float = 1800.0,
+                 phase_s: float = 1800.0, first_step_s: float = 1800.0,
+                 phase_factor: float = 3.0, stale_s: float = 10.0):
+        self.floor_s = floor_s
+        self.factor = factor
+        self.quantile = quantile
+        self.window = window
+        self.max_margin = max_margin
+        self.min_intervals = min_intervals
+        self.checkpoint_s = checkpoint_s
+        self.eval_s = eval_s
+        self.phase_s = phase_s
+        self.first_step_s = first_step_s
+        self.phase_factor = phase_factor
+        self.stale_s = stale_s
+        self._intervals = stats.RollingQuantile(q=quantile, window_size=window)
+        self._recent = []              # the last `window` intervals, for their maximum
+        self._recent_max = 0.0
+        self._n_intervals = 0
+        self._longest: dict = {}       # phase -> longest duration seen (and false alarms)
+        self._not_pauses: list = []    # user phases during which steps went on
+        self._max_step = None
+        self._progress_ts = None
+        self._start_ts = None          # the job's latest (re)start, for the first step
+        self._phase_end_ts = None      # end of the latest allowed phase
+        self._moved_ts = None          # latest start of a step phase on any rank
+        self._paused_since_progress = False
+        self._hb: dict = {}            # rank -> [ts, phase, phase_since, step, first step in it]
+        self._ended: dict = {}         # rank -> [phase, phase_since] of its last allowed phase
+        self._where: dict = {}
+        self._exited: set = set()
+        self._seen: dict = {}          # rank -> last ts
+        self._finished = False
+        self._hung = False
+
+    # -- learning -----------------------------------------------------------------------------
+    def update(self, item) -> list[Finding]:
+        if type(item) is not dict:
+            return []
+        k = item.get("k")
+        ts = item.get("ts")
+        if ts is None:
+            return []
+        if self._start_ts is None:
+            self._start_ts = ts
+        rank = item.get("rank")
+        if k == "step":
+            step = item["step"]
+            if rank is not None:
+                if self._exited:
+                    self._exited.discard(rank)
+                prev = self._hb.get(rank)
+                if prev is not None and prev[1] not in STEP_PHASES and prev[2] < ts and \
+                        type(prev[1]) is str and (prev[3] is None or step > prev[3]):
+                    self._end_phase(rank, prev, ts)    # a later step proves it is over
+                    self._hb[rank] = [ts, "step", ts, step, None]
+                if self._max_step is None or step > self._max_step:
+                    self._step(step, ts)
+                seen = self._seen
+                if ts > seen.get(rank, -1.0):            # the hot path: one rank's step
+                    seen[rank] = ts
+                node = item.get("node")
+                if node and self._where.get(rank) != node:
+                    self._where[rank] = node
+                return []
+            self._step(step, ts)
+        elif k == "hb":
+            if rank is None:
+                return []
+            self._heartbeat(rank, item, ts)
+            self._exited.discard(rank)
+        elif k == "life":
+            if item.get("event") == "exit" and rank is None and item.get("restart"):
+                self._finished = True           # trainguard run tears the job down
+            elif item.get("event") == "exit":
+                if rank is not None:
+                    self._exited.add(rank)
+                if item.get("exit_code") == 0 and not item.get("signal") and rank is not None:
+                    self._finished = True
+            elif item.get("event") == "start":
+                if self._max_step is not None or self._finished or self._hung:
+                    self._start_ts = ts          # a restart: a new first step
+                self._finished = False
+                self._hung = False
+                self._max_step = None
+                self._progress_ts = None
+                self._phase_end_ts = None
+                self._moved_ts = None
+                if rank is not None:
+                    self._exited.discard(rank)
+                    self._hb.pop(rank, None)
+        else:
+            return []
+        if rank is not None:
+            if ts > self._seen.get(rank, ts - 1):
+                self._seen[rank] = ts
+            if item.get("node"):
+                self._where[rank] = item["node"]
+        return []
+
+    def _step(self, step, ts) -> None:
+        if self._max_step is not None and step <= self._max_step:
+            return
+        if self._progress_ts is None:
+            first = ts - self._start_ts
+            if first > 0 and not self._paused_since_progress:
+                self._learn_phase("first_step", first)
+        elif not self._paused_since_progress:
+            interval = ts - self._progress_ts
+            if interval > 0:
+                self._intervals.update(interval)
+                self._n_intervals += 1
+                recent = self._recent
+                recent.append(interval)
+                if len(recent) > self.window:
+                    gone = recent.pop(0)
+                    if gone >= self._recent_max:
+                        self._recent_max = max(recent)
+                if interval > self._recent_max:
+                    self._recent_max = interval
+        self._max_step = step
+        self._progress_ts = ts
+        self._moved_ts = None
+        self._paused_since_progress = False
+        self._hung = False
+
+    def _heartbeat(self, rank, item, ts) -> None:
+        phase = item.get("phase")
+        since = item.get("phase_since")
+        since = ts if type(since) not in (int, float) or since > ts else since
+        step = item.get("step")
+        prev = self._hb.get(rank)
+        if prev is not None and prev[1] != phase and is_allowed_phase(prev[1]):
+            self._end_phase(rank, prev, since if since >= prev[2] else ts)
+        if is_allowed_phase(phase):
+            if self._ended.get(rank) == [phase, since]:
+                if phase != "init" and phase not in self._not_pauses:
+                    self._not_pauses.append(phase)     # back after a step: it wraps steps
+                first_step = None
+            elif prev is not None and prev[1] == phase and prev[2] == since:
+                first_step = prev[4]
+                if (phase != "init" and step is not None and first_step is not None
+                        and step > first_step and phase not in self._not_pauses):
+                    self._not_pauses.append(phase)     # steps go on inside it: no pause
+            else:
+                first_step = step
+            self._hb[rank] = [ts, phase, since, step, first_step]
+            if phase not in self._not_pauses:
+                self._paused_since_progress = True
+        else:
+            self._hb[rank] = [ts, phase, since, step, None]
+            if self._progress_ts is not None and since > self._progress_ts and (
+                    self._moved_ts is None or since > self._moved_ts):
+                self._moved_ts = since           # the rank moved on within the step
+
+    def _end_phase(self, rank, prev, end) -> None:
+        """``prev`` (a heartbeat entry in an allowed phase) ended at ``end``."""
+        self._ended[rank] = [prev[1], prev[2]]
+        if prev[1] not in self._not_pauses:
+            self._learn_phase(prev[1], end - prev[2])
+            if self._phase_end_ts is None or end > self._phase_end_ts:
+                self._phase_end_ts = end
+
+    def _learn_phase(self, phase, seconds) -> None:
+        if seconds > self._longest.get(phase, 0.0):
+            self._longest[phase] = seconds
+
+    def note_false_alarm(self, phase: str | None, seconds: float) -> None:
+        """The action service found a reported hang to be none: the job moved on after
+        ``seconds`` without progress in ``phase`` (``None``: between steps). That phase's
+        allowance (or the step timeout) grows to cover it with the usual margin."""
+        if seconds > 0:
+            self._learn_phase(phase if is_allowed_phase(phase) else "step", seconds)
+            if phase in self._not_pauses:
+                self._not_pauses.remove(phase)
+
+    # -- deciding -----------------------------------------------------------------------------
+    def allowance(self, phase) -> float:
+        """Seconds ``phase`` may last (``"first_step"``: the first step after a start)."""
+        default = (self.checkpoint_s if phase == "checkpoint" else self.eval_s
+                   if phase == "eval" else self.first_step_s
+                   if phase in ("init", "first_step") else self.phase_s)
+        return max(default, self.phase_factor * self._longest.get(phase, 0.0))
+
+    def timeout(self) -> float:
+        """Seconds without a new step before a hang, outside allowed phases."""
+        if self._n_intervals >= self.min_intervals:
+            learned = max(self.factor * self._intervals.get(),
+                          self.max_margin * self._recent_max)
+        else:                            # warm-up steps: the first-step budget
+            learned = self.allowance("first_step")
+        widened = self.max_margin * self._longest.get("step", 0.0)
+        return max(self.floor_s, learned, widened)
+
+    def deadline(self) -> float | None:
+        if self._start_ts is None:
+            return None
+        if self._progress_ts is None:
+            since = self._start_ts
+            if self._phase_end_ts is not None and self._phase_end_ts > since:
+                since = self._phase_end_ts
+            deadline = since + self.allowance("first_step")
+        else:
+            since = self._progress_ts
+            if self._phase_end_ts is not None and self._phase_end_ts > since:
+                since = self._phase_end_ts
+            if self._moved_ts is not None and self._moved_ts > since:
+                since = self._moved_ts
+            deadline = since + self.timeout()
+        for rank, (_, phase, start, _, _) in self._hb.items():
+            if is_allowed_phase(phase) and rank not in self._exited \
+                    and phase not in self._not_pauses:
+                deadline = max(deadline, start + self.allowance(phase))
+        return deadline
+
+    def advance(self, now: float) -> list[Finding]:
+        if self._hung or self._finished or self._start_ts is None:
+            return []
+        deadline = self.deadline()
+        if deadline is None or now < deadline:
+            return []
+        if self._exited and all(r in self._exited or now - ts >= self.stale_s
+                                for r, ts in self._seen.items()):
+            return []      # every rank exited or went quiet after some exited: over, not hung
+        self._hung = True
+        suspects, majority = self._suspects(now)
+        onset = self._progress_ts if self._progress_ts is not None else self._start_ts
+        clock = max(t for t in (onset, self._phase_end_ts, self._moved_ts) if t is not None)
+        nodes = whole_nodes(suspects, self._where) if suspects else []
+        stalled = now - onset
+        what = (f"no new step after step {self._max_step}" if self._max_step is not None
+                else "no first step")
+        blame = (f"; {fmt_ranks(suspects)} differ from the rest ({majority})"
+                 if suspects else f"; every rank looks alike ({majority})")
+        paused = f" ({now - clock:.0f}s since any rank last moved on)" if clock > onset else ""
+        return [Finding(
+            kind="hang", severity="critical", ranks=suspects, nodes=nodes, step=self._max_step,
+            onset_ts=onset, detected_ts=now, detector=self.PREFIX,
+            summary=f"the job made no progress for {stalled:.0f}s{paused}: {what}{blame}",
+            key=f"s{self._max_step}t{onset:.3f}",
+            evidence={"stalled_s": stalled, "timeout_s": self.timeout(),
+                      "clock_start_ts": clock, "phase": self._current_phase(),
+                      "majority": majority, "rank_nodes": rank_nodes(suspects, self._where)})]
+
+    def _current_phase(self):
+        """The allowed phase the job is in or just left (for false-alarm feedback)."""
+        for _, phase, _, _, _ in self._hb.values():
+            if is_allowed_phase(phase) and phase not in self._not_pauses:
+                return phase
+        return None if self._progress_ts is not None else "first_step"
+
+    def _suspects(self, now: float):
+        live = {r: h for r, h in self._hb.items() if r not in self._exited}
+        fresh = {r: h for r, h in live.items() if now - h[0] < self.stale_s}
+        stale = sorted(r for r in live if r not in fresh)
+        if not fresh:
+            return stale, "no heartbeats"
+        waiting = [r for r, h in fresh.items() if h[1] == "collective"]
+        working = sorted(r for r, h in fresh.items() if h[1] != "collective")
+        if waiting and working and len(working) < len(live):
+            # the ranks waiting in a collective wait for the ones that never came
+            phases = sorted({str(fresh[r][1]) for r in working})
+            return sorted(set(working) | set(stale)), \
+                f"{fmt_ranks(waiting)} wait in a collective; the others are in {', '.join(phases)}"
+        phases: dict = {}
+        steps: dict = {}
+        for _, phase, _, step, _ in fresh.values():
+            phases[phase] = phases.get(phase, 0) + 1
+            steps[step] = steps.get(step, 0) + 1
+        phase = max(phases.items(), key=lambda kv: (kv[1], str(kv[0])))[0]
+        step = max(steps.items(), key=lambda kv: (kv[1], kv[0] if kv[0] is not None else -1))[0]
+        odd = [r for r, h in fresh.items() if h[1] != phase or h[3] != step]
+        suspects = sorted(set(odd) | set(stale))
+        if len(suspects) * 2 >= len(live):
+            suspects = self._behind(fresh, live)
+            if suspects:
+                return suspects, "the others went further in the step and wait for them"
+        return suspects, f"phase {phase}, step {step}"
+
+    @staticmethod
+    def _behind(fresh, live) -> list:
+        """With no clear majority (two ranks, say): the ranks behind the others in the step
+        (an earlier step, or an earlier phase of it) hold them up."""
+        where = {}
+        for r, h in fresh.items():
+            order = PHASE_ORDER.get(h[1])
+            if order is None:
+                return []
+            where[r] = (h[3] if h[3] is not None else -1, order)
+        if len(set(where.values())) < 2:
+            return []
+        first = min(where.values())
+        behind = sorted(r for r, w in where.items() if w == first)
+        return behind if len(behind) * 2 <= len(live) else []

@@ -1,0 +1,296 @@
+"""The worker's state snapshots: their bytes, and the slots that hold stages in memory.
+
+A snapshot blob is a 16-byte header ``b"tg"``, format, codec (0 JSON, 1 zlib JSON, 2 zlib
+JSON with a preset dictionary: the JSON of fresh stages, which makes the snapshot of a
+short-lived job about 250 bytes instead of 1,400), the source partition (int32) and the
+wall time of the slot's last input (float64), then the JSON of :mod:`.statecodec`:
+``["t", STATE_VERSION, layout, slot]``. ``layout`` is a digest
+of the classes and attribute names of fresh stages, so that a snapshot written by a worker
+whose detectors kept other attributes is refused (the stage starts afresh) instead of
+being loaded with attributes missing. Nothing in a blob is ever unpickled.
+
+>>> blob = dump_state({"a": [1.5, float("inf")]}, 7, touched=100.0)
+>>> state_header(blob), load_state(blob)
+((7, 100.0), {'a': [1.5, inf]})
+>>> load_state(b"\\x80\\x04K\\x01.")
+Traceback (most recent call last):
+...
+trainguard.streams.statecodec.StateError: not a trainguard snapshot (a 5-byte message)
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import zlib
+
+from . import statecodec
+from .statecodec import StateError
+
+__all__ = ["dump_state", "load_state", "state_header", "state_partition", "Slots",
+           "STATE_VERSION", "StateError"]
+
+log = logging.getLogger(__name__)
+_MAGIC = b"tg"
+FORMAT = 2                 # 1 was the pickle of trainguard 0.x (refused)
+_HEADER = struct.Struct(">2sBBid")
+_JSON, _ZLIB, _ZDICT = 0, 1, 2
+COMPRESS_ABOVE = 128
+#: a snapshot that decompresses to more than this is refused (a zlib bomb)
+MAX_STATE_BYTES = 64 * 1024 * 1024
+#: the stages' layout; raise it when what a stage keeps changes meaning without changing
+#: its attribute names (a new attribute changes the layout digest by itself)
+STATE_VERSION = 6
+
+
+def _stage_layout() -> str:
+    from trainguard.detectors import JobStage, NodeStage, RankStage
+
+    names: set = set()
+
+    def walk(node):
+        if type(node) is list:
+            if node and node[0] == "o":
+                names.add((node[1], tuple(sorted(node[2::2]))))
+            for child in node[1:]:
+                walk(child)
+        elif type(node) is dict:
+            for child in node.values():
+                walk(child)
+
+    import orjson
+
+    for stage in (RankStage(), NodeStage(), JobStage()):
+        walk(orjson.loads(statecodec.encode(stage)))
+    return hashlib.sha1(repr(sorted(names)).encode()).hexdigest()[:16]
+
+
+_LAYOUT = None
+_ZDICT_BYTES = None
+
+
+def layout() -> str:
+    global _LAYOUT
+    if _LAYOUT is None:
+        _LAYOUT = _stage_layout()
+    return _LAYOUT
+
+
+def _zdict() -> bytes:
+    """The preset dictionary: snapshots of fresh default stages (deterministic for one
+    version of the code; another version's snapshots are refused anyway)."""
+    global _ZDICT_BYTES
+    if _ZDICT_BYTES is None:
+        from trainguard.detectors import DetectorConfig, JobStage, NodeStage, RankStage
+
+        from .processors import JobSlot, RankSlot
+
+        config = DetectorConfig()
+        shared = {"detector_config": config}
+        parts = [statecodec.encode(("tg-state", STATE_VERSION, layout(), slot), shared=shared)
+                 for slot in (RankSlot(NodeStage(config), 0, 0), RankSlot(RankStage(config), 0, 0),
+                              JobSlot(JobStage(config), 0))]
+        _ZDICT_BYTES = b"".join(parts)[-32768:]
+    return _ZDICT_BYTES
+
+
+def dump_state(obj, partition: int, touched: float = 0.0, shared: dict | None = None) -> bytes:
+    """``obj`` behind a header naming its source partition and last input time."""
+    data = statecodec.encode(("tg-state", STATE_VERSION, layout(), obj), shared=shared)
+    if len(data) > COMPRESS_ABOVE:
+        deflate = zlib.compressobj(1, zdict=_zdict())
+        return (_HEADER.pack(_MAGIC, FORMAT, _ZDICT, partition, touched)
+                + deflate.compress(data) + deflate.flush())
+    return _HEADER.pack(_MAGIC, FORMAT, _JSON, partition, touched) + data
+
+
+def state_header(blob) -> tuple[int, float]:
+    """``(partition, touched)``; raises :class:`StateError` for what is not a snapshot."""
+    if not isinstance(blob, (bytes, bytearray)) or len(blob) < _HEADER.size:
+        raise StateError(f"not a trainguard snapshot (a {len(blob or b'')}-byte message)")
+    magic, fmt, codec, partition, touched = _HEADER.unpack_from(blob)
+    if magic != _MAGIC or fmt != FORMAT or codec not in (_JSON, _ZLIB, _ZDICT):
+        raise StateError("not a trainguard snapshot of this format")
+    return partition, touched
+
+
+def state_partition(blob) -> int:
+    return state_header(blob)[0]
+
+
+def load_state(blob, shared: dict | None = None):
+    """The object of :func:`dump_state`; raises :class:`StateError`."""
+    state_header(blob)
+    data = bytes(blob[_HEADER.size:])
+    if blob[3] != _JSON:
+        inflate = zlib.decompressobj(zdict=_zdict()) if blob[3] == _ZDICT else zlib.decompressobj()
+        try:
+            data = inflate.decompress(data, MAX_STATE_BYTES)
+        except zlib.error as exc:
+            raise StateError(f"corrupt snapshot: {exc}") from None
+        if inflate.unconsumed_tail:
+            raise StateError(f"snapshot larger than {MAX_STATE_BYTES} bytes")
+    loaded = statecodec.decode(data, shared=shared)
+    if type(loaded) is not tuple or len(loaded) != 4 or loaded[0] != "tg-state":
+        raise StateError("not a trainguard snapshot")
+    if loaded[1] != STATE_VERSION or loaded[2] != layout():
+        raise StateError("a snapshot of another trainguard version")
+    return loaded[3]
+
+
+class Slots:
+    """Slots by key (each with ``partition`` and ``touched``), most recently used last;
+    snapshots of the changed ones; idle ones evicted to blobs; blobs kept until restored,
+    or dropped with a tombstone after ``idle_ttl_s``.
+
+    - ``max_live``: at most this many slots in memory; a new one evicts the least recently
+      used (its blob is written with the next snapshot and kept for when it speaks again).
+    - ``evict_idle_s``: slots without input this long are evicted by :meth:`evict`.
+    - ``kinds``: the classes a loaded slot may be (anything else is a restore failure).
+    - ``reuse_blobs``: keep each live slot's last snapshot until it changes, so that
+      evicting it does not encode it again (for job stages, which are large to encode).
+    """
+
+    def __init__(self, *, idle_ttl_s: float, evict_idle_s: float | None = None,
+                 max_live: int | None = None, kinds: tuple = (object,),
+                 shared: dict | None = None, reuse_blobs: bool = False):
+        self.idle_ttl_s = idle_ttl_s
+        self.evict_idle_s = evict_idle_s
+        self.max_live = max_live
+        self.kinds = kinds
+        self.shared = shared
+        self.slots: dict = {}
+        self.saved: dict = {}      # key -> blob restored or evicted, not loaded (oldest first)
+        self.dirty: set = set()
+        self.pending: dict = {}    # key -> (partition, blob) evicted, not written yet
+        self.clean: dict | None = {} if reuse_blobs else None   # key -> blob, unchanged since
+        self.restore_failures = 0
+        self.evictions = 0
+
+    def blob(self, slot) -> bytes:
+        return dump_state(slot, slot.partition, slot.touched, self.shared)
+
+    def load(self, key):
+        blob = self.saved.pop(key, None)
+        if blob is None:
+            return None
+        self.pending.pop(key, None)
+        try:
+            slot = load_state(blob, self.shared)
+            if not isinstance(slot, self.kinds):
+                raise StateError(f"a snapshot of a {type(slot).__name__}")
+        except Exception as exc:   # a damaged, foreign or hostile snapshot: start afresh
+            self.failed(key, exc)
+            return None
+        slot.touched = state_header(blob)[1]
+        self.put(key, slot)
+        return slot
+
+    def failed(self, key, exc) -> None:
+        self.restore_failures += 1
+        if self.restore_failures <= 20 or self.restore_failures % 1000 == 0:
+            log.warning("snapshot of %r discarded, that stage starts afresh (%d so far): %s",
+                        repr(key)[:80], self.restore_failures, str(exc)[:200])
+
+    def put(self, key, slot) -> None:
+        """A new or loaded slot, evicting the least recently used beyond ``max_live``."""
+        self.slots[key] = slot
+        if self.max_live is not None and len(self.slots) > self.max_live:
+            old = next(iter(self.slots))
+            self._evict(old)
+
+    def _evict(self, key) -> None:
+        slot = self.slots.pop(key)
+        blob = self.clean.pop(key, None) if self.clean is not None else None
+        if blob is None or key in self.dirty:
+            self.dirty.discard(key)
+            try:
+                blob = self.blob(slot)
+            except Exception as exc:       # a state the codec cannot write: lose it, loudly
+                log.error("state of %r cannot be snapshotted, dropped: %s", key, exc)
+                return
+            self.pending[key] = (slot.partition, blob)
+        self.saved[key] = blob
+        self.evictions += 1
+
+    def restore(self, key, blob) -> None:
+        self.slots.pop(key, None)
+        if self.clean is not None:
+            self.clean.pop(key, None)
+        self.saved.pop(key, None)
+        if blob is not None:
+            self.saved[key] = blob
+
+    def snapshot(self) -> list:
+        """``(key, partition, blob)`` of the slots changed and evicted since the last."""
+        out = [(key, part, blob) for key, (part, blob) in self.pending.items()]
+        self.pending.clear()
+        for key in sorted(self.dirty):
+            slot = self.slots.get(key)
+            if slot is None:
+                continue
+            try:
+                blob = self.blob(slot)
+            except Exception as exc:
+                log.error("state of %r cannot be snapshotted: %s", key, exc)
+                continue
+            out.append((key, slot.partition, blob))
+            if self.clean is not None:
+                self.clean[key] = blob
+        self.dirty.clear()
+        return out
+
+    def touch(self, key, slot) -> None:
+        """``slot`` got input: it becomes the most recently used."""
+        del self.slots[key]
+        self.slots[key] = slot
+
+    def evict(self, now: float) -> list:
+        """Evict the slots idle ``evict_idle_s`` (their blobs go out with the next
+        :meth:`snapshot`); return tombstones ``(key, partition, None)`` for the slots and
+        saved blobs idle ``idle_ttl_s``. Both scans stop at the first younger entry (the
+        dicts run from least to most recently used)."""
+        out = []
+        ttl_limit = now - self.idle_ttl_s
+        idle_limit = now - (self.evict_idle_s if self.evict_idle_s is not None
+                            else self.idle_ttl_s)
+        for key, slot in list(self.slots.items()):
+            if slot.touched >= idle_limit and slot.touched >= ttl_limit:
+                break
+            if slot.touched < ttl_limit:
+                del self.slots[key]
+                self.dirty.discard(key)
+                if self.clean is not None:
+                    self.clean.pop(key, None)
+                out.append((key, slot.partition, None))
+            else:
+                self._evict(key)
+        for key, blob in list(self.saved.items()):
+            try:
+                partition, touched = state_header(blob)
+            except StateError as exc:
+                del self.saved[key]
+                self.failed(key, exc)
+                continue
+            if touched >= ttl_limit:
+                break
+            del self.saved[key]
+            self.pending.pop(key, None)
+            out.append((key, partition, None))
+        return out
+
+    def drop(self, partitions: set) -> None:
+        """Forget the slots of partitions this worker no longer owns."""
+        for key in [k for k, s in self.slots.items() if s.partition in partitions]:
+            del self.slots[key]
+            self.dirty.discard(key)
+            if self.clean is not None:
+                self.clean.pop(key, None)
+        for key, blob in list(self.saved.items()):
+            try:
+                mine = state_partition(blob) in partitions
+            except StateError:
+                mine = True
+            if mine:
+                del self.saved[key]
+                self.pending.pop(key, None)

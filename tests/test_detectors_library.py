@@ -1,0 +1,101 @@
+"""Issue 10: the detectors over the scenario library (tests/scenarios.py) and the real traces
+of ../shared/data, through ``trainguard analyze``'s Engine.
+
+Healthy jobs of every shape raise no incident; every fault is found, with exactly the right
+suspects, within its latency target (tests/scenario_scoring.py)."""
+from __future__ import annotations
+
+import pytest
+
+from trainguard.detectors.offline import analyze_events
+
+from real_traces import alibaba_job, loss_curve_job
+from scenario_library import FAULTS, HEALTHY
+from scenario_scoring import score
+from scenarios import generate, recording
+
+
+def incidents(events):
+    engine, _ = analyze_events(events)
+    return engine.incidents()
+
+
+@pytest.mark.parametrize("sc", HEALTHY, ids=[sc.name for sc in HEALTHY])
+def test_healthy_job_raises_no_incident(sc):
+    events, truth = generate(sc)
+    assert truth == []
+    assert [(i["kind"], i["ranks"], i["summary"]) for i in incidents(events)] == []
+
+
+@pytest.mark.parametrize("sc", FAULTS, ids=[sc.name for sc in FAULTS])
+def test_fault_is_found_exactly_and_in_time(sc):
+    rec = recording(sc)
+    result = score(incidents(rec["events"]), rec["truth"], rec["step_ends"])
+    assert result["false_incidents"] == []
+    for r in result["results"]:
+        assert r["found"] and r["exact"] and r["ok"], r
+
+
+def test_library_covers_the_shapes_of_the_issue():
+    assert len(HEALTHY) >= 100 and len(FAULTS) >= 50
+    times = {sc.step_time for sc in HEALTHY}
+    assert min(times) <= 0.05 and max(times) >= 600
+    assert any(sc.first_step_s >= 1700 for sc in HEALTHY)
+    assert any(sc.eval_s >= 1700 and sc.eval_every for sc in HEALTHY)
+    assert any(sc.resume_at and sc.resume_at[0][2] for sc in HEALTHY)      # own restarts
+    assert any(sc.resume_at and not sc.resume_at[0][2] for sc in HEALTHY)  # resumes
+    assert any(sc.pp > 1 and sc.stage_factors for sc in HEALTHY)
+    kinds = {f.kind for sc in FAULTS for f in sc.faults}
+    assert {"straggler", "hang", "crash", "kill", "silent", "machine", "xid79", "dbe",
+            "throttle", "nan", "nan_grad", "spike", "grad_led_spike", "network",
+            "hang_in_checkpoint"} <= kinds
+    assert any(len(sc.faults) >= 3 for sc in FAULTS)
+    assert any(f.fraction < 1 for sc in FAULTS for f in sc.faults)      # intermittent
+    assert any(f.ramp for sc in FAULTS for f in sc.faults)              # gradual
+
+
+def test_resumed_job_has_earlier_steps_and_new_pids():
+    sc = next(s for s in HEALTHY if s.name == "resume-0.5s")
+    events, _ = generate(sc)
+    starts = [e for e in events if e.type == "lifecycle" and e.event == "start" and e.rank == 0]
+    assert len(starts) == 2 and starts[0].pid != starts[1].pid
+    steps = [e.step for e in events if e.type == "step" and e.rank == 0]
+    assert any(b < a for a, b in zip(steps, steps[1:]))
+
+
+def test_own_restart_is_recorded_not_alerted():
+    sc = next(s for s in HEALTHY if s.name == "own-restart-2.0s")
+    events, _ = generate(sc)
+    engine, _ = analyze_events(events)
+    assert engine.incidents() == []
+    crash = engine.job_stage("j").detectors["crash"]
+    assert len(crash.own_restarts) == 1
+
+
+# -- real traces --------------------------------------------------------------------------
+def test_alibaba_job_2_workers_differing_steadily_are_no_stragglers(shared_data):
+    assert incidents(alibaba_job(2)) == []
+
+
+def test_alibaba_job_3_names_a_worker_that_fell_behind(shared_data):
+    found = incidents(alibaba_job(3))
+    assert found and all(i["kind"] == "straggler" for i in found)
+    # workers 6-9 fall behind from about sample 214 on; nothing before
+    assert all(set(i["ranks"]) <= {6, 7, 8, 9} and i["step"] >= 210 for i in found)
+
+
+def test_alibaba_job_4_names_the_workers_that_fell_behind(shared_data):
+    found = [(i["kind"], i["ranks"], i["step"]) for i in incidents(alibaba_job(4))]
+    assert ("straggler", [5, 6], 1871) in found      # 3x their own pace from ~1870 on
+    assert ("straggler", [3, 9], 1673) in found      # 1.3x for a while around 1670
+    assert all(k == "straggler" for k, _, _ in found)
+
+
+def test_real_loss_curves_through_the_engine_stay_quiet(shared_data):
+    import test_detectors_realdata as real
+    for name in ("70m-0",):
+        curve = real.pythia(shared_data, name)[:6000]
+        assert incidents(loss_curve_job(curve, job=name)) == []
+    for name in sorted(real.NANOGPT):
+        curve = [(s, loss) for s, loss, _ in real.nanogpt(shared_data, name)]
+        assert incidents(loss_curve_job(curve, job=name)) == []

@@ -1,0 +1,386 @@
+"""The metrics of every long-running service, declared in one place, and what counts them.
+
+``SERVICES`` maps each service to its declarations (:class:`~trainguard.metrics.Metric`):
+the stream worker (``trainguard worker``, :mod:`trainguard.streams.metrics`), the action
+service (``trainguard actions``), the node agent (``trainguard agent``) and the launcher
+(``trainguard run``). docs/METRICS.md is generated from them (:func:`markdown`), and the
+Grafana dashboard in ``deploy/grafana`` may only query what they declare (tests check both).
+
+The counting reads the events each service writes anyway, so that a service needs one call
+where its events pass: :meth:`ActionMetrics.record` for each audit record (orders, their
+outcomes), :meth:`RunMetrics.event` for each event ``trainguard run`` emits (launches,
+exits, its own records and acks). :func:`serve_action_metrics` puts the action service's
+counting around its pipeline (the recorders of its stages and of the order desk, the alert
+sender) and :func:`serve_run_metrics` hands ``trainguard run`` its own; both serve
+``/metrics`` on the command's ``--metrics-port``.
+
+>>> m = ActionMetrics()
+>>> from trainguard import events as ev
+>>> order = ev.Action(job="j1", ts=110.0, incident="i1", action="restart", targets={},
+...                   status="planned", reason="crash", extra={"detected_ts": 100.0,
+...                   "order_id": "o1"})
+>>> ack = ev.Action(job="j1", ts=113.0, incident="i1", action="restart", targets={},
+...                 status="done", reason="relaunched", extra={"order_id": "o1",
+...                 "ack_status": "done"})
+>>> m.record(order); m.record(ack)
+>>> text = m.registry.exposition()
+>>> 'trainguard_orders_sent_total{op="restart"} 1' in text
+True
+>>> 'trainguard_order_answers_total{op="restart",status="done"} 1' in text
+True
+>>> 'trainguard_order_ack_seconds_bucket{le="5.0"} 1' in text
+True
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from trainguard.metrics import Metric, Registry, check_port, serve
+
+__all__ = ["ACTIONS", "AGENT", "RUN", "SERVICES", "ActionMetrics", "AgentMetrics",
+           "RunMetrics", "markdown", "start_metrics", "METRICS_PORTS", "add_metrics_flags",
+           "MeteredRecorder", "serve_action_metrics", "serve_run_metrics", "serve_agent_metrics"]
+
+ORDER_OPS = ("restart", "evict", "rollback")
+#: from detection to order: seconds (a capture before a restart can take a minute)
+DETECTION_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: from order to acknowledgement: a restart's tear-down takes up to ``--grace`` seconds
+ACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+ACTIONS = (
+    Metric("anomalies", "counter", "Anomalies taken up by the action service, by outcome "
+           "(handled: through the pipeline; dropped: a duplicate or otherwise not acted on; "
+           "more where the service tells them apart).",
+           labels=("outcome",)),
+    Metric("actions", "counter", "Records written to the actions topic (the audit log), by "
+           "action and status.", labels=("action", "status")),
+    Metric("orders_sent", "counter", "Orders sent to `trainguard run` or a driver (restart, "
+           "evict, rollback), by op.", labels=("op",)),
+    Metric("order_answers", "counter", "Answers to orders, by op and acknowledgement status "
+           "(done, failed, already_satisfied, not_applicable, rejected; no_ack when none came "
+           "in time).", labels=("op", "status")),
+    Metric("detection_to_order_seconds", "histogram", "Seconds from an incident's detection "
+           "(detected_ts) to its order.", buckets=DETECTION_BUCKETS),
+    Metric("order_ack_seconds", "histogram", "Seconds from an order to its acknowledgement.",
+           buckets=ACK_BUCKETS),
+    Metric("alerts", "counter", "Alert messages by sink and the sink's answer (sent, failed, "
+           "rate_limited, duplicate).", labels=("sink", "status")),
+)
+AGENT = (
+    Metric("gpu_samples", "counter", "GPU events published (one per job per sample), by status "
+           "(ok, unavailable).", labels=("status",)),
+    Metric("xid_lines", "counter", "Xid errors seen, by source (kmsg, dmesg, nvml, file).",
+           labels=("source",)),
+    Metric("stack_captures", "counter", "Stack events published in answer to capture commands, "
+           "by status (ok, error).", labels=("status",)),
+    Metric("nvml_errors", "counter", "NVML calls that failed, by call (sample, wait_event).",
+           labels=("call",)),
+    Metric("events_sent", "counter", "Events handed to the Kafka producer."),
+    Metric("delivery_failures", "counter", "Events the broker did not take (lost)."),
+)
+RUN = (
+    Metric("launches", "counter", "Launches of the training command, by kind (first, "
+           "relaunch).", labels=("kind",)),
+    Metric("restarts", "counter", "Relaunches of the training command (after an exit or on "
+           "an order)."),
+    Metric("exits", "counter", "Exits of the training command, by exit code or signal name.",
+           labels=("code",)),
+    Metric("run_actions", "counter", "Records `trainguard run` wrote to the actions topic, by "
+           "action and status.", labels=("action", "status")),
+    Metric("run_acks", "counter", "Acknowledgements `trainguard run` sent, by op and status.",
+           labels=("op", "status")),
+    Metric("restart_budget_left", "gauge", "Restarts left of --max-restarts."),
+)
+
+
+def _worker() -> tuple:
+    from trainguard.streams.metrics import declared
+
+    return tuple(declared())
+
+
+#: service -> (command, default metrics port, declarations)
+SERVICES = {
+    "worker": ("trainguard worker", 6066, _worker),
+    "actions": ("trainguard actions", 6067, lambda: ACTIONS),
+    "agent": ("trainguard agent", 6068, lambda: AGENT),
+    "run": ("trainguard run", 0, lambda: RUN),
+}
+METRICS_PORTS = {name: port for name, (_, port, _) in SERVICES.items()}
+
+
+def add_metrics_flags(parser, service: str) -> None:
+    """``--metrics-port`` and ``--metrics-bind`` of a service's command."""
+    port = METRICS_PORTS[service]
+    parser.add_argument("--metrics-port", type=int, default=port, metavar="PORT",
+                        help=f"port of the Prometheus /metrics endpoint (default {port}; "
+                             "0: none)")
+    parser.add_argument("--metrics-bind", default="127.0.0.1", metavar="ADDR",
+                        help="address of the /metrics endpoint (default 127.0.0.1; 0.0.0.0 "
+                             "for a Prometheus on another machine)")
+
+
+def start_metrics(registry, args, service: str, log=None):
+    """The /metrics server of ``args.metrics_port`` / ``args.metrics_bind``, or None: when
+    off (port 0), or when the port cannot be had (said through ``log``: a service, and the
+    job it watches, run on without /metrics). A port outside 0-65535 raises ``UserError``."""
+    from trainguard.errors import UserError
+
+    port = check_port(getattr(args, "metrics_port", METRICS_PORTS[service]))
+    try:
+        server = serve(registry, port, getattr(args, "metrics_bind", "127.0.0.1"))
+    except UserError as exc:
+        if log is not None:
+            log(f"{exc}; running without /metrics")
+        return None
+    if server is not None and log is not None:
+        log(f"metrics on {server.url}")
+    return server
+
+
+class ActionMetrics:
+    """The action service's metrics, counted from its audit records and alert results."""
+
+    def __init__(self, remember: int = 10_000):
+        self.registry = Registry(ACTIONS)
+        self.server = None
+        self._sent: OrderedDict = OrderedDict()  # order key -> ts sent
+        self._lock = threading.Lock()
+        self.remember = remember
+
+    def handled(self, dropped: str | None) -> None:
+        self.registry.inc("anomalies", outcome="dropped" if dropped else "handled")
+
+    def order_sent(self, op: str, key: str | None, ts: float,
+                   detected_ts: float | None = None) -> None:
+        self.registry.inc("orders_sent", op=op)
+        if isinstance(detected_ts, (int, float)) and ts >= detected_ts:
+            self.registry.observe("detection_to_order_seconds", ts - detected_ts)
+        if key:
+            with self._lock:
+                self._sent[key] = ts
+                while len(self._sent) > self.remember:
+                    self._sent.popitem(last=False)
+
+    def order_answered(self, op: str, status: str, key: str | None = None,
+                       ts: float | None = None, seconds: float | None = None) -> None:
+        """One answer; its delay is ``seconds``, or ``ts`` minus when order ``key`` went."""
+        self.registry.inc("order_answers", op=op, status=status)
+        if seconds is None and key and ts is not None:
+            with self._lock:
+                sent = self._sent.pop(key, None)
+            seconds = None if sent is None else ts - sent
+        if seconds is not None and seconds >= 0:
+            self.registry.observe("order_ack_seconds", seconds)
+
+    def alert(self, sink: str, status: str) -> None:
+        self.registry.inc("alerts", sink=sink, status=status)
+
+    def record(self, event) -> None:
+        """One audit record (``ev.Action``) written by the service."""
+        if getattr(event, "type", None) != "action":
+            return
+        self.registry.inc("actions", action=event.action, status=event.status)
+        if event.action not in ORDER_OPS:
+            return
+        extra = event.extra or {}
+        key = extra.get("order_id") or extra.get("action_id")
+        if "ack_status" in extra or extra.get("code") == "no_ack":
+            self.order_answered(event.action, str(extra.get("ack_status") or "no_ack"),
+                                key=key, ts=event.ts)
+        elif event.status == "planned":
+            self.order_sent(event.action, key, event.ts, extra.get("detected_ts"))
+
+
+class MeteredRecorder:
+    """A recorder (``write``/``flush``) that counts what passes through it."""
+
+    def __init__(self, recorder, metrics: ActionMetrics):
+        self.recorder = recorder
+        self.metrics = metrics
+
+    def write(self, event) -> None:
+        self.recorder.write(event)
+        self.metrics.record(event)
+
+    def flush(self) -> None:
+        self.recorder.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.recorder, name)
+
+
+def _counted_alerts(notify, metrics: ActionMetrics):
+    def send(message):
+        results = notify(message)
+        for result in results or ():
+            metrics.alert(result.sink, result.status)
+        return results
+    return send
+
+
+def _counted_process(process, metrics: ActionMetrics):
+    def run(anomaly, now):
+        work = process(anomaly, now=now)
+        metrics.handled(work.dropped)
+        return work
+    return run
+
+
+def _is_recorder(obj) -> bool:
+    return callable(getattr(obj, "write", None)) and callable(getattr(obj, "flush", None))
+
+
+def instrument_action_service(service, metrics: ActionMetrics) -> None:
+    """Count what ``service`` does: every recorder its pipeline's stages write the audit
+    log with (and the recorder of any object a stage holds, such as the order desk, whose
+    acks are audit records too) goes through a :class:`MeteredRecorder`, the ``notify`` of
+    the alerting stage counts the sinks' answers, and the anomalies taken up are counted from
+    the service's own ``counts`` where it keeps them, else around ``pipeline.process``."""
+    pipeline = service.pipeline
+    for stage in getattr(pipeline, "stages", ()):
+        for holder in (stage, *vars(stage).values()):
+            recorder = getattr(holder, "recorder", None)
+            if _is_recorder(recorder) and not isinstance(recorder, MeteredRecorder):
+                holder.recorder = MeteredRecorder(recorder, metrics)
+        if callable(getattr(stage, "notify", None)):
+            stage.notify = _counted_alerts(stage.notify, metrics)
+    counts = getattr(service, "counts", None)
+    if counts is not None:
+        def from_counts(registry: Registry) -> None:
+            by_outcome: dict = {}
+            for key, value in list(counts.items()):
+                outcome = "dropped" if key.startswith("dropped") else key
+                by_outcome[outcome] = by_outcome.get(outcome, 0) + value
+            for outcome, value in by_outcome.items():
+                registry.set("anomalies", value, outcome=outcome)
+        metrics.registry.collect(from_counts)
+    else:
+        pipeline.process = _counted_process(pipeline.process, metrics)
+
+
+def serve_action_metrics(service, args, log=None) -> ActionMetrics:
+    """Count ``service`` (:func:`instrument_action_service`) and serve its /metrics on
+    ``args.metrics_port`` (see :func:`start_metrics`)."""
+    metrics = ActionMetrics()
+    metrics.server = start_metrics(metrics.registry, args, "actions", log)
+    instrument_action_service(service, metrics)
+    return metrics
+
+
+class AgentMetrics:
+    """The node agent's metrics; the producer's own counts are read at each scrape."""
+
+    def __init__(self):
+        self.registry = Registry(AGENT)
+        self.publisher = None
+
+        def from_publisher(registry: Registry) -> None:
+            if self.publisher is not None:
+                registry.set("events_sent", getattr(self.publisher, "sent", 0))
+                registry.set("delivery_failures", getattr(self.publisher, "failed", 0))
+        self.registry.collect(from_publisher)
+
+    def gpu_events(self, events) -> None:
+        for event in events:
+            self.registry.inc("gpu_samples", status=event.status or "ok")
+
+    def xid(self, payload: dict) -> None:
+        self.registry.inc("xid_lines", source=str(payload.get("source") or "unknown"))
+
+    def stack(self, event) -> None:
+        self.registry.inc("stack_captures", status="error" if getattr(event, "error", None)
+                          else "ok")
+
+    def nvml_error(self, call: str) -> None:
+        self.registry.inc("nvml_errors", call=call)
+
+
+def serve_agent_metrics(get_agent, args, log=None):
+    """Serve ``get_agent().metrics`` (the node agent's :class:`AgentMetrics`) on
+    ``args.metrics_port`` (see :func:`start_metrics`); an empty page until ``get_agent``
+    has an agent. Returns the server or None."""
+    def exposition() -> str:
+        try:
+            agent = get_agent()
+        except NameError:  # the agent is not made yet
+            return ""
+        return agent.metrics.registry.exposition()
+
+    return start_metrics(exposition, args, "agent", log)
+
+
+class RunMetrics:
+    """``trainguard run``'s metrics, counted from the events it emits."""
+
+    def __init__(self):
+        self.registry = Registry(RUN)
+        self.supervisor = None
+        self.server = None
+
+        def budget(registry: Registry) -> None:
+            s = self.supervisor
+            if s is not None:
+                registry.set("restart_budget_left", max(0, s.max_restarts - s.restarts))
+        self.registry.collect(budget)
+
+    def event(self, event) -> None:
+        kind = getattr(event, "type", None)
+        extra = getattr(event, "extra", None) or {}
+        if kind == "lifecycle" and extra.get("source") == "supervisor":
+            if event.event == "start":
+                first = not extra.get("incarnation")
+                self.registry.inc("launches", kind="first" if first else "relaunch")
+                if not first:
+                    self.registry.inc("restarts")
+            elif event.event == "exit" and (event.exit_code is not None or event.signal):
+                self.registry.inc("exits", code=event.signal or event.exit_code)
+        elif kind == "action":
+            self.registry.inc("run_actions", action=event.action, status=event.status)
+        elif kind == "ack":
+            self.registry.inc("run_acks", op=getattr(event, "op", None) or "unknown",
+                              status=event.status)
+
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def serve_run_metrics(supervisor, args, log=None) -> RunMetrics:
+    """Give ``supervisor`` (``trainguard run``) its metrics and serve them on
+    ``args.metrics_port`` (off by default; see :func:`start_metrics`)."""
+    metrics = RunMetrics()
+    metrics.server = start_metrics(metrics.registry, args, "run", log)
+    metrics.supervisor = supervisor
+    supervisor.metrics = metrics
+    return metrics
+
+
+def markdown() -> str:
+    """docs/METRICS.md: every service's metrics, from the declarations."""
+    out = ["# Metrics", "",
+           "Every long-running trainguard service answers `GET /metrics` in the Prometheus text",
+           "format. Ports (flag `--metrics-port`, 0 turns the endpoint off; `--metrics-bind`",
+           "picks the address, 127.0.0.1 by default; the worker's port flag is `--web-port`)",
+           "and the metrics, generated from their declarations",
+           "(`trainguard/service_metrics.py`, `streams/metrics.py`) by",
+           "`python -m trainguard.service_metrics > docs/METRICS.md`. `deploy/prometheus/` has a",
+           "scrape configuration and `deploy/grafana/trainguard.json` a dashboard of them.",
+           "A port that is already taken is logged, and the service runs on without /metrics.",
+           ""]
+    for name, (command, port, declarations) in SERVICES.items():
+        where = f"port {port}" if port else "off by default (one per job: give each its own port)"
+        out += [f"## {name}: `{command}` ({where})", "", "| metric | type | labels | meaning |",
+                "|---|---|---|---|"]
+        for m in declarations():
+            labels = ", ".join(m.labels) or "-"
+            out.append(f"| `{m.full_name}` | {m.kind} | {labels} | {m.help} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
