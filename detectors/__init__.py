@@ -44,7 +44,14 @@ analyze``):
 ``DetectorConfig`` — every threshold (kw_only dataclass, validated). All state pickles.
 
 Detectors (river style; constructor = configuration; ``update(item) -> list[Finding]``,
-``advance(now)`` for the time-driven ones; ``clone()``): :class:`NanDetector`,
+``advance(now)`` for the time-driven ones; ``clone()``). Each declares what it consumes in
+``CONSUMES`` (words of ``base.INPUTS``: ``step``, ``jobstep``, ``late``, ``hb``, ``life``,
+``gpu``, ``xid``, ``tick`` for ``advance``, ``end`` for ``finish``); the stages build their
+dispatch from those declarations (``stages.routes``), so a detector added to ``DETECTORS``
+is fed exactly what it declares, and ``checks.check_detector`` holds it to its word. What
+every detector means alike (where ranks run, when each was last heard, ranks per pipeline
+stage) is one :class:`~trainguard.detectors.view.JobView` per job, kept by the JobStage and
+shared with the detectors that read it (``view.UsesView``): :class:`NanDetector`,
 :class:`LossSpikeDetector`, :class:`GradSpikeDetector`, :class:`StragglerDetector`,
 :class:`ThroughputDetector`, :class:`HangDetector`, :class:`SilentDetector`,
 :class:`CrashDetector`, :class:`GpuFaultDetector`, :class:`GpuDegradedDetector`.

@@ -63,11 +63,27 @@ def to_anomaly(job: str, finding: Finding) -> ev.Anomaly:
                       summary=finding.summary, evidence=finding.evidence)
 
 
+#: What a stage can feed a detector (a detector's ``CONSUMES`` names some of them):
+INPUTS = {
+    "step": "a rank's step summary, as it comes",
+    "jobstep": "a step closed across the job's ranks (make_jobstep)",
+    "late": "a rank's step record that came after its step was closed",
+    "hb": "a rank's heartbeat summary",
+    "life": "a lifecycle summary (a rank's, or the launcher's with rank null)",
+    "gpu": "a machine's GPU sample: ev.Gpu on a NodeStage, its summary on a JobStage",
+    "xid": "a machine's ev.Xid (NodeStage)",
+    "tick": "advance(now): time passed without input",
+    "end": "finish(now): the input ended; decide what waits for more evidence",
+}
+
+
 class Detector:
     """Base class: parameters, cloning, a readable repr; no-op ``update`` and ``advance``."""
 
     #: name used in ``Anomaly.detector`` and as prefix of its :class:`DetectorConfig` fields
     PREFIX = ""
+    #: what the detector consumes, from :data:`INPUTS`; its stage feeds it exactly these
+    CONSUMES: tuple = ()
 
     def update(self, item) -> list[Finding]:
         return []

@@ -4,6 +4,9 @@
 :func:`check_detector` runs every check of :func:`yield_checks` on a detector and raises
 ``AssertionError`` naming the first broken rule. The rules (docs in :mod:`.base`):
 
+- it declares what it consumes (``CONSUMES``, words of
+  :data:`~trainguard.detectors.base.INPUTS`): its stage feeds it that and nothing else, and
+  calls ``advance``/``finish`` only when it declares ``tick``/``end``;
 - the constructor is the configuration: every argument is stored under its own name, and a
   built-in detector's defaults are those of :class:`~trainguard.detectors.DetectorConfig`;
 - :meth:`~trainguard.detectors.Detector.clone` gives a fresh detector of equal settings that
@@ -51,7 +54,7 @@ from unittest import mock
 
 from trainguard import events as ev
 
-from .base import Finding, item_kind, to_anomaly
+from .base import INPUTS, Detector, Finding, item_kind, to_anomaly
 
 __all__ = ["check_detector", "yield_checks", "drive", "stage_items", "bare_items",
            "state_layout", "state_changes", "layout_of_registry", "state_version_of"]
@@ -60,11 +63,23 @@ SEVERITIES = ("info", "warning", "critical")
 
 
 def drive(detector, items) -> list:
-    """Feed ``items`` to ``detector``; returns every finding."""
+    """Feed ``items`` to ``detector`` as a stage does: only the inputs it declares in
+    ``CONSUMES`` (all of them when it declares none); returns every finding."""
+    consumes = set(getattr(detector, "CONSUMES", ()) or INPUTS)
     found = []
     for op, x in items:
-        found += detector.update(x) if op == "u" else detector.advance(x)
+        if op == "u":
+            if input_of(x) in consumes:
+                found += detector.update(x)
+        elif "tick" in consumes:
+            found += detector.advance(x)
     return found
+
+
+def input_of(item) -> str:
+    """The :data:`~trainguard.detectors.base.INPUTS` name of a stage item."""
+    kind = item_kind(item)
+    return "late" if kind == "jobstep" and "late" in item else kind
 
 
 def stage_items(events, config=None) -> list:
@@ -150,6 +165,23 @@ def _as_dicts(findings) -> list:
 
 
 # ------------------------------------------------------------------ the checks
+def check_declared_inputs(detector, items) -> None:
+    """It declares what it consumes (its stage feeds nothing else), in known words, and
+    declares ``tick``/``end`` exactly when it has ``advance``/``finish``."""
+    consumes = getattr(detector, "CONSUMES", ())
+    assert consumes, f"{_name(detector)}: CONSUMES is empty: no stage would feed it"
+    unknown = sorted(set(consumes) - set(INPUTS))
+    assert not unknown, f"{_name(detector)}: CONSUMES names unknown inputs {unknown}"
+    timed = type(detector).advance.__qualname__ != Detector.advance.__qualname__
+    assert timed == ("tick" in consumes), (
+        f"{_name(detector)}: " + ("advance() without 'tick' in CONSUMES: never called" if timed
+                                  else "'tick' in CONSUMES without an advance()"))
+    ends = callable(getattr(detector, "finish", None))
+    assert ends == ("end" in consumes), (
+        f"{_name(detector)}: " + ("finish() without 'end' in CONSUMES: never called" if ends
+                                  else "'end' in CONSUMES without a finish(now)"))
+
+
 def check_params(detector, items) -> None:
     for name, p in inspect.signature(type(detector).__init__).parameters.items():
         if name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -241,7 +273,7 @@ def check_findings(detector, items) -> None:
         ev.decode(ev.encode(to_anomaly("j", f)))
 
 
-CHECKS = (check_params, check_config_defaults, check_clone, check_pickle_mid_stream,
+CHECKS = (check_declared_inputs, check_params, check_config_defaults, check_clone, check_pickle_mid_stream,
           check_deterministic, check_missing_optional_fields, check_findings)
 
 

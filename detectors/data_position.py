@@ -35,6 +35,7 @@ class DataPositionDetector(Detector):
     """Checks each rank's first step after a restart against its earlier data position."""
 
     PREFIX = "data_position"
+    CONSUMES = ("step", "life")
 
     def __init__(self):
         self._samples: dict = {}   # rank -> {step: samples}

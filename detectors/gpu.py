@@ -147,6 +147,7 @@ class GpuFaultDetector(_GpuDetector):
     """
 
     PREFIX = "gpu_fault"
+    CONSUMES = ("gpu", "xid")
 
     def __init__(self, missing_samples: int = 2, repeat_s: float = 300.0):
         super().__init__()
@@ -323,6 +324,7 @@ class GpuDegradedDetector(_GpuDetector):
     """
 
     PREFIX = "gpu_degraded"
+    CONSUMES = ("gpu",)
 
     def __init__(self, window_s: float = 60.0, throttle_fraction: float = 0.8,
                  min_samples: int = 10, pcie_replays: int = 50, nvlink_increments: int = 3,

@@ -50,6 +50,7 @@ from __future__ import annotations
 from river import stats
 
 from .base import Detector, Finding, fmt_ranks, rank_nodes, whole_nodes
+from .view import UsesView
 
 __all__ = ["HangDetector", "STEP_PHASES", "is_allowed_phase"]
 
@@ -73,10 +74,11 @@ def is_allowed_phase(phase) -> bool:
     return type(phase) is str and phase not in STEP_PHASES
 
 
-class HangDetector(Detector):
+class HangDetector(UsesView, Detector):
     """No new step from the job for longer than its learned timeout (see the module)."""
 
     PREFIX = "hang"
+    CONSUMES = ("step", "hb", "life", "tick")
 
     def __init__(self, floor_s: float = 20.0, factor: float = 2.0, quantile: float = 0.99,
                  window: int = 500, max_margin: float = 1.0, min_intervals: int = 5,
@@ -109,9 +111,8 @@ class HangDetector(Detector):
         self._paused_since_progress = False
         self._hb: dict = {}            # rank -> [ts, phase, phase_since, step, first step in it]
         self._ended: dict = {}         # rank -> [phase, phase_since] of its last allowed phase
-        self._where: dict = {}
         self._exited: set = set()
-        self._seen: dict = {}          # rank -> last ts
+        self._init_view()              # where ranks run, when each was last heard
         self._finished = False
         self._hung = False
 
@@ -119,6 +120,8 @@ class HangDetector(Detector):
     def update(self, item) -> list[Finding]:
         if type(item) is not dict:
             return []
+        if self._own_view:
+            self.view.learn(item)
         k = item.get("k")
         ts = item.get("ts")
         if ts is None:
@@ -138,12 +141,6 @@ class HangDetector(Detector):
                     self._hb[rank] = [ts, "step", ts, step, None]
                 if self._max_step is None or step > self._max_step:
                     self._step(step, ts)
-                seen = self._seen
-                if ts > seen.get(rank, -1.0):            # the hot path: one rank's step
-                    seen[rank] = ts
-                node = item.get("node")
-                if node and self._where.get(rank) != node:
-                    self._where[rank] = node
                 return []
             self._step(step, ts)
         elif k == "hb":
@@ -171,13 +168,6 @@ class HangDetector(Detector):
                 if rank is not None:
                     self._exited.discard(rank)
                     self._hb.pop(rank, None)
-        else:
-            return []
-        if rank is not None:
-            if ts > self._seen.get(rank, ts - 1):
-                self._seen[rank] = ts
-            if item.get("node"):
-                self._where[rank] = item["node"]
         return []
 
     def _step(self, step, ts) -> None:
@@ -302,13 +292,13 @@ class HangDetector(Detector):
         if deadline is None or now < deadline:
             return []
         if self._exited and all(r in self._exited or now - ts >= self.stale_s
-                                for r, ts in self._seen.items()):
+                                for r, ts in self.view.last_seen.items()):
             return []      # every rank exited or went quiet after some exited: over, not hung
         self._hung = True
         suspects, majority = self._suspects(now)
         onset = self._progress_ts if self._progress_ts is not None else self._start_ts
         clock = max(t for t in (onset, self._phase_end_ts, self._moved_ts) if t is not None)
-        nodes = whole_nodes(suspects, self._where) if suspects else []
+        nodes = whole_nodes(suspects, self.view.where) if suspects else []
         stalled = now - onset
         what = (f"no new step after step {self._max_step}" if self._max_step is not None
                 else "no first step")
@@ -322,7 +312,7 @@ class HangDetector(Detector):
             key=f"s{self._max_step}t{onset:.3f}",
             evidence={"stalled_s": stalled, "timeout_s": self.timeout(),
                       "clock_start_ts": clock, "phase": self._current_phase(),
-                      "majority": majority, "rank_nodes": rank_nodes(suspects, self._where)})]
+                      "majority": majority, "rank_nodes": rank_nodes(suspects, self.view.where)})]
 
     def _current_phase(self):
         """The allowed phase the job is in or just left (for false-alarm feedback)."""

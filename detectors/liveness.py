@@ -13,6 +13,7 @@ tear-down; offline ``now`` is the recording's event time, online the job's clock
 from __future__ import annotations
 
 from .base import Detector, Finding, fmt_ranks, rank_nodes
+from .view import UsesView
 from .hang import HangDetector
 
 __all__ = ["HangDetector", "SilentDetector", "CrashDetector"]
@@ -25,7 +26,7 @@ TEARDOWN_SIGNALS = frozenset(("SIGTERM", "SIGINT", "TERM", "INT"))
 TEARDOWN_CODES = {-15: "SIGTERM", 143: "SIGTERM", -2: "SIGINT", 130: "SIGINT"}
 
 
-class CrashDetector(Detector):
+class CrashDetector(UsesView, Detector):
     """A rank that failed: a lifecycle ``exit`` with a non-zero code or a signal, or a rank
     that vanished without one while the launcher tore the job down.
 
@@ -70,13 +71,14 @@ class CrashDetector(Detector):
     """
 
     PREFIX = "crash"
+    CONSUMES = ("step", "hb", "life", "tick", "end")
 
     def __init__(self, grace_s: float = 3.0, vanish_s: float = 10.0):
         self.grace_s = grace_s
         self.vanish_s = vanish_s
         self._last: dict = {}      # rank -> last event time
         self._step: dict = {}      # rank -> last step
-        self._where: dict = {}     # rank -> node
+        self._init_view()          # where ranks run
         self._exit: dict = {}      # rank -> time of its exit, until it starts again
         self._wave = None          # the open tear-down, see _open
         self.own_restarts: list = []   # times trainguard run announced a restart (last 20)
@@ -84,6 +86,8 @@ class CrashDetector(Detector):
     def update(self, item) -> list[Finding]:
         if type(item) is not dict:
             return []
+        if self._own_view:
+            self.view.learn(item)
         k = item.get("k")
         if k not in ("step", "hb", "life"):
             return []
@@ -147,8 +151,6 @@ class CrashDetector(Detector):
             self._last[rank] = ts
             if item.get("step") is not None:
                 self._step[rank] = item["step"]
-        if item.get("node"):
-            self._where[rank] = item["node"]
 
     def _open(self, ts) -> dict:
         if self._wave is None:
@@ -182,7 +184,7 @@ class CrashDetector(Detector):
         if vanished:
             onset = min(self._last[r] for r in vanished)
             step = max((self._step[r] for r in vanished if r in self._step), default=None)
-            nodes = sorted({self._where[r] for r in vanished if r in self._where})
+            nodes = sorted({self.view.where[r] for r in vanished if r in self.view.where})
             where = f" on {', '.join(nodes)}" if nodes else ""
             after = f" after step {step}" if step is not None else ""
             peers = (f"; {fmt_ranks(torn)} {'was' if len(torn) == 1 else 'were'} torn down by "
@@ -195,7 +197,7 @@ class CrashDetector(Detector):
                 key=f"t{onset:.3f}",
                 evidence={**evidence, "vanished": True,
                           "last_seen": {str(r): self._last[r] for r in vanished},
-                          "rank_nodes": rank_nodes(vanished, self._where)})]
+                          "rank_nodes": rank_nodes(vanished, self.view.where)})]
         if wave["failed"] or not torn:
             return []
         step = max((self._step[r] for r in torn if r in self._step), default=None)
@@ -211,7 +213,7 @@ class CrashDetector(Detector):
                 key=f"t{start:.3f}", evidence={**evidence, "external_stop": True,
                                                "rank_nodes": {}})]
         ranks = sorted(torn)
-        nodes = sorted({self._where[r] for r in ranks if r in self._where})
+        nodes = sorted({self.view.where[r] for r in ranks if r in self.view.where})
         where = f" on {', '.join(nodes)}" if nodes else ""
         return [Finding(
             kind="crash", severity="critical", ranks=ranks, nodes=[], step=step,
@@ -219,7 +221,7 @@ class CrashDetector(Detector):
             summary=(f"{fmt_ranks(ranks)}{where} exited by signal {signals}{after} while "
                      f"{fmt_ranks(running)} went on"),
             key=f"t{start:.3f}", evidence={**evidence, "signal": signals,
-                                           "rank_nodes": rank_nodes(ranks, self._where)})]
+                                           "rank_nodes": rank_nodes(ranks, self.view.where)})]
 
     def _exited(self, item) -> Finding:
         code, sig = item.get("exit_code"), item.get("signal")
@@ -237,7 +239,7 @@ class CrashDetector(Detector):
                                  "rank_nodes": {str(rank): node} if node and ranks else {}})
 
 
-class SilentDetector(Detector):
+class SilentDetector(UsesView, Detector):
     """A rank, or a whole machine, that stops sending anything while the rest go on.
 
     A rank is silent after ``timeout_s`` without any summary from it while some other rank
@@ -257,11 +259,11 @@ class SilentDetector(Detector):
     """
 
     PREFIX = "silent"
+    CONSUMES = ("step", "hb", "life", "gpu", "tick")
 
     def __init__(self, timeout_s: float = 15.0):
         self.timeout_s = timeout_s
-        self._seen: dict = {}      # rank -> last ts
-        self._where: dict = {}     # rank -> node
+        self._init_view()          # where ranks run, when each was last heard
         self._gpu_seen: dict = {}  # node -> last gpu sample ts
         self._exited: set = set()
         self._reported: set = set()
@@ -269,6 +271,8 @@ class SilentDetector(Detector):
 
     def update(self, item) -> list[Finding]:
         if type(item) is dict:
+            if self._own_view:
+                self.view.learn(item)
             rank = item.get("rank")
             ts = item.get("ts")
             if rank is None or ts is None or item.get("k") not in ("step", "hb", "life"):
@@ -280,12 +284,6 @@ class SilentDetector(Detector):
                     self._exited.add(rank)
                 else:
                     self._exited.discard(rank)
-            prev = self._seen.get(rank)
-            if prev is None or ts > prev:
-                self._seen[rank] = ts
-            node = item.get("node")
-            if node and self._where.get(rank) != node:
-                self._where[rank] = node
             if rank in self._reported:
                 self._reported.discard(rank)
         elif getattr(item, "TYPE", "") == "gpu" and item.node:
@@ -303,7 +301,7 @@ class SilentDetector(Detector):
         self._next = now + min(1.0, self.timeout_s / 10)
         limit = now - self.timeout_s
         quiet, pending, alive = [], set(), False
-        for rank, ts in self._seen.items():
+        for rank, ts in self.view.last_seen.items():
             if rank in self._exited:
                 continue
             if ts > limit:
@@ -316,24 +314,24 @@ class SilentDetector(Detector):
             return []
         by_node: dict = {}
         for rank in quiet:
-            by_node.setdefault(self._where.get(rank), []).append(rank)
+            by_node.setdefault(self.view.where.get(rank), []).append(rank)
         findings = []
         for node, ranks in sorted(by_node.items(), key=lambda kv: str(kv[0])):
-            oldest = min(self._seen[r] for r in ranks)
+            oldest = min(self.view.last_seen[r] for r in ranks)
             if node is not None and now - oldest < self.timeout_s * 1.5 and any(
-                    self._where.get(r) == node for r in pending):
+                    self.view.where.get(r) == node for r in pending):
                 continue   # more ranks of this machine are going quiet: wait for them
             findings.append(self._finding(node, ranks, now))
         return findings
 
     def _finding(self, node, ranks, now) -> Finding:
-        node_ranks = [r for r, n in self._where.items() if n == node and r not in self._exited]
+        node_ranks = [r for r, n in self.view.where.items() if n == node and r not in self._exited]
         all_quiet = node is not None and all(
             r in ranks or r in self._reported for r in node_ranks)
         gpu = self._gpu_seen.get(node)
         machine = all_quiet and (gpu is None or now - gpu >= self.timeout_s / 2)
         self._reported.update(ranks)
-        onset = min(self._seen[r] for r in ranks)
+        onset = min(self.view.last_seen[r] for r in ranks)
         if machine:
             ranks = sorted(node_ranks)
             summary = (f"machine {node} went silent: its {len(ranks)} rank(s) and its GPU samples "
@@ -344,6 +342,6 @@ class SilentDetector(Detector):
         return Finding(kind="silent", severity="critical", ranks=sorted(ranks),
                        nodes=[node] if machine else [], step=None, onset_ts=onset,
                        detected_ts=now, detector=self.PREFIX, summary=summary,
-                       evidence={"last_seen": {str(r): self._seen[r] for r in sorted(ranks)},
+                       evidence={"last_seen": {str(r): self.view.last_seen[r] for r in sorted(ranks)},
                                  "gpu_last_seen": gpu, "machine": machine,
-                                 "rank_nodes": rank_nodes(ranks, self._where)})
+                                 "rank_nodes": rank_nodes(ranks, self.view.where)})

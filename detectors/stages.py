@@ -29,18 +29,19 @@ from dataclasses import asdict
 
 from trainguard import events as ev
 
-from .base import Finding, json_number, to_anomaly
+from .base import INPUTS, Detector, Finding, json_number, to_anomaly
 from .config import DetectorConfig
 from .correlate import Correlator
 from .data_position import DataPositionDetector
 from .gpu import GpuDegradedDetector, GpuFaultDetector, Placement
 from .hang import is_allowed_phase
+from .view import LEARNS_FROM, JobView
 from .liveness import CrashDetector, HangDetector, SilentDetector
 from .timing import StragglerDetector, ThroughputDetector
 from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
 
 __all__ = ["RankStage", "NodeStage", "launcher_summary", "on_grid", "JobStage", "Engine", "StepAggregator", "DETECTORS",
-           "JOB_DETECTORS", "NODE_DETECTORS"]
+           "JOB_DETECTORS", "NODE_DETECTORS", "routes"]
 
 #: Every detector class, in the order they run.
 DETECTORS = (NanDetector, LossSpikeDetector, GradSpikeDetector, StragglerDetector,
@@ -49,6 +50,35 @@ DETECTORS = (NanDetector, LossSpikeDetector, GradSpikeDetector, StragglerDetecto
 #: The per-machine ones, which a NodeStage runs; a JobStage runs the others.
 NODE_DETECTORS = (GpuFaultDetector, GpuDegradedDetector)
 JOB_DETECTORS = tuple(cls for cls in DETECTORS if cls not in NODE_DETECTORS)
+
+
+#: The summary kinds a JobStage passes to detectors as they are (``step`` also goes on to
+#: the step aggregator, whose ``jobstep`` and ``late`` items are routed in turn).
+_SUMMARY_ROUTES = frozenset(("hb", "life", "gpu"))
+
+
+def routes(detectors) -> dict:
+    """Each input of :data:`~trainguard.detectors.base.INPUTS` -> the detectors that declare
+    it in ``CONSUMES``, in the order given: a stage feeds what each declares, no more.
+
+    >>> from trainguard.detectors import HangDetector, NanDetector
+    >>> r = routes([NanDetector(), HangDetector()])
+    >>> [type(d).__name__ for d in r["jobstep"]], [type(d).__name__ for d in r["hb"]]
+    (['NanDetector'], ['HangDetector'])
+    >>> routes([type("Odd", (Detector,), {"CONSUMES": ("telepathy",)})()])
+    Traceback (most recent call last):
+    ...
+    ValueError: Odd consumes unknown inputs ['telepathy']; known: ['end', 'gpu', 'hb', 'jobstep', 'late', 'life', 'step', 'tick', 'xid']
+    """
+    table: dict = {kind: [] for kind in INPUTS}
+    for detector in detectors:
+        unknown = [k for k in detector.CONSUMES if k not in INPUTS]
+        if unknown:
+            raise ValueError(f"{type(detector).__name__} consumes unknown inputs {unknown}; "
+                             f"known: {sorted(INPUTS)}")
+        for kind in detector.CONSUMES:
+            table[kind].append(detector)
+    return table
 
 
 class RankStage:
@@ -175,6 +205,8 @@ class NodeStage:
         else:
             return []
         for detector in self.detectors:
+            if kind not in detector.CONSUMES:
+                continue
             for finding in detector.update(event):
                 out.append({"k": "finding", "job": event.job, "node": event.node,
                             "ts": finding.detected_ts, "finding": asdict(finding)})
@@ -288,15 +320,11 @@ class JobStage:
         self.config = config if config is not None else DetectorConfig()
         c = self.config
         self.detectors = {cls.PREFIX: cls(**c.params_for(cls)) for cls in JOB_DETECTORS}
-        d = self.detectors
-        self._on_jobstep = [d[n] for n in ("nan", "loss_spike", "grad_spike", "straggler",
-                                           "throughput")]
-        self._on_late = [d["nan"]]     # a record that came after its step was closed
-        self._on_step = [d["hang"], d["silent"], d["crash"], d["data_position"]]
-        self._on_hb = [d["hang"], d["silent"], d["crash"]]
-        self._on_life = [d["crash"], d["hang"], d["silent"], d["straggler"], d["data_position"]]
-        self._on_gpu = [d["silent"]]
-        self._timed = [d["hang"], d["silent"], d["crash"]]
+        self._routes = routes(self.detectors.values())
+        self.view = JobView()          # the job as every detector sees it, kept here
+        for detector in self.detectors.values():
+            if getattr(detector, "USES_VIEW", False):
+                detector.share_view(self.view)
         self.placement = Placement()   # names the rank of a GPU in NodeStage findings
         self._nodes: dict = {}         # node -> NodeStage, for node events given directly
         self.steps = StepAggregator(close_lag=c.step_close_lag, close_s=c.step_close_s)
@@ -305,6 +333,7 @@ class JobStage:
         self.job = None
         self._emitted: set = set()
         self._emitted_order: deque = deque()
+        self._changed: dict = {}      # incident id -> its dict, changed since take_incidents
 
     def update(self, item) -> list[ev.Anomaly]:
         if type(item) is dict:
@@ -313,17 +342,18 @@ class JobStage:
                 return self.update(ev.from_dict(item))
             if self.job is None:
                 self.job = item.get("job")
+            if k in LEARNS_FROM:
+                self.view.learn(item)
             if k == "step":
                 findings = []
-                for d in self._on_step:
+                for d in self._routes["step"]:
                     findings += d.update(item)
                 for jobstep in self.steps.add(item):
                     findings += self._jobstep(jobstep)
                 return self._emit(findings) if findings else []
             if k == "finding":
                 return self._emit([self._named(Finding(**item["finding"]))])
-            targets = self._on_hb if k == "hb" else self._on_life if k == "life" else \
-                self._on_gpu if k == "gpu" else ()
+            targets = self._routes.get(k, ()) if k in _SUMMARY_ROUTES else ()
             if k == "life":
                 self.steps.life(item)
                 self.placement.learn(item)
@@ -346,10 +376,10 @@ class JobStage:
 
     def _jobstep(self, jobstep) -> list:
         if "late" in jobstep:
-            detectors = self._on_late
+            detectors = self._routes["late"]
         else:
             self.placement.learn(jobstep)
-            detectors = self._on_jobstep
+            detectors = self._routes["jobstep"]
         findings = []
         for d in detectors:
             findings += d.update(jobstep)
@@ -368,10 +398,11 @@ class JobStage:
         findings = []
         for jobstep in self.steps.expire(now):
             findings += self._jobstep(jobstep)
-        for d in self._timed:
+        for d in self._routes["tick"]:
             findings += d.advance(now)
         if final:      # the input ended: what waits for more evidence is decided now
-            findings += self.detectors["crash"].finish(now)
+            for d in self._routes["end"]:
+                findings += d.finish(now)
         return self._emit(findings) if findings else []
 
     def incidents(self) -> list[dict]:
@@ -392,9 +423,16 @@ class JobStage:
             self._emitted_order.append(anomaly.id)
             if len(self._emitted_order) > self.config.emitted_ids_kept:
                 self._emitted.discard(self._emitted_order.popleft())
-            self.correlator.add(anomaly)
+            incident = self.correlator.add(anomaly)
+            self._changed[incident["id"]] = incident
             out.append(anomaly)
         return out
+
+    def take_incidents(self) -> list[dict]:
+        """The incidents opened or grown since the last call (each once, as it is now): what
+        a worker publishes as ``incident`` events (SPEC §6)."""
+        changed, self._changed = list(self._changed.values()), {}
+        return changed
 
 
 class Engine:

@@ -22,6 +22,7 @@ from river import stats
 
 from .base import (Detector, Finding, fmt_ranks, is_finite, make_jobstep, median, num,
                    rank_nodes, whole_nodes)
+from .view import UsesView
 
 __all__ = ["StragglerDetector", "ThroughputDetector", "PageHinkleyUp", "peer_ratios",
            "make_jobstep"]
@@ -115,7 +116,7 @@ def _compute_times(item) -> dict:
     return out
 
 
-class StragglerDetector(Detector):
+class StragglerDetector(UsesView, Detector):
     """Ranks persistently slower than their peers of the same role, and than their own past.
 
     Peers: with a known topology (lifecycle ``topology``, Megatron layout: TP fastest, then
@@ -144,6 +145,7 @@ class StragglerDetector(Detector):
     """
 
     PREFIX = "straggler"
+    CONSUMES = ("jobstep", "life")
 
     def __init__(self, ratio: float = 1.2, min_excess_s: float = 0.002, k: int = 6,
                  n: int = 10, settle: int = 2, min_ranks: int = 3, warmup: int = 10,
@@ -160,24 +162,17 @@ class StragglerDetector(Detector):
         self._history: dict = {}       # rank -> deque of (slow, step, ts, ratio)
         self._slow_steps: dict = {}    # rank -> how many of its _history steps were slow
         self._base: dict = {}          # rank -> [log of its usual share, steps learned, share]
-        self._where: dict = {}         # rank -> node
-        self._stage_size = 0           # ranks per pipeline stage (tp x dp), 0: unknown
+        self._init_view()              # where ranks run, ranks per pipeline stage
         self._named: set = set()
         self._pending = None           # steps left before naming
 
     def update(self, item) -> list[Finding]:
         if type(item) is not dict:
             return []
-        k = item.get("k")
-        if k == "life":
-            self._learn_topology(item)
+        if self._own_view:
+            self.view.learn(item)
+        if item.get("k") != "jobstep":
             return []
-        if k != "jobstep":
-            return []
-        for rank, rec in item["ranks"].items():
-            node = rec.get("node")
-            if node and self._where.get(rank) != node:
-                self._where[rank] = node
         times, ratios = self._ratios(item)
         if len(times) < self.min_ranks:
             return []
@@ -229,18 +224,6 @@ class StragglerDetector(Detector):
         self._named.update(qualifying)
         return [self._finding(qualifying, step, ts)]
 
-    def _learn_topology(self, item) -> None:
-        topo = item.get("topology")
-        if type(topo) is not dict or item.get("event") != "start":
-            return
-        tp, pp, dp = topo.get("tp"), topo.get("pp"), topo.get("dp")
-        if not all(type(x) is int and x > 0 for x in (tp, pp, dp)):
-            return
-        world = item.get("world_size")
-        if world is not None and world != tp * pp * dp:
-            return
-        self._stage_size = tp * dp if pp > 1 else 0
-
     def _ratios(self, item):
         """``(compute_times, ratios)``: each rank's scaled time over the median of its
         peers' (see the class); peers within a pipeline stage where the topology is known."""
@@ -250,7 +233,7 @@ class StragglerDetector(Detector):
         for rank, t in times.items():
             b = base.get(rank)
             scaled[rank] = t / b[2] if b is not None else t
-        size = self._stage_size
+        size = self.view.stage_size
         if size:
             stages: dict = {}
             for rank, t in scaled.items():
@@ -267,10 +250,10 @@ class StragglerDetector(Detector):
                     key=lambda h: (h[1], h[2]))
         mean_ratio = {str(r): round(sum(h[3] for h in self._history[r]) / len(self._history[r]), 3)
                       for r in sorted(qualifying)}
-        nodes = whole_nodes(qualifying, self._where)
+        nodes = whole_nodes(qualifying, self.view.where)
         where = f" (all of machine{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
         worst = max(float(v) for v in mean_ratio.values())
-        peers = "the peers of their pipeline stage" if self._stage_size else "their peers"
+        peers = "the peers of their pipeline stage" if self.view.stage_size else "their peers"
         return Finding(
             kind="straggler", severity="warning", ranks=sorted(qualifying), nodes=nodes,
             step=first[1], onset_ts=first[2], detected_ts=ts, detector=self.PREFIX,
@@ -278,8 +261,8 @@ class StragglerDetector(Detector):
                      f"usual pace) in {self.k}+ of {self.n} steps, up to {worst:.2f}x"),
             evidence={"mean_ratio": mean_ratio, "ratio_threshold": self.ratio,
                       "k": self.k, "n": self.n, "detected_step": step,
-                      "stage_size": self._stage_size,
-                      "rank_nodes": rank_nodes(qualifying, self._where)})
+                      "stage_size": self.view.stage_size,
+                      "rank_nodes": rank_nodes(qualifying, self.view.where)})
 
 
 class ThroughputDetector(Detector):
@@ -304,6 +287,7 @@ class ThroughputDetector(Detector):
     """
 
     PREFIX = "throughput"
+    CONSUMES = ("jobstep",)
 
     def __init__(self, warmup: int = 50, baseline_window: int = 200, window: int = 20,
                  ratio: float = 1.25, clip: float = 4.0, delta: float = 0.05,

@@ -43,6 +43,7 @@ class NanDetector(Detector):
     """
 
     PREFIX = "nan"
+    CONSUMES = ("jobstep", "late")
 
     def __init__(self, scaler_patience: int = 8):
         self.scaler_patience = scaler_patience
@@ -152,6 +153,7 @@ class SpikeDetector(Detector):
     """
 
     PREFIX = ""
+    CONSUMES = ("jobstep",)
     FIELD = ""
     KIND = ""
 

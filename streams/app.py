@@ -31,7 +31,7 @@ from trainguard import events as ev
 
 from .logic import InvalidSummaries
 from .processors import JobProcessor, state_partition
-from .shorten import encode_anomaly
+from .shorten import encode_finding
 from .snapshots import StateError
 
 __all__ = ["make_app", "JobRuntime"]
@@ -97,18 +97,19 @@ class JobRuntime:
         """Into the producer's buffer at once (no await): a snapshot that records an
         anomaly as sent is taken after it. Each is shortened to fit the broker's limit and
         counted once delivered; the checkpoint commits nothing while one is unconfirmed."""
-        for anomaly in anomalies:
-            key, value = anomaly.job.encode(), encode_anomaly(anomaly)
+        for event in anomalies:
+            key, value = event.job.encode(), encode_finding(event)
+            counter = "incidents_out" if event.TYPE == "incident" else "anomalies_out"
             self.unconfirmed.append((self.anomalies.send_soon(key=key, value=value),
-                                     key, value))
+                                     key, value, counter))
 
     def confirm(self) -> tuple[bool, int]:
         """After a flush: count the delivered anomalies, send the failed ones again;
         ``(every anomaly sent so far reached the topic, how many failed)``."""
         waiting, failed = [], 0
-        for fut, key, value in self.unconfirmed:
+        for fut, key, value, counter in self.unconfirmed:
             if fut.done() and fut.exception() is None:
-                self.metrics.inc("anomalies_out")
+                self.metrics.inc(counter)
                 continue
             if fut.done():
                 failed += 1
@@ -116,7 +117,7 @@ class JobRuntime:
                 log.warning("anomaly for job %r not delivered (%s); sending it again",
                             key[:100], fut.exception())
                 fut = self.anomalies.send_soon(key=key, value=value)
-            waiting.append((fut, key, value))
+            waiting.append((fut, key, value, counter))
         self.unconfirmed = waiting
         return not waiting, failed
 

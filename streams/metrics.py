@@ -36,6 +36,7 @@ COUNTERS = {
     "invalid": "Telemetry messages sent to the dead-letter topic.",
     "ignored": "Valid rank events without a rank, ignored.",
     "anomalies_out": "Anomalies delivered to the anomalies topic (confirmed by the broker).",
+    "incidents_out": "Incident events (SPEC §6) delivered to the anomalies topic.",
     "anomalies_failed": "Anomaly deliveries that failed (each is sent again; offsets wait).",
     "deliveries_failed": "Rank-side deliveries (summaries, dead letters, state) that failed "
                          "(each is produced again; offsets wait).",

@@ -243,8 +243,10 @@ class JobProcessor(_SlotsProcessor):
     def __init__(self, make_stage: Callable[[], Any], *,
                  idle_ttl_s: float = DEFAULT_IDLE_TTL_S, observe_lag=None,
                  advance_every_s: float | None = 0.5, evict_idle_s: float | None = None,
-                 max_live: int | None = None, shared: dict | None = None):
+                 max_live: int | None = None, shared: dict | None = None,
+                 incidents: bool = False):
         self.make_stage = make_stage
+        self.incidents = incidents
         self.idle_ttl_s = idle_ttl_s
         self.evict_idle_s = evict_idle_s
         self.observe_lag = observe_lag
@@ -311,7 +313,15 @@ class JobProcessor(_SlotsProcessor):
                     self.errors += 1
                     log.exception("job stage %s failed in advance()", job)
         slot.watermark, slot.applied_at = watermark, now
-        return out
+        return self._with_incidents(stage, out) if out else out
+
+    def _with_incidents(self, stage, anomalies: list) -> list:
+        """``anomalies``, then (with ``incidents``) an ``ev.Incident`` for each incident of
+        ``stage`` they opened or grew."""
+        changed = stage.take_incidents() if hasattr(stage, "take_incidents") else []
+        if not self.incidents:
+            return anomalies
+        return anomalies + [ev.Incident.of(incident) for incident in changed]
 
     def advance(self, now: float) -> list[ev.Anomaly]:
         out = []
@@ -326,7 +336,7 @@ class JobProcessor(_SlotsProcessor):
                 continue
             if found:
                 self.state.dirty.add(key)
-                out += found
+                out += self._with_incidents(slot.stage, found)
         return out
 
     def load_saved(self, partitions: set, now: float | None = None) -> int:

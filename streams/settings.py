@@ -64,6 +64,8 @@ class WorkerSettings:
     max_live_ranks: int = 200_000    # rank and node stages in memory at most
     partitions: int = 0              # of the summaries topic; 0: as many as telemetry
     gc_interval_s: float = 30.0      # full garbage collection this often; 0: CPython's own
+    publish_incidents: bool = True   # incident events (SPEC §6) on the anomalies topic
+                                     # beside the anomalies; off for readers of v1 only
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

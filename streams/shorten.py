@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from trainguard import events as ev
 
-__all__ = ["encode_anomaly", "cut", "MAX_RECORD_BYTES"]
+__all__ = ["encode_anomaly", "encode_finding", "cut", "MAX_RECORD_BYTES"]
 
 #: what the worker writes to a SPEC topic at most: well under the broker's default 1 MiB
 MAX_RECORD_BYTES = 512 * 1024
@@ -64,3 +64,16 @@ def encode_anomaly(anomaly: ev.Anomaly, max_bytes: int = MAX_RECORD_BYTES) -> by
             return data
     return ev.encode(anomaly.replace(summary=cut(anomaly.summary, 64),
                                      evidence={"truncated": True}))
+
+
+def encode_finding(event, max_bytes: int = MAX_RECORD_BYTES) -> bytes:
+    """An anomaly as :func:`encode_anomaly` does; an incident with its summary cut until it
+    fits (its id list is bounded by the event type)."""
+    if event.TYPE != "incident":
+        return encode_anomaly(event, max_bytes)
+    data = ev.encode(event)
+    for limit in (4096, 512, 64):
+        if len(data) <= max_bytes:
+            break
+        data = ev.encode(event.replace(summary=cut(event.summary, limit)))
+    return data

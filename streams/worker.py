@@ -96,7 +96,8 @@ def build(settings: WorkerSettings, config: Config, detector_config=None):
                         observe_lag=metrics.observe_lag,
                         advance_every_s=detector_config.advance_interval_s,
                         evict_idle_s=settings.evict_idle_s,
-                        max_live=settings.max_live_jobs, shared=shared)
+                        max_live=settings.max_live_jobs, shared=shared,
+                        incidents=settings.publish_incidents)
     collection = (ScheduledCollection(settings.gc_interval_s) if settings.gc_interval_s > 0
                   else None)
     runtime = JobRuntime(settings=settings, topics=topics, processor=jobs, metrics=metrics,

@@ -279,6 +279,29 @@ def test_the_worker_gets_the_same_thresholds(tmp_path):
     assert settings_from_args(args, Config()).batch_max == 77
 
 
+def test_every_flag_of_a_configured_command_reaches_its_settings():
+    """A flag that the tree does not map would be parsed and then silently ignored."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    plain = {"help", "config", "func", *cs.KAFKA_FLAGS}
+    for name in ("worker",):
+        dests = {a.dest for a in sub.choices[name]._actions} - plain
+        assert dests <= set(cs.COMMAND_FLAGS[name]), (name, dests - set(cs.COMMAND_FLAGS[name]))
+
+
+def test_worker_memory_flags_win_over_the_defaults(tmp_path):
+    from trainguard.configcli import apply_config
+    from trainguard.config import Config
+    from trainguard.streams.worker import settings_from_args
+
+    parser = build_parser()
+    argv = ["worker", "--max-live-jobs", "1", "--max-live-ranks", "4", "--evict-idle-s", "9"]
+    args = parser.parse_args(argv)
+    apply_config(parser, argv, args)
+    settings = settings_from_args(args, Config())
+    assert (settings.max_live_jobs, settings.max_live_ranks, settings.evict_idle_s) == (1, 4, 9.0)
+
+
 def test_the_action_service_gets_policy_alerts_and_driver(tmp_path):
     from trainguard.configcli import apply_config
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainguard import events as ev
-from trainguard.detectors import (DETECTORS, DetectorConfig, Engine, JobStage, NanDetector,
+from trainguard.detectors import (DETECTORS, Detector, DetectorConfig, Engine, JobStage, NanDetector,
                                   RankStage, anomaly_id)
 from trainguard.detectors.checks import (CHECKS, check_detector, drive, layout_of_registry,
                                          stage_items, state_changes, state_layout)
@@ -87,6 +87,8 @@ class Moody(NanDetector):
 
 
 class ClockReader(NanDetector):
+    CONSUMES = (*NanDetector.CONSUMES, "tick")
+
     def advance(self, now):
         return [] if time.time() else []
 
@@ -214,3 +216,84 @@ def test_the_fingerprint_check_sees_a_new_attribute():
         "NanDetector: its stored state changed (trainguard.detectors.training.NanDetector: "
         "+extra_memory) but its state version is still "
         f"{current[name]['version']}; raise it"]
+
+
+# -- declared consumption (issue 13 point 3) -------------------------------------------------
+
+class _Counting(Detector):
+    """A user's detector: counts what it is fed, by input."""
+
+    PREFIX = "counting"
+    CONSUMES = ("jobstep", "hb", "tick")
+
+    def __init__(self):
+        self.fed: dict = {}
+
+    def update(self, item):
+        kind = "hb" if item.get("k") == "hb" else item.get("k")
+        self.fed[kind] = self.fed.get(kind, 0) + 1
+        return []
+
+    def advance(self, now):
+        self.fed["tick"] = self.fed.get("tick", 0) + 1
+        return []
+
+
+def test_a_detector_added_to_the_registry_is_fed_what_it_declares(monkeypatch):
+    from trainguard.detectors import stages
+
+    real = DetectorConfig.params_for
+
+    class Config(DetectorConfig):
+        def params_for(self, cls):
+            return {} if cls is _Counting else real(self, cls)
+
+    monkeypatch.setattr(stages, "JOB_DETECTORS", (*stages.JOB_DETECTORS, _Counting))
+    stage = stages.JobStage(Config())
+    for s in range(3):
+        for r in range(2):
+            stage.update({"k": "step", "job": "j", "rank": r, "node": "n1", "ts": 10.0 + s,
+                          "step": s, "step_time": 1.0, "loss": 1.0})
+    stage.update({"k": "hb", "job": "j", "rank": 0, "node": "n1", "ts": 13.0, "step": 2,
+                  "phase": "forward", "phase_since": 12.5, "pid": 1, "dropped": 0})
+    stage.update({"k": "life", "job": "j", "rank": 0, "node": "n1", "ts": 14.0,
+                  "event": "start", "world_size": 2})
+    stage.advance(15.0)
+    # the closed steps, the heartbeat and the tick; no step summary, no lifecycle
+    assert stage.detectors["counting"].fed == {"jobstep": 3, "hb": 1, "tick": 1}
+
+
+def test_the_contract_check_names_an_undeclared_or_unfed_detector():
+    class Mute(NanDetector):
+        CONSUMES = ()
+
+    class Timed(NanDetector):
+        def advance(self, now):
+            return []
+
+    with pytest.raises(AssertionError, match="CONSUMES is empty"):
+        check_detector(Mute())
+    with pytest.raises(AssertionError, match="advance\\(\\) without 'tick'"):
+        check_detector(Timed())
+
+
+def test_the_detectors_of_a_job_stage_share_one_view_of_the_job():
+    """Issue 13 point 3: placement, last seen and topology are learned once, by the stage."""
+    from trainguard.detectors.view import JobView
+
+    stage = JobStage()
+    users = [d for d in stage.detectors.values() if getattr(d, "USES_VIEW", False)]
+    assert {d.PREFIX for d in users} >= {"hang", "silent", "crash", "straggler"}
+    assert all(d.view is stage.view and not d._own_view for d in users)
+    stage.update({"k": "life", "job": "j", "rank": 0, "node": "n1", "ts": 1.0,
+                  "event": "start", "pid": 1, "world_size": 4,
+                  "topology": {"tp": 1, "pp": 2, "dp": 2}})
+    stage.update({"k": "step", "job": "j", "rank": 3, "node": "n2", "ts": 2.0, "step": 0,
+                  "step_time": 1.0})
+    assert (stage.view.where, stage.view.last_seen, stage.view.stage_size) == (
+        {0: "n1", 3: "n2"}, {0: 1.0, 3: 2.0}, 2)
+    restored = pickle.loads(pickle.dumps(stage))
+    assert all(d.view is restored.view for d in restored.detectors.values()
+               if getattr(d, "USES_VIEW", False))
+    alone = type(users[0])()                    # a detector alone keeps its own view
+    assert isinstance(alone.view, JobView) and alone._own_view

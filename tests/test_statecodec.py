@@ -75,7 +75,7 @@ def test_every_stage_of_an_engine_round_trips_mid_run():
     restored._jobs = {k: round_trip(s, shared) for k, s in restored._jobs.items()}
     job = restored._jobs["rt"]
     assert job.config is config                       # the running worker's, not a copy
-    assert job._on_step[0] is job.detectors["hang"]   # shared references survive
+    assert job._routes["step"][0] is job.detectors["hang"]   # shared references survive
     assert job._nodes, "the trace gives the JobStage NodeStages"
     found = {name: [] for name in ("straight", "restored")}
     for e in events[cut:]:

@@ -372,3 +372,26 @@ def test_every_worker_metric_is_documented():
     text = (Path(__file__).resolve().parents[1] / "docs" / "WORKER.md").read_text()
     names = [f"trainguard_{n}_total" for n in COUNTERS] + [f"trainguard_{n}" for n in GAUGES]
     assert [n for n in names if f"`{n}`" not in text] == []
+
+
+def test_the_job_side_publishes_each_incident_after_the_anomalies_that_changed_it():
+    """SPEC §6: an incident event after the anomalies that opened or grew it (once per
+    message applied, as it is then); none without ``incidents``."""
+    events = [step("j1", e.rank, e.step, math.nan) if (e.step, e.rank) == (9, 3) else e
+              for e in _scenario(steps=12, nan_at=(6, 1))]
+    ranks = RankProcessor(RankStage)
+    jobs, quiet = JobProcessor(JobStage, incidents=True), JobProcessor(JobStage)
+    out, _ = _run(ranks, JobProcessor(JobStage), records(events))
+    found, plain = [], []
+    for _, value in out.messages():
+        found += jobs.apply(value, 0, T0 + 60.0)
+        plain += quiet.apply(value, 0, T0 + 60.0)
+    assert [e.TYPE for e in plain] == ["anomaly"] * len(plain) and plain
+    anomalies = [e for e in found if e.TYPE == "anomaly"]
+    incidents = [e for e in found if e.TYPE == "incident"]
+    assert [a.id for a in anomalies] == [a.id for a in plain]
+    assert found.index(incidents[0]) > found.index(anomalies[0])
+    last = incidents[-1]
+    assert last.kind == "nan" and set(last.anomalies) == {a.id for a in anomalies}
+    assert last.anomaly_count == len(anomalies)
+    assert ev.decode(ev.encode(last)) == last

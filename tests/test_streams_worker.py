@@ -84,7 +84,8 @@ class WorkerProcess:
             if values is not None and predicate(values):
                 return values
             time.sleep(0.3)
-        raise AssertionError(f"worker never got {what}:\n{self.tail()}")
+        seen = {k: v for k, v in (values or {}).items() if not k.startswith("trainguard_assigned")}
+        raise AssertionError(f"worker never got {what}:\n{self.tail()}\nmetrics: {seen}")
 
     def wait_ready(self) -> dict:
         telemetry = self.config.topics.telemetry
@@ -133,12 +134,16 @@ class TopicReader:
             if left <= 0:
                 return
 
+    def incidents(self, job: str) -> list:
+        return [e for topic, _, value in self.seen if topic.endswith(".anomalies")
+                for e in [ev.decode(value)] if e.job == job and e.TYPE == "incident"]
+
     def anomalies(self, job: str) -> list:
         out = []
         for topic, key, value in self.seen:
             if topic.endswith(".anomalies"):
                 a = ev.decode(value)
-                if a.job == job:
+                if a.job == job and a.TYPE == "anomaly":
                     out.append(a)
         return out
 
@@ -239,6 +244,11 @@ def test_nan_and_crash_reach_the_anomalies_topic(worker_env):
         values = worker.metrics()
     assert values["trainguard_anomalies_out_total"] >= 2
     assert values["trainguard_events_in_total"] >= len(nan_events) + len(crash_events)
+    # SPEC §6: the incident of each, beside its anomalies, as analyze correlates it
+    incident = reader.wait_for(lambda r: r.incidents(nan_job), "the nan's incident",
+                               worker=worker)[-1]
+    assert (incident.kind, incident.ranks, incident.anomalies) == ("nan", [2], [nan[0].id])
+    assert incident.id == "inc-" + nan[0].id and incident.anomaly_count == 1
 
 
 def test_thousands_of_malformed_messages_are_dead_lettered_and_detection_goes_on(worker_env):

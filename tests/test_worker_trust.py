@@ -132,9 +132,10 @@ def test_poisoned_steps_and_times_are_dead_lettered_and_a_real_hang_is_still_fou
     job = f"poison-{uuid.uuid4().hex[:6]}"
     before = worker.metrics()["trainguard_time_rejected_total"]
 
-    def beat(rank, ts, step, phase):
+    def beat(rank, ts, step, phase, since=None):
         return ev.Heartbeat(job=job, ts=ts, node=f"n{rank // 2}", rank=rank, pid=100 + rank,
-                            step=step, phase=phase, phase_since=ts - 0.2)
+                            step=step, phase=phase,
+                            phase_since=ts - 0.2 if since is None else since)
 
     def one(rank, s, ts):
         return ev.Step(job=job, ts=ts, node=f"n{rank // 2}", rank=rank, step=s,
@@ -158,9 +159,10 @@ def test_poisoned_steps_and_times_are_dead_lettered_and_a_real_hang_is_still_fou
     reader.poll(3.0)
     assert reader.anomalies(job) == [], "a finding while the job was stepping"
     last = step - 1
+    stuck = time.time()       # the phases begin once and last: a hung job does not move on
     while time.time() - start < 80.0:              # rank 2 hangs in its data loader
         now = time.time()
-        produce(config, [beat(r, now, last, "data" if r == 2 else "collective")
+        produce(config, [beat(r, now, last, "data" if r == 2 else "collective", stuck)
                          for r in range(4)])
         reader.poll(1.0)
         if [a for a in reader.anomalies(job) if a.kind == "hang"]:

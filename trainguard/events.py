@@ -34,7 +34,7 @@ from .fields import (AnyObject, Bool, Int, InvalidEvent, ListOf, Nullable, Num, 
 
 __all__ = [
     "VERSION", "InvalidEvent", "Event", "Step", "Heartbeat", "Gpu", "Xid", "Lifecycle",
-    "Command", "Stack", "Anomaly", "Action", "Order", "Ack", "EVENT_TYPES", "ANOMALY_KINDS",
+    "Command", "Stack", "Anomaly", "Action", "Order", "Ack", "Incident", "EVENT_TYPES", "ANOMALY_KINDS",
     "SEVERITIES", "ACTIONS", "ACTION_STATUSES", "ORDER_OPS", "ACK_STATUSES", "encode", "decode",
     "from_dict", "to_dict", "json_schema",
 ]
@@ -316,9 +316,55 @@ class Ack(Event):
     sig: str | None = None
 
 
+#: an incident event lists at most this many of its anomalies' ids (the first ones)
+MAX_INCIDENT_ANOMALIES = 1000
+
+
+@dataclass(kw_only=True)
+class Incident(Event):
+    """SPEC §6: an incident the stream worker correlated, on ``<prefix>.anomalies`` beside
+    the anomalies, with the fields of an ``analyze --json`` incident. It is published again,
+    same ``id``, each time it gains an anomaly; the latest one holds. ``anomalies`` lists at
+    most :data:`MAX_INCIDENT_ANOMALIES` ids; ``anomaly_count`` (optional) counts them all.
+    """
+
+    TYPE: ClassVar[str] = "incident"
+    REQUIRED: ClassVar[dict] = {
+        "id": Str(min_length=1, max_length=512), "kind": Str(enum=ANOMALY_KINDS),
+        "severity": Str(enum=SEVERITIES), "ranks": RANKS, "nodes": ListOf(Str()),
+        "onset_ts": Num(minimum=0), "detected_ts": Num(minimum=0), "summary": Str(),
+        "anomalies": ListOf(Str(min_length=1, max_length=512),
+                            max_items=MAX_INCIDENT_ANOMALIES),
+    }
+    OPTIONAL: ClassVar[dict] = {"step": Nullable(Int(minimum=0)),
+                                "anomaly_count": Int(minimum=0)}
+    id: str
+    kind: str
+    severity: str
+    ranks: list
+    nodes: list
+    onset_ts: float
+    detected_ts: float
+    summary: str
+    anomalies: list
+    step: int | None = None
+    anomaly_count: int | None = None
+
+    @classmethod
+    def of(cls, incident: dict) -> "Incident":
+        """The event of one ``analyze --json`` incident dict (``job`` and the SPEC keys)."""
+        ids = list(incident["anomalies"])
+        return cls(job=incident["job"], ts=incident["detected_ts"], id=incident["id"],
+                   kind=incident["kind"], severity=incident["severity"],
+                   ranks=list(incident["ranks"]), nodes=list(incident["nodes"]),
+                   onset_ts=incident["onset_ts"], detected_ts=incident["detected_ts"],
+                   summary=incident["summary"], anomalies=ids[:MAX_INCIDENT_ANOMALIES],
+                   step=incident.get("step"), anomaly_count=len(ids))
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.TYPE: cls for cls in (Step, Heartbeat, Gpu, Xid, Lifecycle, Command, Stack, Anomaly,
-                              Action, Order, Ack)
+                              Action, Order, Ack, Incident)
 }
 _ENVELOPE_KEYS = frozenset(("v", "type", *ENVELOPE, *ENVELOPE_NULLABLE))
 _DECLARED = {name: frozenset((*cls.REQUIRED, *cls.OPTIONAL)) for name, cls in EVENT_TYPES.items()}

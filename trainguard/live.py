@@ -75,6 +75,16 @@ class EventTap:
         return [ev.to_dict(e) for e in self.of_type("action")]
 
     def incidents(self) -> list[dict]:
+        """The worker's incident events (the latest of each id); from a worker that
+        publishes none, the anomalies correlated here."""
+        published: dict = {}
+        for incident in self.of_type("incident"):
+            d = {k: v for k, v in ev.to_dict(incident).items()
+                 if k not in ("v", "type", "ts", "node", "rank")}
+            d.setdefault("step", None)
+            published[incident.id] = d
+        if published:
+            return sorted(published.values(), key=lambda i: (i["onset_ts"], i["id"]))
         from .detectors.correlate import Correlator
 
         correlator = Correlator()

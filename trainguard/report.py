@@ -85,6 +85,7 @@ class _Data:
     def __init__(self, events: Iterable[Any] | None):
         self.steps: dict[tuple[int, int], tuple[float, float | None, float | None]] = {}
         self.anomalies: dict[str, dict] = {}
+        self.incidents: dict[str, dict] = {}     # the worker's incident events (SPEC §6)
         self.actions: list[dict] = []
         self.jobs: set[str] = set()
         self.progress: list[tuple[float, int]] = []
@@ -109,6 +110,8 @@ class _Data:
                 self.progress.append((ts, d["step"]))
             elif kind == "anomaly" and d.get("id"):
                 self.anomalies.setdefault(str(d["id"]), d)
+            elif kind == "incident" and d.get("id"):
+                self.incidents[str(d["id"])] = d        # republished as it grows: the last
             elif kind == "action":
                 self.actions.append(d)
 
@@ -448,8 +451,8 @@ def render_report(analysis: dict, events: Iterable[Any] | None = None, actions: 
     analysis = analysis or {}
     data = _Data(events)
     incidents = list(analysis.get("incidents") or [])
-    if not incidents:  # no offline analysis: the streamed anomalies stand in for incidents
-        incidents = list(data.anomalies.values())
+    if not incidents:  # no offline analysis: the worker's incidents, else its anomalies
+        incidents = list(data.incidents.values()) or list(data.anomalies.values())
     acts = list(actions or []) + [a for a in data.actions if a not in (actions or [])]
     faults = list(faults or [])
     jobs = sorted(data.jobs | {str(d["job"]) for d in incidents if d.get("job")})
