@@ -54,7 +54,7 @@ STEPS = {
     "evict_if_persistent": "evict the incident's machines once it lasted `straggler_persist_s` "
                            "with a slowdown of at least `straggler_min_slowdown`",
     "restart": "restart the job from its latest checkpoint",
-    "rollback": "restart from the last checkpoint before the onset",
+    "rollback": "restart from the newest checkpoint at or before the onset's step",
 }
 DEFAULT_LADDER = {
     "gpu_fault": ("evict", "restart", "alert"),
@@ -67,6 +67,7 @@ DEFAULT_LADDER = {
     "throughput_drop": ("alert",),
     "gpu_degraded": ("alert",),
     "silent": ("alert",),
+    "data_position": ("alert",),
 }
 #: How demanding a step is, for escalation: a ladder is as demanding as its strongest step.
 #: The conditional evictions rank below a restart: they are a "maybe", and a straggler that
@@ -423,7 +424,9 @@ def decide(policy: Policy, incident: Incident, history: History,
     exclude = sorted(set(history.excluded_nodes) | set(nodes))
     if "rollback" in steps and "rollback" not in done and "restart" not in done:
         onset_step = incident.evidence.get("onset_step", incident.step)
-        target = max(0, onset_step - 1) if isinstance(onset_step, int) else None
+        # A checkpoint "at step k" resumes at step k: it holds steps 0..k-1, none of the
+        # onset's step when k <= onset. TRAINGUARD_RESUME_STEP caps the checkpoint loaded.
+        target = max(0, onset_step) if isinstance(onset_step, int) else None
         out.append(Decision(action="rollback", severity="critical", code=code or "rollback",
                             targets={**_job_targets(incident), "exclude_nodes": exclude,
                                      "rollback_step": target},

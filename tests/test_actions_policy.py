@@ -99,7 +99,7 @@ def test_nan_alerts_and_rollback_is_optional():
     policy = Policy(ladder={"nan": ["alert", "rollback"]})
     out = decide(policy, incident("nan", step=50, evidence={"onset_step": 48}), History())
     assert actions(out) == ["rollback", "alert"]
-    assert out[0].targets["rollback_step"] == 47
+    assert out[0].targets["rollback_step"] == 48  # resumes at 48: the onset's step undone
 
 
 def test_gpu_degraded_alerts():

@@ -19,3 +19,11 @@ def __getattr__(name):
 
         return importlib.import_module(".chaos", __name__)
     raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
+
+
+def resume_step(available_steps, environ=None):
+    """The checkpoint step a (re)started script should load (SPEC §6): the newest of
+    ``available_steps`` at or before ``TRAINGUARD_RESUME_STEP`` when set, else the newest."""
+    from .collectors.resume import resume_step as _resume_step
+
+    return _resume_step(available_steps, environ=environ)
