@@ -128,7 +128,8 @@ def incident_from(found: dict, anomaly: ev.Anomaly, kinds: dict | None = None) -
                     onset_ts=found["onset_ts"], detected_ts=max(found["detected_ts"],
                                                                 anomaly.detected_ts),
                     summary=found["summary"], step=found.get("step"), anomalies=ids,
-                    evidence=evidence, kinds=members)
+                    evidence=evidence, kinds=members,
+                    same_kind=max(1, sum(1 for k in seen if k == found["kind"])))
 
 
 def _fresh(obj):
