@@ -47,7 +47,7 @@ ACK_CODES = {
     "done": ("relaunched", "excluded", "stopping"),
     "already_satisfied": ("relaunched_since_onset", "incident_restarted", "already_excluded"),
     "failed": ("budget_exhausted", "launch_failed"),
-    "not_applicable": ("unsupported_op",),
+    "not_applicable": ("unsupported_op", "cannot_exclude"),
     "rejected": ("unsigned", "unknown_key", "bad_signature", "stale", "future", "replayed",
                  "malformed", "invalid_target"),
 }
@@ -144,9 +144,13 @@ def outcome_status(ack: ev.Ack) -> str:
     ('rate_limited', 'failed')
     >>> outcome_status(a.replace(status="already_satisfied", code="relaunched_since_onset"))
     'done'
+    >>> outcome_status(a.replace(status="not_applicable", code="cannot_exclude"))
+    'not_applicable'
     """
     if ack.status in ("done", "already_satisfied"):
         return "done"  # the job is in the state the order asked for
+    if ack.status == "not_applicable" and ack.code == "cannot_exclude":
+        return "not_applicable"  # nothing to change where the job runs: not a failure
     if ack.status == "failed" and ack.code == "budget_exhausted":
         return "rate_limited"
     return "failed"

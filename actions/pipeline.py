@@ -128,7 +128,8 @@ def incident_from(found: dict, anomaly: ev.Anomaly, kinds: dict | None = None) -
                     onset_ts=found["onset_ts"], detected_ts=max(found["detected_ts"],
                                                                 anomaly.detected_ts),
                     summary=found["summary"], step=found.get("step"), anomalies=ids,
-                    evidence=evidence, kinds=members)
+                    evidence=evidence, kinds=members,
+                    same_kind=max(1, sum(1 for k in seen if k == found["kind"])))
 
 
 def _fresh(obj):
@@ -341,8 +342,7 @@ class Act:
                     status, reason = driver(d, work.incident)
                 except Exception as exc:  # a driver's failure is recorded, not fatal
                     status, reason = "failed", f"driver_error: {type(exc).__name__}: {exc}"
-                d = d.with_status(status, reason, "driver_error" if status == "failed"
-                                  else None)
+                d = d.with_status(status, reason, DRIVER_CODES.get(status))
             elif d.status == "planned" and d.action in JOB_ACTIONS and self.orders is not None:
                 d = self.orders.prepare(d, work.incident)
             out.append(d)
@@ -350,28 +350,46 @@ class Act:
         return True
 
 
+#: the ``code`` of a driver's outcome, by status (others keep the decision's code)
+DRIVER_CODES = {"failed": "driver_error", "not_applicable": "no_change"}
+SAID_OUTPUT = ("submit", "wait", "list_pods")  # driver calls whose output the record says
+#: Driver calls that only look: an order of which nothing else was done changed nothing, and
+#: is recorded ``not_applicable``, never ``done``.
+READ_ONLY_OPS = ("wait", "list_pods")
+
+
 def driver_actions(driver, job_refs: dict | None = None) -> dict:
     """``Act``'s drivers from a recovery driver (``restart(job_ref, exclude_nodes)``,
     ``evict(nodes)``, returning the calls made, see docs/DRIVERS.md); ``job_refs`` maps a
     trainguard job id to the cluster's job reference (default: the id itself). A rollback
-    is a restart: the script finds ``rollback_step`` in the action record."""
+    is a restart: the script finds ``rollback_step`` in the action record. An order for
+    which the driver made no call that changes anything (no pod to delete, an eviction
+    with ``drain=False``) is ``not_applicable``, never ``done``."""
     refs = dict(job_refs or {})
 
     def outcome(decision: Decision, calls: list) -> tuple[str, str]:
         failed = [c for c in calls if c.status == "failed"]
+        changed = [c for c in calls if c.status in ("done", "dry_run")
+                   and c.op not in READ_ONLY_OPS]
         status = "failed" if failed else ("dry_run" if calls and all(
-            c.status == "dry_run" for c in calls) else "done")
+            c.status == "dry_run" for c in calls) else "done" if changed else "not_applicable")
         said = "; ".join(f"{c.describe()}: {c.status}" + (f" ({c.error})" if c.error else "")
-                         for c in calls) or "no call needed"
+                         + (f" -> {c.output}" if c.op in SAID_OUTPUT and c.output else "")
+                         for c in calls) or "no call made"
+        if status == "not_applicable":
+            return status, f"no_change: the driver changed nothing; {decision.reason} [{said}]"
         return status, f"{decision.reason} [{said}]"
 
     def restart(decision: Decision, incident: Incident):
         ref = refs.get(incident.job, incident.job)
         targets = check_targets(decision.action, decision.targets)  # as trainguard run does
-        return outcome(decision, driver.restart(ref, targets["exclude_nodes"]))
+        step = targets.get("rollback_step") if decision.action == "rollback" else None
+        return outcome(decision, driver.restart(ref, targets["exclude_nodes"], resume_step=step))
 
     def evict(decision: Decision, incident: Incident):
-        return outcome(decision, driver.evict(check_targets("evict", decision.targets)["nodes"]))
+        reason = " ".join(f"trainguard incident {incident.id}: {decision.reason}".split())
+        return outcome(decision, driver.evict(check_targets("evict", decision.targets)["nodes"],
+                                              reason=reason[:200]))
 
     return {"restart": restart, "rollback": restart, "evict": evict}
 

@@ -54,25 +54,31 @@ STEPS = {
     "evict_if_persistent": "evict the incident's machines once it lasted `straggler_persist_s` "
                            "with a slowdown of at least `straggler_min_slowdown`",
     "restart": "restart the job from its latest checkpoint",
-    "rollback": "restart from the last checkpoint before the onset",
+    "rollback": "restart from the newest checkpoint at or before the onset's step",
+    "rollback_if_repeated": "roll back (as `rollback`) when the job had `repeat_count` "
+                            "incidents of this kind within `repeat_window_s`, this one "
+                            "included: one spike or NaN the optimizer rides out; a repeated "
+                            "one means the state itself went bad",
 }
 DEFAULT_LADDER = {
     "gpu_fault": ("evict", "restart", "alert"),
     "crash": ("evict_if_repeated", "restart", "alert"),
     "hang": ("capture", "evict_suspects", "restart", "alert"),
     "straggler": ("capture", "evict_if_persistent", "alert"),
-    "nan": ("alert",),
-    "loss_spike": ("alert",),
-    "grad_spike": ("alert",),
+    "nan": ("rollback_if_repeated", "alert"),
+    "loss_spike": ("rollback_if_repeated", "alert"),
+    "grad_spike": ("rollback_if_repeated", "alert"),
     "throughput_drop": ("alert",),
     "gpu_degraded": ("alert",),
     "silent": ("alert",),
+    "data_position": ("alert",),
 }
 #: How demanding a step is, for escalation: a ladder is as demanding as its strongest step.
 #: The conditional evictions rank below a restart: they are a "maybe", and a straggler that
 #: *may* be evicted one day must still escalate to a hang's restart.
 STRENGTH = {"alert": 0, "capture": 1, "evict_if_repeated": 2, "evict_suspects": 2,
-            "evict_if_persistent": 2, "restart": 3, "rollback": 3, "evict": 4}
+            "evict_if_persistent": 2, "restart": 3, "rollback": 3, "evict": 4,
+            "rollback_if_repeated": 1.5}   # a maybe, and no machine's fault: below those
 JOB_ACTIONS = ("restart", "evict", "rollback")  # what changes the job; dry-run stops these
 ACTIONS = ("alert", "capture_stacks", "restart", "evict", "rollback", "none")
 OVER_EVICT = (None, "tp", "pp", "dp")
@@ -152,6 +158,8 @@ class Policy:
     over_evict: str | None = None
     crash_repeats: int = 2
     crash_window_s: float = 3600.0
+    repeat_count: int = 2
+    repeat_window_s: float = 3600.0
     max_suspect_fraction: float = 0.5
     straggler_persist_s: float = 600.0
     straggler_min_slowdown: float = 1.3
@@ -188,7 +196,8 @@ class Policy:
             raise PolicyError(f"over_evict must be null or one of tp, pp, dp, got "
                               f"{self.over_evict!r}")
         _positive("policy", "crash_repeats", self.crash_repeats, integer=True)
-        for name in ("crash_window_s", "straggler_persist_s", "max_anomaly_age_s",
+        _positive("policy", "repeat_count", self.repeat_count, integer=True)
+        for name in ("crash_window_s", "repeat_window_s", "straggler_persist_s", "max_anomaly_age_s",
                      "straggler_min_slowdown"):
             _positive("policy", name, getattr(self, name))
         if not 0 < self.max_suspect_fraction <= 1:
@@ -285,6 +294,8 @@ class Incident:
     anomalies: list = field(default_factory=list)
     evidence: dict = field(default_factory=dict)
     kinds: list = field(default_factory=list)
+    #: anomalies of the root kind among its members (episodes: a spike twice is two)
+    same_kind: int = 1
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -322,6 +333,8 @@ class History:
     node_failures: dict = field(default_factory=dict)
     excluded_nodes: list = field(default_factory=list)
     first_seen_ts: float | None = None
+    #: when the job's earlier incidents of the same kind were first seen (this one excluded)
+    same_kind_ts: list = field(default_factory=list)
 
 
 def _job_targets(incident: Incident) -> dict:
@@ -356,6 +369,21 @@ def ladder_kind(policy: Policy, incident: Incident) -> str:
     'hang'
     """
     return max([incident.kind, *incident.kinds], key=policy.strength)
+
+
+def _repeated(policy: Policy, incident: Incident, history: History) -> bool:
+    """The job had ``repeat_count`` episodes of this kind within ``repeat_window_s``: earlier
+    incidents, and the anomalies of this kind in this one (spikes close together are one
+    incident).
+
+    >>> inc = Incident(id="i2", job="j", kind="loss_spike", severity="warning", ranks=[],
+    ...                nodes=[], step=40, onset_ts=5000.0, detected_ts=5000.0, summary="")
+    >>> _repeated(Policy(), inc, History()), _repeated(Policy(), inc, History(same_kind_ts=[4000.0]))
+    (False, True)
+    """
+    start = incident.detected_ts - policy.repeat_window_s
+    earlier = sum(1 for t in history.same_kind_ts if t >= start)
+    return earlier + incident.same_kind >= policy.repeat_count
 
 
 def _evictions(policy: Policy, incident: Incident, history: History, loc: dict | None,
@@ -421,9 +449,14 @@ def decide(policy: Policy, incident: Incident, history: History,
             **_job_targets(incident), "nodes": nodes,
             "exclude_nodes": sorted(set(history.excluded_nodes) | set(nodes))}))
     exclude = sorted(set(history.excluded_nodes) | set(nodes))
+    if "rollback_if_repeated" in steps and "rollback" not in steps and \
+            _repeated(policy, incident, history):
+        steps = (*steps, "rollback")
     if "rollback" in steps and "rollback" not in done and "restart" not in done:
         onset_step = incident.evidence.get("onset_step", incident.step)
-        target = max(0, onset_step - 1) if isinstance(onset_step, int) else None
+        # A checkpoint "at step k" resumes at step k: it holds steps 0..k-1, none of the
+        # onset's step when k <= onset. TRAINGUARD_RESUME_STEP caps the checkpoint loaded.
+        target = max(0, onset_step) if isinstance(onset_step, int) else None
         out.append(Decision(action="rollback", severity="critical", code=code or "rollback",
                             targets={**_job_targets(incident), "exclude_nodes": exclude,
                                      "rollback_step": target},

@@ -144,9 +144,12 @@ class ServiceState:
             if f["job"] == incident.job and f["incident"] != incident.id \
                     and restarted is not None and restarted <= incident.onset_ts:
                 failures.setdefault(f["node"], []).append(f["ts"])
+        same_kind = [e["first_ts"] for k, e in self.incidents.items()
+                     if k != incident.id and e.get("job") == incident.job
+                     and e.get("kind") == incident.kind and "first_ts" in e]
         return History(done=dict(entry.get("actions", {})), node_failures=failures,
                        excluded_nodes=list(self.excluded.get(incident.job, [])),
-                       first_seen_ts=entry.get("first_ts"))
+                       first_seen_ts=entry.get("first_ts"), same_kind_ts=same_kind)
 
     def restart_ts(self, incident_id: str) -> float | None:
         """When a restart or rollback was first decided for the incident."""

@@ -7,7 +7,13 @@ an ``exit`` with ``restart: true`` and no code, so that the detectors take the r
 that follow for what they are) to ``<prefix>.telemetry``, and reads the
 ``order`` events of its job on ``<prefix>.orders`` (SPEC §6) from the moment it started:
 
-- ``evict``: the machines join the exclusion list (it takes effect at the next launch);
+- ``evict``: the machines join the exclusion list. It takes effect only where ``trainguard
+  run`` can place the job: when the command is an ``srun`` (``trainguard run`` inside a Slurm
+  allocation, the allocation's unused nodes being warm spares), every later launch runs it
+  with ``--exclude=<the list>`` inserted after ``srun``, and the eviction is acked ``done``
+  (``excluded``). Any other command runs where ``trainguard run`` runs, which it cannot leave:
+  the eviction is acked ``not_applicable`` (``cannot_exclude``) with the reason, never
+  ``done``;
 - ``restart`` / ``rollback``: SIGTERM to the process group, ``grace`` seconds, SIGKILL to the
   group and to every process that descended from the command (torchrun starts its workers
   in sessions of their own), then relaunch;
@@ -22,8 +28,10 @@ never carried out: it goes to ``<prefix>.deadletter`` with the reason and is ack
 ``rejected``.
 
 Each relaunch gets ``TRAINGUARD_RESUME=1``, ``TRAINGUARD_CHECKPOINT_DIR``,
-``TRAINGUARD_EXCLUDE_NODES`` (comma list, accumulated), ``TRAINGUARD_RESTART_COUNT`` and, for
-a rollback, ``TRAINGUARD_ROLLBACK_STEP``; every launch gets ``TRAINGUARD_JOB``. A non-zero
+``TRAINGUARD_EXCLUDE_NODES`` (comma list, accumulated; for the command's information: the
+exclusion itself is the ``srun --exclude`` above), ``TRAINGUARD_RESTART_COUNT`` and, for a
+rollback, ``TRAINGUARD_RESUME_STEP`` (SPEC §6; also as ``TRAINGUARD_ROLLBACK_STEP``, its
+older name); every launch gets ``TRAINGUARD_JOB``. A non-zero
 exit is restarted too, and recorded on ``<prefix>.actions`` (extra ``trigger: "exit"``).
 Every relaunch, whatever its cause, spends one of ``max_restarts``; once they are spent, a
 crash ends the supervisor with the command's exit code and a restart order is acked
@@ -43,7 +51,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -53,11 +60,12 @@ from pathlib import Path
 
 from trainguard import events as ev
 from trainguard.actions.orders import InvalidTarget, ack_of, check_targets
+from trainguard.collectors.nodename import node_name
 from trainguard.errors import UserError
 from trainguard.signing import Refusal, Verifier, sign
 
 __all__ = ["Supervisor", "OrderFeed", "Delivery", "main", "descendants", "guess_world_size",
-           "exit_status"]
+           "exit_status", "with_exclusions"]
 
 
 
@@ -107,6 +115,22 @@ def guess_world_size(cmd: list[str], environ=None) -> int:
         return max(1, int(environ.get("WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+def with_exclusions(cmd: list, nodes) -> list | None:
+    """``cmd`` launched off ``nodes``: an ``srun`` gets ``--exclude`` right after it; None
+    when ``cmd`` is not an ``srun`` (it runs on this machine, which it cannot leave).
+
+    >>> with_exclusions(["srun", "-N2", "torchrun", "t.py"], {"tg2", "tg1"})
+    ['srun', '--exclude=tg1,tg2', '-N2', 'torchrun', 't.py']
+    >>> with_exclusions(["/usr/bin/srun", "t.sh"], set())
+    ['/usr/bin/srun', 't.sh']
+    >>> with_exclusions(["torchrun", "t.py"], {"tg2"}) is None
+    True
+    """
+    if not cmd or os.path.basename(str(cmd[0])) != "srun":
+        return None
+    return [cmd[0], f"--exclude={','.join(sorted(nodes))}", *cmd[1:]] if nodes else list(cmd)
 
 
 def exit_status(returncode: int) -> tuple[int, str | None]:
@@ -226,7 +250,7 @@ class Supervisor:
         self.checkpoint_dir = checkpoint_dir
         self.grace_s = grace_s
         self.environ = dict(os.environ if environ is None else environ)
-        self.node = node or socket.gethostname()
+        self.node = node or node_name(self.environ)
         self.publish = publish
         self.orders = orders
         self.verifier = verifier or Verifier(clock=clock)
@@ -320,6 +344,13 @@ class Supervisor:
             self.request_stop(signal.SIGTERM)
             return self._ack(order, "done", "stopping", "stopping the command as on SIGTERM")
         if order.op == "evict":
+            if with_exclusions(self.cmd, self.excluded) is None:
+                self.excluded |= set(targets["nodes"])  # TRAINGUARD_EXCLUDE_NODES, for information
+                return self._ack(order, "not_applicable", "cannot_exclude", (
+                    f"trainguard run starts {os.path.basename(self.cmd[0])} on this machine "
+                    f"({self.node}) and cannot keep the job off "
+                    f"{', '.join(targets['nodes']) or 'any machine'}; nothing was excluded (use "
+                    "a cluster driver, or an srun command inside a Slurm allocation)"))
             new = set(targets["nodes"]) - self.excluded
             if not new:
                 return self._ack(order, "already_satisfied", "already_excluded", (
@@ -327,8 +358,8 @@ class Supervisor:
                     f"list {sorted(self.excluded)}"))
             self.excluded |= new
             return self._ack(order, "done", "excluded", (
-                f"excluded {', '.join(sorted(new))} from the next launch; exclusion list "
-                f"{sorted(self.excluded)}"))
+                f"excluded {', '.join(sorted(new))} from the next launch (srun "
+                f"--exclude={','.join(sorted(self.excluded))})"))
         incident = order.incident or order.order_id
         if incident in self.restarted_incidents:
             return self._ack(order, "already_satisfied", "incident_restarted", (
@@ -382,6 +413,7 @@ class Supervisor:
         if self.excluded:
             env["TRAINGUARD_EXCLUDE_NODES"] = ",".join(sorted(self.excluded))
         if self.rollback_step is not None:
+            env["TRAINGUARD_RESUME_STEP"] = str(self.rollback_step)
             env["TRAINGUARD_ROLLBACK_STEP"] = str(self.rollback_step)
         from trainguard.integrations.instrument import enabled, instrument_env
 
@@ -392,7 +424,8 @@ class Supervisor:
     def _launch(self, resume: bool) -> None:
         if self.checkpoint_dir:
             Path(self.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(self.cmd, env=self._env(resume), start_new_session=True,
+        cmd = with_exclusions(self.cmd, self.excluded) or self.cmd
+        self.proc = subprocess.Popen(cmd, env=self._env(resume), start_new_session=True,
                                      preexec_fn=_die_with_parent)
         self.incarnation += 1
         self.launched_ts = self.clock()

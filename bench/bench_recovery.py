@@ -17,6 +17,13 @@ Times, all wall clock of this machine, from the fault's injection (the chaos log
 
 A piece that is missing or that did not act leaves its number ``None`` and says why under
 ``missing``; nothing is estimated.
+
+``slurm``: on a real Slurm cluster on this machine (tests/slurm_harness.py; needs root and
+Debian's slurmctld/slurmd), an Xid for one node of a 2-node torchrun job, at step 12, two
+ways (tests/slurm_jobs.py ``xid_recovery``): ``requeue`` (the Slurm driver drains the node and
+requeues the job off it) and ``spare`` (the job holds a third node; ``trainguard run`` inside
+the allocation relaunches off the node, onto the spare). ``resumed_s``: seconds from the Xid
+to the first step after the restart; ``spare_over_requeue`` their ratio (target <= 0.5).
 """
 from __future__ import annotations
 
@@ -134,6 +141,34 @@ def _scenario(name: str, chaos: str, config, folder: Path) -> dict:
             c.close()
 
 
+def _slurm(bootstrap: str, folder: Path) -> dict:
+    from slurm_harness import skip_reason, slurm_cluster
+    from slurm_jobs import xid_recovery
+
+    from trainguard.config import Config, Topics
+    from trainguard.topics import TopicPlan, create_topics
+
+    why = skip_reason()
+    if why:
+        return {"skipped": why}
+    out: dict = {}
+    with slurm_cluster(folder / "slurm-cluster") as cluster:
+        for how in ("requeue", "spare"):
+            config = Config(bootstrap=bootstrap,
+                            topics=Topics(prefix=f"bench{uuid.uuid4().hex[:8]}"))
+            create_topics(config, TopicPlan(telemetry_partitions=4, other_partitions=2))
+            try:
+                r = xid_recovery(cluster, config, folder / f"slurm-{how}", how)
+            except AssertionError as exc:
+                r = {"how": how, "missing": [str(exc)[:300]]}
+            r.pop("actions", None)
+            out[how] = r
+    spare, requeue = out["spare"].get("resumed_s"), out["requeue"].get("resumed_s")
+    if spare and requeue:
+        out["spare_over_requeue"] = round(spare / requeue, 2)
+    return out
+
+
 def run() -> dict:
     from trainguard.config import Config, Topics
     from trainguard.topics import TopicPlan, create_topics
@@ -144,7 +179,7 @@ def run() -> dict:
     bootstrap, broker = _broker()
     folder = Path(tempfile.mkdtemp(prefix="tg-bench-recovery-"))
     try:
-        results = {}
+        results = {"slurm": _slurm(bootstrap, folder)}
         for name, chaos in SCENARIOS.items():
             config = Config(bootstrap=bootstrap,
                             topics=Topics(prefix=f"bench{uuid.uuid4().hex[:8]}"))

@@ -43,7 +43,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -58,6 +57,7 @@ from .agent_commands import (MAX_COMMAND_AGE, CaptureRunner, CommandHandler, Com
                              KafkaLog, QuietLog)
 from .capture_limits import CaptureLimiter, CaptureLimits
 from .kmsg import KmsgFollower
+from .nodename import node_name
 from .nvml import NvmlUnavailable, PynvmlSource, gpu_event_payload
 from .registry import Registry, default_runtime_dir
 
@@ -504,7 +504,8 @@ def _setup_logging() -> None:
 
 def _check_args(args, node: str) -> None:
     if not node or len(node) > 255:
-        raise UserError(f"--node {node!r} must be 1-255 characters (default: the host name)")
+        raise UserError(f"--node {node!r} must be 1-255 characters (default: SLURMD_NODENAME, "
+                        "NODE_NAME or the host name)")
     if args.job is not None and not _JOB_RE.fullmatch(args.job):
         raise UserError(f"--job {args.job!r} must be 1-128 characters of [A-Za-z0-9._-]")
     if not (args.interval > 0):
@@ -520,7 +521,7 @@ def main(args, config, keys=None) -> int:
     environment, :func:`~trainguard.signing.signing_key_from_env`) check the commands."""
     from trainguard.signing import signing_key_from_env, warn_if_unsigned
 
-    node = args.node or socket.gethostname()
+    node = args.node or node_name()
     _check_args(args, node)
     keys = keys if keys is not None else signing_key_from_env()
     warn_if_unsigned(keys, "agent", f"capture_stacks commands on {config.topics.commands}")

@@ -69,7 +69,6 @@ from __future__ import annotations
 import logging
 import os
 import signal as _signal
-import socket
 import sys
 import threading
 import time
@@ -79,6 +78,7 @@ from typing import Callable
 from trainguard import events as ev
 from trainguard.config import Config, ConfigError, Topics
 
+from .nodename import node_name
 from .producer import BackgroundProducer
 from .registry import Registry, default_runtime_dir
 from .settings import CollectorError, CollectorSettings, env_int
@@ -437,7 +437,8 @@ def init(job: str, rank: int | None = None, local_rank: int | None = None,
     """Start this rank's collector (see the module docstring); returns it.
 
     Rank, local rank and world size come from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``
-    (torchrun) unless given; ``node`` is the host name; Kafka from ``config``, else
+    (torchrun) unless given; ``node`` is the scheduler's name for the machine
+    (``SLURMD_NODENAME``, ``NODE_NAME``), else the host name; Kafka from ``config``, else
     ``bootstrap``/``TRAINGUARD_BOOTSTRAP``, ``TRAINGUARD_TOPIC_PREFIX`` and
     ``TRAINGUARD_KAFKA_CONFIG``. ``stack_signal`` is the signal of the in-process stack dump
     handler (None: not installed); ``handle_signals=False`` installs no SIGTERM handler.
@@ -466,7 +467,7 @@ def init(job: str, rank: int | None = None, local_rank: int | None = None,
     local_rank = local_rank if local_rank is not None else env_local
     settings = CollectorSettings(
         job=job, rank=rank, local_rank=local_rank, world_size=world_size,
-        node=node if node is not None else socket.gethostname(), topology=topology,
+        node=node if node is not None else node_name(environ), topology=topology,
         heartbeat_interval=heartbeat_interval, report_every=report_every, argv=list(sys.argv))
     config, factory = _kafka_config(config, bootstrap, environ)
     producer = BackgroundProducer(

@@ -32,6 +32,7 @@ from trainguard import events as ev
 from .base import INPUTS, Detector, Finding, json_number, to_anomaly
 from .config import DetectorConfig
 from .correlate import Correlator
+from .data_position import DataPositionDetector
 from .gpu import GpuDegradedDetector, GpuFaultDetector, Placement
 from .hang import is_allowed_phase
 from .view import LEARNS_FROM, JobView
@@ -45,7 +46,7 @@ __all__ = ["RankStage", "NodeStage", "launcher_summary", "on_grid", "JobStage", 
 #: Every detector class, in the order they run.
 DETECTORS = (NanDetector, LossSpikeDetector, GradSpikeDetector, StragglerDetector,
              ThroughputDetector, HangDetector, SilentDetector, CrashDetector, GpuFaultDetector,
-             GpuDegradedDetector)
+             GpuDegradedDetector, DataPositionDetector)
 #: The per-machine ones, which a NodeStage runs; a JobStage runs the others.
 NODE_DETECTORS = (GpuFaultDetector, GpuDegradedDetector)
 JOB_DETECTORS = tuple(cls for cls in DETECTORS if cls not in NODE_DETECTORS)
@@ -117,7 +118,8 @@ class RankStage:
                      "ts": event.ts, "step": event.step, "step_time": event.step_time,
                      "compute_time": event.compute_time, "loss": json_number(event.loss),
                      "grad_norm": json_number(event.grad_norm),
-                     "loss_scale": json_number(event.loss_scale)}]
+                     "loss_scale": json_number(event.loss_scale),
+                     "samples": (event.extra or {}).get("samples")}]
         if kind == "heartbeat":
             phase = event.phase
             key = (phase, event.phase_since) if is_allowed_phase(phase) else None

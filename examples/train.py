@@ -17,11 +17,13 @@ blocks or fails the loop when Kafka is unreachable.
 Checkpoints: every ``--checkpoint-every`` steps rank 0 writes model, optimizer and step to
 ``--checkpoint-dir`` (default ``$TRAINGUARD_CHECKPOINT_DIR``, else ``./checkpoints``), atomically
 (a temporary file, then a rename), keeping the newest three. It skips a checkpoint whose loss or
-gradient norm is not finite, so a NaN is never saved. Every start resumes from the newest
-checkpoint there, if any: so do restarts by plain ``torchrun --max-restarts`` and relaunches by
+gradient norm is not finite, so a NaN is never saved. Every start resumes from the checkpoint
+``trainguard.resume_step`` picks: the newest, or after a rollback the newest at or before
+``TRAINGUARD_RESUME_STEP``: so do restarts by plain ``torchrun --max-restarts`` and relaunches by
 ``trainguard run`` (which also sets ``TRAINGUARD_RESUME=1``; that only shows in the log). A new
 checkpoint directory starts a new run. Batches are a function of (seed, step, rank), so a
-resumed run sees the same data it would have seen.
+resumed run sees the same data it would have seen; each step reports ``samples``, the rank's
+data position, so trainguard can check that a restart neither repeats nor skips data.
 
 Chaos: faults from ``TRAINGUARD_CHAOS`` are injected by ``trainguard.chaos`` (see
 docs/CHAOS.md); each fires once per run, tracked in ``<checkpoint dir>/chaos-state`` unless
@@ -109,9 +111,8 @@ def get_batch(corpus, step, rank, args):
     return x, y
 
 
-def latest_checkpoint(directory: Path):
-    found = sorted(directory.glob("ckpt_*.pt"))
-    return found[-1] if found else None
+def checkpoint_steps(directory: Path) -> list:
+    return sorted(int(p.stem.split("_")[1]) for p in directory.glob("ckpt_*.pt"))
 
 
 def save_checkpoint(directory: Path, step, model, opt, keep=3):
@@ -157,9 +158,10 @@ def main(argv=None):
     model = GPT(context=args.context)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
-    # Rank 0 picks the checkpoint, so that all ranks resume from the same one.
-    latest = latest_checkpoint(ckpt_dir) if rank == 0 else None
-    start = torch.tensor([int(latest.stem.split("_")[1]) if latest else -1])
+    # Rank 0 picks the checkpoint, so that all ranks resume from the same one: the newest, or
+    # after a rollback the newest at or before TRAINGUARD_RESUME_STEP (trainguard.resume_step).
+    chosen = trainguard.resume_step(checkpoint_steps(ckpt_dir)) if rank == 0 else None
+    start = torch.tensor([chosen if chosen is not None else -1])
     dist.broadcast(start, src=0)
     start = int(start.item())
     if start >= 0:
@@ -167,7 +169,8 @@ def main(argv=None):
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         log(f"resuming from {ckpt_dir}/ckpt_{start:08d}.pt at step {start} "
-            f"(TRAINGUARD_RESUME={os.environ.get('TRAINGUARD_RESUME', '')})")
+            f"(TRAINGUARD_RESUME={os.environ.get('TRAINGUARD_RESUME', '')}, "
+            f"TRAINGUARD_RESUME_STEP={os.environ.get('TRAINGUARD_RESUME_STEP', '')})")
     else:
         start = 0
         log(f"starting at step 0 (no checkpoint in {ckpt_dir}), {world} ranks")
@@ -199,7 +202,10 @@ def main(argv=None):
             with tg.phase("collective"):
                 mean_loss = loss.detach().clone()
                 dist.all_reduce(mean_loss)  # the job-wide loss, for the log
-            s.report(loss=loss.item(), grad_norm=grad_norm.item(), tokens=x.numel(), lr=args.lr)
+            # samples: this rank's data position, sequences consumed since the start of
+            # training (a function of the step here, so a resume restores it exactly)
+            s.report(loss=loss.item(), grad_norm=grad_norm.item(), tokens=x.numel(), lr=args.lr,
+                     samples=(step + 1) * args.batch)
         if step_log:
             step_log.write(f'{{"step": {step}, "start": {began}, "end": {time.time()}}}\n')
         chaos.after_step(step)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command (`make test`): set-up from a fresh machine, a broker for the tests, pytest.
 # Installs what is missing (virtual environment, Python packages, Debian packages for the
-# Alertmanager and browser tests), fetches the Kafka jars once, starts a broker on a free
+# Alertmanager, Slurm and browser tests), fetches the Kafka jars once, starts a broker on a free
 # port, runs pytest against it and stops it again, whatever pytest's outcome.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +20,12 @@ fi
 need_apt=()
 command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-alertmanager)
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+for tool in slurmctld slurmd sbatch; do  # the real Slurm cluster of tests/slurm_harness.py
+  command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || {
+    need_apt+=(slurmctld slurmd slurm-client); break; }
+done
 if [ ${#need_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "installing ${need_apt[*]} (Debian packages used by the alerting and report tests)"
+  echo "installing ${need_apt[*]} (Debian packages used by the alerting, Slurm and report tests)"
   apt-get update -qq >/dev/null 2>&1 || true
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" \
     >/dev/null 2>&1 || echo "warning: could not install ${need_apt[*]}; those tests will skip"

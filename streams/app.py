@@ -56,6 +56,7 @@ class JobRuntime:
         self.anomalies = None
         self.rank_service = None
         self.config_feed = None          # per-job overrides (config_feed.ConfigFeed)
+        self.false_alarms = None         # learning from false alarms (false_alarms.py)
         self.pending: list = []          # processed, not yet acknowledged events
         self.unconfirmed: list = []      # (future, key, value) of anomalies sent
         self.synced: set = set()         # summaries partitions loaded from the table
@@ -163,6 +164,11 @@ class JobRuntime:
                 self.config_feed.poll()
             except Exception:            # overrides must not stop detection
                 log.exception("config topic: reading overrides failed")
+        if self.false_alarms is not None:
+            try:
+                self.false_alarms.poll()
+            except Exception:
+                log.exception("actions topic: reading false alarms failed")
         cpu = time.thread_time()
         try:
             found = self.processor.advance(now)

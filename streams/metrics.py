@@ -36,6 +36,10 @@ COUNTERS = {
     "invalid": "Telemetry messages sent to the dead-letter topic.",
     "ignored": "Valid rank events without a rank, ignored.",
     "anomalies_out": "Anomalies delivered to the anomalies topic (confirmed by the broker).",
+    "false_alarms_learned": "The action service's false alarms (a hang whose job moved on) "
+                            "that widened a live job stage's hang allowance.",
+    "false_alarms_refused": "False-alarm records refused (unsigned, forged, stale, replayed or "
+                            "malformed) and dead-lettered.",
     "incidents_out": "Incident events (SPEC §6) delivered to the anomalies topic.",
     "anomalies_failed": "Anomaly deliveries that failed (each is sent again; offsets wait).",
     "deliveries_failed": "Rank-side deliveries (summaries, dead letters, state) that failed "

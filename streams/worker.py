@@ -114,7 +114,20 @@ def build(settings: WorkerSettings, config: Config, detector_config=None, keys=N
                                state_partitions=counts["rank_state"], loop=app.loop)
     runtime.rank_service = rank_service
     runtime.config_feed = start_config_feed(config, settings, book, jobs, metrics, keys)
+    runtime.false_alarms = start_false_alarm_feed(config, jobs, metrics, keys)
     return app, rank_service, runtime
+
+
+def start_false_alarm_feed(config: Config, jobs, metrics, keys):
+    """The reader of the action service's false alarms on the actions topic."""
+    from trainguard.signing import Verifier
+
+    from .false_alarms import FalseAlarmFeed
+
+    feed = FalseAlarmFeed(kafka=config.kafka(), topics=config.topics, processor=jobs,
+                          verifier=Verifier(keys), metrics=metrics)
+    feed.start()
+    return feed
 
 
 def start_config_feed(config: Config, settings: WorkerSettings, book, jobs, metrics, keys):

@@ -48,7 +48,8 @@ if what == "ignore_term":
 emit(event="start", step=step, pid=os.getpid(), resume=os.environ.get("TRAINGUARD_RESUME"),
      exclude=os.environ.get("TRAINGUARD_EXCLUDE_NODES"),
      restarts=os.environ.get("TRAINGUARD_RESTART_COUNT"),
-     rollback=os.environ.get("TRAINGUARD_ROLLBACK_STEP"), job=os.environ.get("TRAINGUARD_JOB"))
+     rollback=os.environ.get("TRAINGUARD_ROLLBACK_STEP"), job=os.environ.get("TRAINGUARD_JOB"),
+     resume_step=os.environ.get("TRAINGUARD_RESUME_STEP"))
 total = int(os.environ.get("CHILD_STEPS", "30"))
 pause = float(os.environ.get("CHILD_STEP_S", "0.02"))
 here = 0

@@ -96,10 +96,43 @@ def test_straggler_persistence_counts_from_first_sighting():
 
 def test_nan_alerts_and_rollback_is_optional():
     assert actions(decide(Policy(), incident("nan"), History())) == ["alert"]
-    policy = Policy(ladder={"nan": ["alert", "rollback"]})
+    policy = Policy(ladder={"nan": ["alert", "rollback"]})     # every NaN, not a repeated one
     out = decide(policy, incident("nan", step=50, evidence={"onset_step": 48}), History())
     assert actions(out) == ["rollback", "alert"]
+    assert out[0].targets["rollback_step"] == 48  # resumes at 48: the onset's step undone
+
+
+@pytest.mark.parametrize("kind", ["nan", "loss_spike", "grad_spike"])
+def test_a_repeated_spike_or_nan_rolls_back_to_its_onset_a_single_one_alerts(kind):
+    """Issue 12 point 4: the second incident of the kind within repeat_window_s rolls back
+    to the newest checkpoint at or before the onset's step; one alone, or one an hour and
+    more after the last, is only told."""
+    now = incident(kind, step=50, evidence={"onset_step": 47}, detected=5000.0, id="i2")
+    assert actions(decide(Policy(), now, History())) == ["alert"]
+    assert actions(decide(Policy(), now, History(same_kind_ts=[5000.0 - 3601]))) == ["alert"]
+    out = decide(Policy(), now, History(same_kind_ts=[4000.0]))
+    assert actions(out) == ["rollback", "alert"]
     assert out[0].targets["rollback_step"] == 47
+    assert actions(decide(Policy(), now, History(same_kind_ts=[4000.0],
+                                                 done={"rollback": "done"}))) == ["alert"]
+    three = Policy(repeat_count=3)
+    assert actions(decide(three, now, History(same_kind_ts=[4000.0]))) == ["alert"]
+    now.same_kind = 2                   # a second spike joined the same incident
+    assert actions(decide(Policy(), now, History())) == ["rollback", "alert"]
+
+
+def test_the_service_state_counts_the_jobs_earlier_incidents_of_the_kind(tmp_path):
+    from trainguard.actions.state import ServiceState
+
+    state = ServiceState(tmp_path / "state.json")
+    for inc, job, kind, ts in (("a", "j1", "loss_spike", 100.0), ("b", "j2", "loss_spike", 200.0),
+                               ("c", "j1", "nan", 300.0)):
+        state.note_incident(Incident(id=inc, job=job, kind=kind, severity="warning", ranks=[],
+                                     nodes=[], onset_ts=ts, detected_ts=ts, summary=""), ts)
+    now = Incident(id="d", job="j1", kind="loss_spike", severity="warning", ranks=[],
+                   nodes=[], onset_ts=400.0, detected_ts=400.0, summary="")
+    state.note_incident(now, 400.0)
+    assert state.history(now).same_kind_ts == [100.0]
 
 
 def test_gpu_degraded_alerts():

@@ -30,7 +30,30 @@ SCENARIOS = {
     "crash": lambda: JobSim(steps=120).crash(2, 90, exit_code=1),
     "gpu_fault": lambda: JobSim(steps=120).xid("n2", 1, 79, 90),
     "gpu_degraded": lambda: JobSim(steps=200).throttle("n1", 2, 40),
+    "data_position": lambda: _LostPosition(),
 }
+
+
+class _LostPosition:
+    """Two ranks report ``samples``; after a restart rank 1 resumes at its checkpoint step
+    with its data position reset (JobSim has no ``samples``)."""
+
+    def events(self):
+        out, ts = [], 1000.0
+        for rank in (0, 1):
+            out.append(ev.Lifecycle(job="j1", ts=ts, node="n1", rank=rank, event="start",
+                                    pid=10 + rank, world_size=2))
+        for step in list(range(30)) + list(range(20, 30)):
+            ts += 1.0
+            if step == 20 and ts > 1030:
+                for rank in (0, 1):
+                    out.append(ev.Lifecycle(job="j1", ts=ts, node="n1", rank=rank,
+                                            event="start", pid=20 + rank, world_size=2))
+            for rank in (0, 1):
+                samples = (step + 1) * 8 if not (rank == 1 and ts > 1030) else (step - 19) * 8
+                out.append(ev.Step(job="j1", ts=ts, node="n1", rank=rank, step=step,
+                                   step_time=1.0, loss=2.0, extra={"samples": samples}))
+        return out
 _ITEMS = {}
 
 

@@ -1,8 +1,8 @@
 """Slurm and Kubernetes recovery drivers: exact argv / API calls, dry run, failures.
 
-No real Slurm or Kubernetes here: Slurm tools are fakes that record their argv, the
-Kubernetes client is a fake object (and, where the package is installed, the real client
-talking to a local HTTP stand-in for the API server)."""
+Here the Slurm tools are fakes that record their argv (tests/test_slurm_cluster.py runs the
+driver against a real Slurm cluster); the Kubernetes client is a fake object (and, where the
+package is installed, the real client talking to a local HTTP stand-in for the API server)."""
 from __future__ import annotations
 
 import json
@@ -38,36 +38,83 @@ def argvs(calls):
     return [c.argv for c in calls]
 
 
-def test_slurm_requeue_without_exclusions_is_one_call():
-    runner = Runner()
-    calls = SlurmDriver(runner=runner).restart("4242")
-    assert argvs(calls) == [["scontrol", "requeue", "4242"]]
-    assert [c.status for c in calls] == ["done"] and calls[0].op == "requeue"
+class Clock:
+    """Injected time for the driver's wait: sleeping advances it."""
+
+    def __init__(self):
+        self.now, self.slept = 0.0, []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def slurm(runner, **kw):
+    clock = Clock()
+    return SlurmDriver(runner=runner, clock=clock, sleep=clock.sleep, **kw)
+
+
+SHOW = ["scontrol", "show", "job", "-o"]
+
+
+def test_slurm_requeue_holds_waits_for_the_old_run_then_starts_now():
+    runner = Runner([(0, "", ""), (0, "JobId=4242 JobState=COMPLETING Reason=None", ""),
+                     (0, "JobId=4242 JobState=COMPLETING", ""),
+                     (0, "JobId=4242 JobState=PENDING Reason=JobHeldAdmin", "")])
+    d = slurm(runner)
+    calls = d.restart("4242")
+    assert argvs(calls) == [["scontrol", "requeuehold", "4242"], SHOW + ["4242"],
+                            ["scontrol", "update", "JobId=4242", "StartTime=now"],
+                            ["scontrol", "release", "4242"]]
+    assert [c.op for c in calls] == ["requeuehold", "wait", "update", "release"]
+    assert [c.status for c in calls] == ["done"] * 4
+    assert calls[1].output == "old run finished after 0.4 s (JobState=PENDING)"
+    assert d.clock.slept == [0.2, 0.2, 1.0]  # polls, then a whole second for the credential
     argv, kw = runner.calls[0]
     assert isinstance(argv, list) and kw["shell"] is False and kw["timeout"] == 30.0
+    assert len(runner.calls) == 6
+
+
+def test_slurm_wait_is_bounded_and_an_unknown_state_does_not_wait():
+    runner = Runner([(0, "", "")] + [(0, "JobState=COMPLETING", "")] * 100)
+    calls = slurm(runner, wait_s=1.0).restart("7")
+    assert calls[1].output.startswith("still COMPLETING after 1.0 s") and calls_ok(calls)
+    runner = Runner()  # scontrol show job answers nothing usable
+    d = slurm(runner)
+    calls = d.restart("7")
+    assert calls[1].output == "job state unknown; not waiting" and d.clock.slept == []
 
 
 def test_slurm_requeue_with_exclusions_holds_updates_releases():
     runner = Runner()
-    d = SlurmDriver(runner=runner)
+    d = slurm(runner)
     calls = d.restart("4242_7", exclude_nodes=["gpu-12", "gpu-03", "gpu-12"])
-    assert argvs(calls) == [["scontrol", "requeuehold", "4242_7"],
-                            ["scontrol", "update", "JobId=4242_7", "ExcNodeList=gpu-03,gpu-12"],
+    assert argvs(calls) == [["scontrol", "requeuehold", "4242_7"], SHOW + ["4242_7"],
+                            ["scontrol", "update", "JobId=4242_7", "ExcNodeList=gpu-03,gpu-12",
+                             "StartTime=now"],
                             ["scontrol", "release", "4242_7"]]
-    assert [c.op for c in calls] == ["requeuehold", "exclude", "release"]
+    assert [c.op for c in calls] == ["requeuehold", "wait", "update", "release"]
     assert [c[0] for c in runner.calls] == argvs(calls) and calls_ok(calls)
 
 
 def test_slurm_evict_drains_and_later_restarts_keep_excluding():
     runner = Runner()
-    d = SlurmDriver(runner=runner, reason="trainguard: Xid 79 on GPU 3")
+    d = slurm(runner, reason="trainguard: Xid 79 on GPU 3")
     calls = d.evict(["gpu-07", "gpu-01"])
     assert argvs(calls) == [["scontrol", "update", "NodeName=gpu-01,gpu-07", "State=DRAIN",
                              "Reason=trainguard: Xid 79 on GPU 3"]]
-    assert argvs(d.restart("99", ["gpu-03"]))[1] == [
-        "scontrol", "update", "JobId=99", "ExcNodeList=gpu-01,gpu-03,gpu-07"]
-    assert argvs(d.restart("99"))[1][-1] == "ExcNodeList=gpu-01,gpu-03,gpu-07"
-    assert d.excluded == {"gpu-01", "gpu-03", "gpu-07"}
+    assert argvs(d.evict(["gpu-09"], reason="trainguard incident i7: Xid 79"))[0][-1] == \
+        "Reason=trainguard incident i7: Xid 79"
+    with pytest.raises(ValueError, match="one non-empty line"):
+        d.evict(["gpu-09"], reason="two\nlines")
+    assert argvs(d.restart("99", ["gpu-03"]))[2] == [
+        "scontrol", "update", "JobId=99", "ExcNodeList=gpu-01,gpu-03,gpu-07,gpu-09",
+        "StartTime=now"]
+    assert argvs(d.restart("99"))[2][-2] == "ExcNodeList=gpu-01,gpu-03,gpu-07,gpu-09"
+    assert d.excluded == {"gpu-01", "gpu-03", "gpu-07", "gpu-09"}
 
 
 def test_slurm_evict_without_drain_only_remembers():
@@ -83,28 +130,40 @@ def test_slurm_resubmit_mode():
     calls = d.restart("5000", exclude_nodes=["n2", "n1"])
     assert argvs(calls) == [["scancel", "5000"],
                             ["/opt/slurm/bin/sbatch", "--parsable", "--exclude=n1,n2",
+                             "--export=ALL,TRAINGUARD_RESUME=1,TRAINGUARD_RESTART_COUNT=1",
                              "--nodes=4", "--job-name=llama", "/jobs/train.sbatch"]]
     assert calls[1].output == "5001" and [c.op for c in calls] == ["cancel", "submit"]
+    runner.answers = [(0, "", ""), (0, "5002\n", "")]
+    again = argvs(d.restart("5000", resume_step=40))  # a rollback's step goes along
+    assert again[0] == ["scancel", "5001"]  # the resubmitted job
+    assert again[1][3] == ("--export=ALL,TRAINGUARD_RESUME=1,TRAINGUARD_RESTART_COUNT=2,"
+                           "TRAINGUARD_RESUME_STEP=40")
+    assert d.current("5000") == "5002"
     assert argvs(SlurmDriver(mode="resubmit", script="s.sh", dry_run=True).restart("1"))[1] == \
-        ["sbatch", "--parsable", "s.sh"]
+        ["sbatch", "--parsable", "--export=ALL,TRAINGUARD_RESUME=1,TRAINGUARD_RESTART_COUNT=1",
+         "s.sh"]
 
 
 def test_slurm_dry_run_runs_nothing():
     runner = Runner()
     d = SlurmDriver(runner=runner, dry_run=True)
     calls = d.restart("12", ["n1"]) + d.evict(["n2"])
-    assert len(calls) == 4 and {c.status for c in calls} == {"dry_run"}
+    assert len(calls) == 4 and {c.status for c in calls} == {"dry_run"}  # no wait in a dry run
     assert runner.calls == [] and calls_ok(calls)
     assert d.plan_evict(["n3"]) == [["scontrol", "update", "NodeName=n3", "State=DRAIN",
                                      "Reason=trainguard evict"]]
 
 
 def test_slurm_failure_stops_the_sequence():
-    runner = Runner([(0, "", ""), (1, "", "slurm_update error: Invalid node name specified")])
-    calls = SlurmDriver(runner=runner).restart("12", ["n1"])
-    assert [c.status for c in calls] == ["done", "failed"]  # release never run
-    assert calls[1].error == "exit 1: slurm_update error: Invalid node name specified"
-    assert not calls_ok(calls) and len(runner.calls) == 2
+    runner = Runner([(0, "", ""), (0, "", ""),
+                     (1, "", "slurm_update error: Invalid node name specified")])
+    calls = slurm(runner).restart("12", ["n1"])
+    assert [c.status for c in calls] == ["done", "done", "failed"]  # release never run
+    assert calls[2].error == "exit 1: slurm_update error: Invalid node name specified"
+    assert not calls_ok(calls) and len(runner.calls) == 3
+    runner = Runner([(1, "", "Job has already finished")])
+    calls = slurm(runner).restart("12")
+    assert [(c.op, c.status) for c in calls] == [("requeuehold", "failed")]
 
 
 def test_slurm_missing_tools_and_timeouts_are_failed_calls():
@@ -141,11 +200,12 @@ def test_slurm_with_real_subprocesses_and_fake_tools(tmp_path):
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
     d = SlurmDriver(scontrol=str(tmp_path / "scontrol"), reason="trainguard: $(reboot) `x`")
     calls = d.evict(["n1"]) + d.restart("4242", ["n2"])
-    assert [c.status for c in calls] == ["done"] * 4
+    assert [c.status for c in calls] == ["done"] * 5
     seen = [json.loads(line) for line in log.read_text().splitlines()]
     assert [s[1:] for s in seen] == [
         ["update", "NodeName=n1", "State=DRAIN", "Reason=trainguard: $(reboot) `x`"],
-        ["requeuehold", "4242"], ["update", "JobId=4242", "ExcNodeList=n1,n2"],
+        ["requeuehold", "4242"], ["show", "job", "-o", "4242"],
+        ["update", "JobId=4242", "ExcNodeList=n1,n2", "StartTime=now"],
         ["release", "4242"]]
     r = SlurmDriver(mode="resubmit", script="train.sbatch", scancel=str(tmp_path / "scancel"),
                     sbatch=str(tmp_path / "sbatch")).restart("4242")

@@ -64,3 +64,12 @@ def test_trains_checkpoints_and_resumes(tmp_path):
     assert (ckpt / "ckpt_00000016.pt").exists()
     assert ": 79, pid=" in kmsg.read_text() and len(kmsg.read_text().splitlines()) == 1
     assert '"step": 13' in (tmp_path / "chaos.jsonl").read_text()
+
+    # A rollback: trainguard run passes TRAINGUARD_RESUME_STEP; the newest checkpoint at or
+    # before it is loaded (12 of 12, 15, 16), not the newest.
+    env.pop("TRAINGUARD_CHAOS")
+    env.update(TRAINGUARD_RESUME_STEP="14")
+    rc, out = torchrun([*args, "--steps", "13"], env)
+    assert rc == 0, out[-4000:]
+    assert f"[train] resuming from {ckpt}/ckpt_00000012.pt at step 12" in out
+    assert "TRAINGUARD_RESUME_STEP=14" in out and "[train] done: steps 12..12" in out

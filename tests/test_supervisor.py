@@ -45,13 +45,14 @@ def child(tmp_path):
     log = tmp_path / "child.jsonl"
 
     def make(mode="", steps=30, max_restarts=3, grace_s=2.0, step_s=0.02, keys=None,
-             dead=None):
+             dead=None, launcher=()):
         published = []
         env = {**os.environ, "CHILD_LOG": str(log), "CHILD_MODE": mode,
                "CHILD_STEPS": str(steps), "CHILD_STEP_S": str(step_s)}
         env.pop("TRAINGUARD_RESUME", None)
         orders = Orders()
-        sup = Supervisor(job="j1", cmd=[sys.executable, str(script)], max_restarts=max_restarts,
+        sup = Supervisor(job="j1", cmd=[*launcher, sys.executable, str(script)],
+                         max_restarts=max_restarts,
                          checkpoint_dir=str(ckpt), grace_s=grace_s, environ=env, node="hostA",
                          publish=published.append, orders=orders, log=lambda m: None,
                          poll_s=0.02, verifier=Verifier(keys),
@@ -160,7 +161,7 @@ def test_restart_order_restarts_a_hung_child_once(child):
                         ("exit", None, "SIGTERM", True)] and life[3][0] == "start"
 
 
-def test_evict_then_restart_relaunches_without_the_machine(child):
+def test_on_one_machine_an_eviction_is_not_applicable_never_done(child):
     sup, orders, published = child(mode="hang@3", steps=6)
     with Running(sup) as run:
         wait_for(lambda: events_of(child.log, "hang"), what="the hang")
@@ -168,9 +169,33 @@ def test_evict_then_restart_relaunches_without_the_machine(child):
         orders.put(planned("restart", onset=sup.clock() - 1, exclude_nodes=["n3"]))
         assert run.join() == 0
     starts = events_of(child.log, "start")
-    assert [s["exclude"] for s in starts] == [None, "n3"]
-    assert [(a.op, a.status) for a in acks(published)] == [("evict", "done"),
-                                                           ("restart", "done")]
+    assert [s["exclude"] for s in starts] == [None, "n3"]  # told, for its information
+    [evict, restart] = acks(published)
+    assert (evict.op, evict.status, evict.code) == ("evict", "not_applicable", "cannot_exclude")
+    assert evict.reason.startswith("trainguard run starts python")
+    assert "cannot keep the job off n3; nothing was excluded" in evict.reason
+    assert (restart.op, restart.status) == ("restart", "done")  # that one relaunched
+
+
+def test_an_srun_command_is_relaunched_off_the_evicted_machines(child, tmp_path):
+    """Inside a Slurm allocation the command is an srun: relaunches get --exclude (the
+    allocation's other nodes are the spares). A stand-in srun records its argv."""
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/srun.argv\n"
+                    "while [ \"${1#-}\" != \"$1\" ]; do shift; done\nexec \"$@\"\n")
+    srun.chmod(0o755)
+    sup, orders, published = child(mode="hang@3", steps=6, launcher=[str(srun), "-N2"])
+    with Running(sup) as run:
+        wait_for(lambda: events_of(child.log, "hang"), what="the hang")
+        orders.put(planned("evict", nodes=["tg2"], exclude_nodes=["tg2"]))
+        orders.put(planned("restart", onset=sup.clock() - 1, exclude_nodes=["tg2"]))
+        assert run.join() == 0
+    [evict] = acks(published, op="evict")
+    assert (evict.status, evict.code) == ("done", "excluded")
+    assert "srun --exclude=tg2" in evict.reason
+    launches = (tmp_path / "srun.argv").read_text().splitlines()
+    assert [line.split()[0] for line in launches] == ["-N2", "--exclude=tg2"]
 
 
 def test_rollback_passes_the_step(child):
@@ -179,7 +204,8 @@ def test_rollback_passes_the_step(child):
         wait_for(lambda: events_of(child.log, "hang"), what="the hang")
         orders.put(planned("rollback", rollback_step=1, onset=sup.clock()))
         assert run.join() == 0
-    assert events_of(child.log, "start")[1]["rollback"] == "1"
+    start = events_of(child.log, "start")[1]
+    assert start["rollback"] == "1" and start["resume_step"] == "1"
 
 
 def test_restart_for_an_incident_older_than_the_launch_is_already_satisfied(child):

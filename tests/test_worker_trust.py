@@ -298,3 +298,38 @@ def test_a_month_old_recording_replayed_is_judged_not_dead_lettered(worker_env, 
                           "the nan of the old recording", worker=worker)
     assert nan[0].ranks == [3] and nan[0].step == 6
     assert worker.metrics()["trainguard_time_rejected_total"] == before
+
+
+def test_the_worker_learns_from_a_false_alarm_on_the_actions_topic(worker_env):
+    """Issue 10 point 6, live: after the action service's false-alarm record (a 45 s pause
+    between steps was no hang), the same job pausing 30 s (beyond the 20 s step timeout it
+    had) is not reported; the record is counted as learned."""
+    config, worker, reader = worker_env
+    job = f"learn-{uuid.uuid4().hex[:6]}"
+    before = worker.metrics()["trainguard_false_alarms_learned_total"]
+    start = time.time()
+    step = 0
+    while time.time() - start < 8.0:               # 0.5 s steps: a 20 s step timeout
+        produce(config, [ev.Step(job=job, ts=time.time(), node="n0", rank=r, step=step,
+                                 step_time=0.5, compute_time=0.4, loss=2.0) for r in range(2)])
+        step += 1
+        time.sleep(0.5)
+    record = ev.Action(job=job, ts=time.time(), incident="inc-x", action="none",
+                       status="rate_limited", reason="false_alarm: moved on",
+                       targets={"job": job, "false_alarm": {"kind": "hang", "phase": None,
+                                                            "stalled_s": 45.0}},
+                       extra={"code": "false_alarm", "action_id": uuid.uuid4().hex})
+    producer = Producer(config.kafka())
+    producer.produce(config.topics.actions, ev.encode(record), job.encode())
+    assert producer.flush(15) == 0
+    worker.wait_until(lambda m: m["trainguard_false_alarms_learned_total"] >= before + 1,
+                      "the false alarm learned")
+    pause = time.time()
+    while time.time() - pause < 32.0:              # heartbeats only, the phase unchanged
+        produce(config, [ev.Heartbeat(job=job, ts=time.time(), node="n0", rank=r, pid=10 + r,
+                                      step=step - 1, phase="data", phase_since=pause)
+                         for r in range(2)])
+        reader.poll(1.0)
+    assert [a.kind for a in reader.anomalies(job)] == []
+    produce(config, [ev.Step(job=job, ts=time.time(), node="n0", rank=r, step=step,
+                             step_time=30.0, loss=2.0) for r in range(2)])

@@ -48,7 +48,6 @@ import hashlib
 import json
 import os
 import signal as _signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from .collectors.nodename import node_name
 from .errors import UserError
 
 __all__ = ["ChaosError", "ChaosInjectedError", "Fault", "Chaos", "parse", "load",
@@ -501,7 +501,7 @@ def from_env(rank: int | None = None, *, node: str | None = None, local_rank: in
     if not state and env.get("TORCHELASTIC_RUN_ID"):
         state = os.path.join(tempfile.gettempdir(), f"trainguard-chaos-{env['TORCHELASTIC_RUN_ID']}")
     return Chaos(faults, rank=int(env.get("RANK", 0)) if rank is None else rank,
-                 node=node or env.get("TRAINGUARD_NODE") or socket.gethostname(),
+                 node=node or env.get("TRAINGUARD_NODE") or node_name(env),
                  local_rank=int(env.get("LOCAL_RANK", 0)) if local_rank is None else local_rank,
                  state_dir=state or None, log_path=env.get("TRAINGUARD_CHAOS_LOG") or None,
                  kmsg_path=kmsg)

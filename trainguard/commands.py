@@ -46,7 +46,8 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     actions.set_defaults(func=delegate(".actions.service"))
 
     agent = sub.add_parser("agent", help="the node agent of this machine")
-    agent.add_argument("--node", default=None, help="this machine's name (default: hostname)")
+    agent.add_argument("--node", default=None, help="this machine's name (default: SLURMD_NODENAME, NODE_NAME, else "
+                       "the host name)")
     agent.add_argument("--job", default=None,
                        help="job id for GPU and Xid events (default: every job seen locally)")
     agent.add_argument("--interval", type=float, default=1.0, help="GPU sample period, seconds")

@@ -287,6 +287,9 @@ def _policy_keys() -> list[Key]:
 _POLICY_HELP = {
     "crash_repeats": "crashes of one rank within crash_window_s that make it 'repeated'",
     "crash_window_s": "window of crash_repeats",
+    "repeat_count": "incidents of one kind in a job within repeat_window_s that make "
+                    "rollback_if_repeated roll back",
+    "repeat_window_s": "window of repeat_count",
     "max_suspect_fraction": "never evict more than this fraction of the job's machines",
     "straggler_persist_s": "a straggler slow this long is 'persistent'",
     "straggler_min_slowdown": "... and at least this much slower than its peers",

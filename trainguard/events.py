@@ -42,10 +42,10 @@ __all__ = [
 VERSION = 1
 JOB_PATTERN = r"[A-Za-z0-9._-]{1,128}"
 ANOMALY_KINDS = ("nan", "loss_spike", "grad_spike", "straggler", "throughput_drop", "hang",
-                 "gpu_fault", "gpu_degraded", "crash", "silent")
+                 "gpu_fault", "gpu_degraded", "crash", "silent", "data_position")
 SEVERITIES = ("info", "warning", "critical")
 ACTIONS = ("alert", "capture_stacks", "restart", "evict", "rollback", "none")
-ACTION_STATUSES = ("planned", "done", "failed", "dry_run", "rate_limited")
+ACTION_STATUSES = ("planned", "done", "failed", "dry_run", "rate_limited", "not_applicable")
 ORDER_OPS = ("restart", "evict", "rollback", "stop")
 ACK_STATUSES = ("done", "failed", "already_satisfied", "not_applicable", "rejected")
 #: the optional signature fields of orders, acks and commands (trainguard/signing.py)

@@ -6,7 +6,7 @@ says which drivers have been run against a real system.
 
 >>> d = build_driver({"type": "slurm", "dry_run": True})
 >>> [c.describe() for c in d.restart("77", exclude_nodes=["n9"])][1]
-'scontrol update JobId=77 ExcNodeList=n9'
+'scontrol update JobId=77 ExcNodeList=n9 StartTime=now'
 >>> isinstance(d, RecoveryDriver)
 True
 """

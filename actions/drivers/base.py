@@ -4,7 +4,8 @@ Every driver answers two requests and returns the calls it made, in order, or in
 mode the calls it would make:
 
 - ``restart(job_ref, exclude_nodes=())``: bring the job back, keeping it off those machines;
-- ``evict(nodes)``: take those machines out of service for the job.
+- ``evict(nodes, reason=None)``: take those machines out of service for the job (``reason``,
+  one line, says why where the cluster keeps a reason: naming the incident).
 
 A failing call ends the sequence: the list then ends with that call, ``status="failed"``,
 and nothing after it was run. Drivers never raise for an API or command failure; they raise
@@ -69,9 +70,10 @@ class DriverCall:
 class RecoveryDriver(Protocol):
     """What the action service calls; the local ``trainguard run`` supervisor fits it too."""
 
-    def restart(self, job_ref: str, exclude_nodes: Iterable[str] = ()) -> list[DriverCall]: ...
+    def restart(self, job_ref: str, exclude_nodes: Iterable[str] = (),
+                resume_step: int | None = None) -> list[DriverCall]: ...
 
-    def evict(self, nodes: Iterable[str]) -> list[DriverCall]: ...
+    def evict(self, nodes: Iterable[str], reason: str | None = None) -> list[DriverCall]: ...
 
 
 def calls_ok(calls: Iterable[DriverCall]) -> bool:

@@ -39,6 +39,7 @@ from .base import DriverCall, check_names, cut
 __all__ = ["KubernetesDriver", "load_core_api", "CORDON"]
 
 CORDON = {"spec": {"unschedulable": True}}
+REASON_ANNOTATION = "trainguard.io/evict-reason"
 NODE_NAME = re.compile(r"[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?")
 LABEL_VALUE = re.compile(r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 LABEL_KEY = re.compile(r"(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?"
@@ -102,14 +103,21 @@ class KubernetesDriver:
         return self._api
 
     # ----------------------------------------------------------------- the interface
-    def evict(self, nodes: Iterable[str]) -> list[DriverCall]:
+    def evict(self, nodes: Iterable[str], reason: str | None = None) -> list[DriverCall]:
+        """Cordon ``nodes``; a ``reason`` goes into the node annotation
+        ``trainguard.io/evict-reason`` (a cordon has no reason field of its own)."""
+        body = CORDON if not reason else {**CORDON, "metadata": {
+            "annotations": {REASON_ANNOTATION: reason[:1000]}}}
         calls: list[DriverCall] = []
         for node in check_names(nodes, NODE_NAME, "node", "a Kubernetes node name"):
-            if not self._call(calls, "cordon", "patch_node", name=node, body=CORDON):
+            if not self._call(calls, "cordon", "patch_node", name=node, body=body):
                 break
         return calls
 
-    def restart(self, job_ref: str, exclude_nodes: Iterable[str] = ()) -> list[DriverCall]:
+    def restart(self, job_ref: str, exclude_nodes: Iterable[str] = (),
+                resume_step: int | None = None) -> list[DriverCall]:
+        """``resume_step`` is not passed on: the recreated pods get their spec's
+        environment (the step is in the action record)."""
         [job] = check_names([job_ref], LABEL_VALUE, "job", "a Kubernetes label value")
         calls = self.evict(exclude_nodes)
         if calls and calls[-1].status == "failed":
