@@ -5,8 +5,9 @@
 expected rank answered, or a deadline. With ``rounds > 1`` the capture is repeated
 ``interval_s`` apart: a rank whose main-thread stack changed between rounds is *moving*,
 one whose stack stayed the same is *stuck*. :func:`localize` hands the latest stack of each
-rank to the stack analysis (``trainguard.actions.stacks``) and maps its suspects to machines
-and parallel groups. The event source is injected, so a list of events stands in for Kafka:
+rank to the stack analysis (``trainguard.diagnosis.stacks``) and maps its suspects to machines
+and parallel groups. The event source is injected (tests use a list of events and a clock
+they move, ``tests/fakes.py``); here, the replies of one round:
 
 >>> def stack(rank, cid, fn):
 ...     frames = [{"function": fn, "file": "train.py", "line": 1},
@@ -14,12 +15,7 @@ and parallel groups. The event source is injected, so a list of events stands in
 ...     return ev.Stack(job="j1", ts=1.0, node=f"n{rank // 2}", rank=rank, capture_id=cid,
 ...                     pid=100 + rank, method="py-spy",
 ...                     threads=[{"name": "MainThread", "id": 1, "frames": frames}])
->>> clock = FakeClock()
->>> replies = [stack(r, "c1", "load_batch" if r == 2 else "all_reduce") for r in range(4)]
->>> got = StackGatherer(source=ListSource(replies, clock), clock=clock).gather(
-...     "j1", "c1", expected={0, 1, 2, 3}, deadline_s=5.0)
->>> sorted(got)
-[0, 1, 2, 3]
+>>> got = {r: stack(r, "c1", "load_batch" if r == 2 else "all_reduce") for r in range(4)}
 >>> loc = localize(CaptureResult(job="j1", capture_ids=["c1"], rounds=[got]),
 ...               JobInfo(world_size=4))
 >>> loc["suspects"], loc["nodes"]
@@ -36,10 +32,10 @@ from typing import Callable, Generator, Iterable, Protocol
 
 from trainguard import events as ev
 from trainguard.actions.policy import CaptureSettings
-from trainguard.actions.stacks import analyze_threads, frame_key, map_suspects, render_tree_text
+from trainguard.diagnosis.stacks import analyze_threads, frame_key, map_suspects, render_tree_text
 from trainguard.actions.waits import Pause, drive
 
-__all__ = ["EventSource", "ListSource", "FakeClock", "StackGatherer", "StackCapture",
+__all__ = ["EventSource", "StackGatherer", "StackCapture",
            "AwaitStacks", "CaptureResult", "JobInfo", "JobDirectory", "localize", "main_signature"]
 
 
@@ -47,39 +43,6 @@ class EventSource(Protocol):
     """Where events come from: the next decoded event within ``timeout`` seconds, or None."""
 
     def poll(self, timeout: float) -> ev.Event | None: ...
-
-
-class FakeClock:
-    """A clock for tests: ``clock()`` reads it, ``sleep(s)`` and ``advance(s)`` move it."""
-
-    def __init__(self, start: float = 1000.0):
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-    sleep = advance
-
-
-class ListSource:
-    """Events from a list, in order; once empty, ``poll`` lets ``clock`` run for ``timeout``."""
-
-    def __init__(self, events: Iterable[ev.Event] = (), clock: FakeClock | None = None):
-        self.events = list(events)
-        self.clock = clock
-
-    def add(self, *events: ev.Event) -> None:
-        self.events.extend(events)
-
-    def poll(self, timeout: float) -> ev.Event | None:
-        if self.events:
-            return self.events.pop(0)
-        if self.clock is not None:
-            self.clock.advance(timeout)
-        return None
 
 
 class StackGatherer:

@@ -8,15 +8,15 @@ and :meth:`~trainguard.actions.pipeline.Pipeline.process`), or :meth:`poll` (nev
 (:mod:`trainguard.actions.scheduler`) park thousands of waiting anomalies and go on with
 others.
 
->>> from trainguard.actions.capture import FakeClock
->>> clock = FakeClock(100.0)
+>>> now = [100.0]                         # a clock the example moves by hand
+>>> clock, sleep = (lambda: now[0]), (lambda s: now.__setitem__(0, now[0] + s))
 >>> def stage():
-...     yield Pause(2.0, clock=clock, sleep=clock.sleep)
+...     yield Pause(2.0, clock=clock, sleep=sleep)
 ...     return "done at %g" % clock()
 >>> drive(stage())
 'done at 102'
->>> pause = Pause(5.0, clock=clock, sleep=clock.sleep)
->>> pause.poll(), clock.advance(5.0), pause.poll()
+>>> pause = Pause(5.0, clock=clock, sleep=sleep)
+>>> pause.poll(), sleep(5.0), pause.poll()
 ((False, None), None, (True, None))
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ the resume, for a hang and a crash of a real 4-rank torchrun (gloo, CPU) job.
 
 Everything runs for real on this machine: a Kafka broker (``$TRAINGUARD_BOOTSTRAP``, else one
 started here), ``trainguard worker``, ``agent`` and ``actions``, and ``examples/train.py``
-under ``trainguard run`` with a fault from ``trainguard.chaos``:
+under ``trainguard run`` with a fault from ``trainguard.apps.chaos``:
 
 - hang: ``hang@step=25,rank=2`` (rank 2 blocks in its data loading for ever);
 - crash: ``crash@step=25,rank=1`` (rank 1 SIGKILLs itself).
@@ -57,7 +57,7 @@ def _pieces() -> list[str]:
 
     missing = []
     for module in ("trainguard.streams.worker", "trainguard.collectors.agent",
-                   "trainguard.collectors.api", "trainguard.chaos", "trainguard.actions.stacks",
+                   "trainguard.collectors.api", "trainguard.apps.chaos", "trainguard.diagnosis.stacks",
                    "trainguard.detectors.correlate"):
         try:
             importlib.import_module(module)

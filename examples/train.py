@@ -25,7 +25,7 @@ checkpoint directory starts a new run. Batches are a function of (seed, step, ra
 resumed run sees the same data it would have seen; each step reports ``samples``, the rank's
 data position, so trainguard can check that a restart neither repeats nor skips data.
 
-Chaos: faults from ``TRAINGUARD_CHAOS`` are injected by ``trainguard.chaos`` (see
+Chaos: faults from ``TRAINGUARD_CHAOS`` are injected by ``trainguard.apps.chaos`` (see
 docs/CHAOS.md); each fires once per run, tracked in ``<checkpoint dir>/chaos-state`` unless
 ``TRAINGUARD_CHAOS_STATE`` says otherwise.
 """
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard
-import trainguard.chaos
+import trainguard.apps.chaos
 
 
 def parse_args(argv=None):
@@ -149,7 +149,7 @@ def main(argv=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     tg = trainguard.init(job=args.job)
     ckpt_dir = Path(args.checkpoint_dir)
-    chaos = trainguard.chaos.from_env(rank=rank, node=tg.settings.node,
+    chaos = trainguard.apps.chaos.from_env(rank=rank, node=tg.settings.node,
                                       default_state_dir=ckpt_dir / "chaos-state")
     log = (lambda msg: print(f"[train] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
 

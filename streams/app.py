@@ -3,7 +3,7 @@
 Declared by :func:`make_app` (names depend on the prefix and id of the run):
 
 - topic ``<app>-summaries`` (raw bytes, keyed by job): per-rank summaries, from
-  :mod:`~trainguard.streams.ranks`;
+  :mod:`~trainguard.streams.rank_side`;
 - agent ``jobs`` (``concurrency=1``): one ``JobStage`` per job, anomalies to
   ``<prefix>.anomalies`` as ``ev.encode(anomaly)`` keyed by job;
 - table ``job-state`` (changelog ``<app>-job-state-changelog``, compacted): pickled job

@@ -8,7 +8,7 @@ value)`` into summary items per job and dead-letter records, through one ``RankS
 and runs ``advance(now)``. Both keep their stages in *slots* that remember where their
 input came from, so that after a restore from a snapshot, input the snapshot already
 covered is skipped instead of applied twice (the consumer's committed offset never passes a
-snapshot, see :mod:`trainguard.streams.ranks`). Snapshots are ``(key, partition, blob)``:
+snapshot, see :mod:`trainguard.streams.rank_side`). Snapshots are ``(key, partition, blob)``:
 ``blob`` is the data-only encoding of the slot (:mod:`.snapshots`), ``None`` a tombstone
 for a slot idle longer than ``idle_ttl_s``. Slots idle ``evict_idle_s``, or beyond
 ``max_live``, leave memory for a blob, and come back when their key has input again.

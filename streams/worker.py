@@ -77,7 +77,7 @@ def build(settings: WorkerSettings, config: Config, detector_config=None, keys=N
     from .gc_schedule import ScheduledCollection
     from .metrics import Metrics
     from .processors import JobProcessor, RankProcessor
-    from .ranks import RankService
+    from trainguard.streams.rank_side import RankService
     from .settings import ensure_topics, faust_credentials
     from trainguard.overrides import OverrideBook
 

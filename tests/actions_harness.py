@@ -152,7 +152,7 @@ class Procs:
 
 def _signal_tree(proc: subprocess.Popen, sig: int) -> None:
     """Signal ``timeout``'s child too (``timeout`` passes TERM on, not KILL)."""
-    from trainguard.actions.supervisor import descendants
+    from trainguard.launcher.supervisor import descendants
 
     pids = [proc.pid, *descendants(proc.pid)] if sig == signal.SIGKILL else [proc.pid]
     for pid in pids:

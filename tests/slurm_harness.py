@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.actions.supervisor import descendants as _descendants
+from trainguard.launcher.supervisor import descendants as _descendants
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "srun", "scancel")
 PATHS = {name: shutil.which(name) or (f"/usr/sbin/{name}" if Path(f"/usr/sbin/{name}").exists()

@@ -11,7 +11,7 @@ uses its own rendezvous port, derived from the job id and restart count (Slurm's
 ``launcher="trainguard-run"`` puts ``trainguard run`` inside the allocation instead, its
 command an ``srun`` over ``nodes`` of the allocation's nodes: the allocation's other nodes are
 warm spares, and ``trainguard run`` relaunches the ``srun`` with ``--exclude`` of the machines
-the action service evicted (see actions/supervisor.py).
+the action service evicted (see launcher/supervisor.py).
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
     status, ack_status, reason)``, ``ack_status`` None where no order was acked)."""
     from actions_harness import Collector, Deployment, wait_for
 
-    from trainguard.chaos import xid_line
+    from trainguard.apps.chaos import xid_line
     from trainguard.signing import KEY_ENV, generate_key
 
     job = f"xid-{how}"

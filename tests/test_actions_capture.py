@@ -1,8 +1,10 @@
 """Stack capture orchestration: the gatherer on a list of events, rounds, localization."""
 from trainguard import events as ev
-from trainguard.actions.capture import (CaptureResult, FakeClock, JobDirectory, JobInfo,
-                                        ListSource, StackCapture, StackGatherer, localize)
+from trainguard.actions.capture import (CaptureResult, JobDirectory, JobInfo, StackCapture,
+                                        StackGatherer, localize)
 from trainguard.actions.policy import CaptureSettings
+
+from fakes import FakeClock, ListSource
 
 
 def stack(rank, cid, fn="all_reduce", node="n0", job="j1", error=None):

@@ -4,12 +4,14 @@ restarted as before. Without Kafka: the job's steps come to a JobProgress by han
 import pytest
 
 from trainguard import events as ev
-from trainguard.actions.capture import FakeClock, ListSource, StackCapture, StackGatherer
+from trainguard.actions.capture import StackCapture, StackGatherer
 from trainguard.actions.confirm import JobProgress, false_alarm_of
 from trainguard.actions.pipeline import ListRecorder, build_pipeline
 from trainguard.actions.policy import CaptureSettings, Policy
 from trainguard.actions.state import ServiceState
 from trainguard.detectors.correlate import Correlator
+
+from fakes import FakeClock, ListSource
 
 T0 = 1_764_680_000.0
 

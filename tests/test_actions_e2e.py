@@ -1,5 +1,5 @@
 """End to end: a real 4-rank torchrun (gloo) job under ``trainguard run``, with ``trainguard
-worker``, ``agent`` and ``actions`` running, faults from ``trainguard.chaos``.
+worker``, ``agent`` and ``actions`` running, faults from ``trainguard.apps.chaos``.
 
 Each scenario takes about a minute on two cores; they run with ``TRAINGUARD_E2E=1``, which
 ``make test`` sets (``TRAINGUARD_E2E=0 make test`` leaves them out).

@@ -5,8 +5,7 @@ import pytest
 
 from trainguard import events as ev
 from trainguard.actions.alerts import SendResult
-from trainguard.actions.capture import (FakeClock, JobDirectory, ListSource, StackCapture,
-                                        StackGatherer)
+from trainguard.actions.capture import JobDirectory, StackCapture, StackGatherer
 from trainguard.actions.order_desk import OrderDesk
 from trainguard.actions.orders import ack_of
 from trainguard.actions.pipeline import (Dedup, ListRecorder, Work, action_event, apply_limits,
@@ -14,6 +13,8 @@ from trainguard.actions.pipeline import (Dedup, ListRecorder, Work, action_event
 from trainguard.actions.policy import CaptureSettings, Decision, Limits, Policy
 from trainguard.actions.state import ServiceState
 from trainguard.detectors.correlate import Correlator
+
+from fakes import FakeClock, ListSource
 
 T0 = 1_764_680_000.0
 

@@ -1,4 +1,4 @@
-"""trainguard.chaos: the schedule parser, the hooks, and once-per-job-run semantics."""
+"""trainguard.apps.chaos: the schedule parser, the hooks, and once-per-job-run semantics."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ import traceback
 
 import pytest
 
-from trainguard import chaos
-from trainguard.chaos import Chaos, ChaosError, ChaosInjectedError, parse
+from trainguard.apps import chaos
+from trainguard.apps.chaos import Chaos, ChaosError, ChaosInjectedError, parse
 from trainguard.errors import UserError
 
 DEMO = ("nan@step=30,rank=1;straggler@step=40-80,rank=2,factor=1.5;hang@step=120,rank=2;"
@@ -99,10 +99,10 @@ def test_error_names_the_fault():
 
 
 def test_cli_checks_a_schedule(tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "trainguard.chaos", DEMO], capture_output=True,
+    ok = subprocess.run([sys.executable, "-m", "trainguard.apps.chaos", DEMO], capture_output=True,
                         text=True, timeout=60)
     assert ok.returncode == 0 and "3-hang" in ok.stdout and "hang@step=120,rank=2" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "trainguard.chaos", "hang@step=1"],
+    bad = subprocess.run([sys.executable, "-m", "trainguard.apps.chaos", "hang@step=1"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stderr.startswith("error: chaos fault 1")
 

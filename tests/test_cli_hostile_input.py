@@ -19,7 +19,7 @@ from http_receiver import HttpReceiver
 from test_alerts import message
 
 from trainguard.actions.alerts import AlertConfigError, Delivery, WebhookSink, build_sinks
-from trainguard.actions.flight_recorder import analyze_dir, check_plain_data, load_dump
+from trainguard.diagnosis.flight_recorder import analyze_dir, check_plain_data, load_dump
 from trainguard.cli import main
 from trainguard.config import Config, ConfigError, _OncePerText
 
@@ -77,7 +77,7 @@ def test_shared_but_small_data_is_fine():
 
 
 def test_an_oversized_dump_is_refused_without_reading_it(tmp_path, monkeypatch):
-    import trainguard.actions.flight_recorder as fr
+    import trainguard.diagnosis.flight_recorder as fr
 
     monkeypatch.setattr(fr, "MAX_DUMP_BYTES", 100)
     path = tmp_path / "rank_0"

@@ -1,4 +1,4 @@
-"""Flight Recorder dump analysis (trainguard.actions.flight_recorder)."""
+"""Flight Recorder dump analysis (trainguard.diagnosis.flight_recorder)."""
 from __future__ import annotations
 
 import io
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.actions import flight_recorder as fr
-from trainguard.actions.flight_recorder import (UnsafePickleError, analyze_dir, analyze_dumps,
+from trainguard.diagnosis import flight_recorder as fr
+from trainguard.diagnosis.flight_recorder import (UnsafePickleError, analyze_dir, analyze_dumps,
                                                 load_dump)
 
 LOCK_GIL = Path(__file__).resolve().parents[2] / "shared" / "data" / "flight-recorder" / "lock_gil_1st"
@@ -54,7 +54,7 @@ def test_lock_gil_1st_suspects_are_the_injected_ranks(lock_gil):
 
 
 def test_megatron_layout_of_map_suspects_matches_the_real_groups(lock_gil):
-    from trainguard.actions.stacks import map_suspects
+    from trainguard.diagnosis.stacks import map_suspects
     r = analyze_dir(lock_gil)
     m = map_suspects(r["suspects"], {k: f"node{k // 8}" for k in range(16)},
                      {"tp": 4, "dp": 2, "pp": 2}, 16)

@@ -262,7 +262,7 @@ def test_instrument_waits_for_training_outside_torchrun(tmp_path):
 
 
 def test_supervisor_passes_the_instrument_environment():
-    from trainguard.actions.supervisor import Supervisor
+    from trainguard.launcher.supervisor import Supervisor
     from trainguard.integrations.instrument import SITE_DIR
 
     sup = Supervisor(job="j", cmd=["true"], environ={"PYTHONPATH": "/x"}, instrument=True)

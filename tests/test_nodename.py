@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from trainguard.actions.supervisor import Supervisor
+from trainguard.launcher.supervisor import Supervisor
 from trainguard.collectors.nodename import node_name
 
 

@@ -1,4 +1,4 @@
-"""trainguard.report: the HTML incident report, as text and rendered by headless Chromium."""
+"""trainguard.apps.report: the HTML incident report, as text and rendered by headless Chromium."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainguard import events as ev
-from trainguard.report import render_report, write_report
+from trainguard.apps.report import render_report, write_report
 
 T0 = 1764680000.0
 STACKS = Path(__file__).parent / "data" / "stacks" / "pyspy_hang"
@@ -56,7 +56,7 @@ def sample():
     actions = [ev.to_dict(ev.Action(job="demo", ts=T0 + 25, incident="a3", action=a,
                                     targets={"ranks": [2]}, status="done", reason="hang"))
                for a in ("capture_stacks", "restart")]
-    from trainguard.actions.stacks import analyze_dir
+    from trainguard.diagnosis.stacks import analyze_dir
 
     capture = dict(analyze_dir(STACKS), capture_id="cap-a3", ts=T0 + 25)
     faults = [{"kind": "hang", "ranks": [2], "injected_ts": T0 + 13.2, "detected_ts": T0 + 24,

@@ -1,5 +1,5 @@
 """The demo's scorecard: ETTR and per-fault outcomes from recorded facts."""
-from trainguard.scorecard import ettr, kept_steps, outcomes, projected_ettr
+from trainguard.apps.scorecard import ettr, kept_steps, outcomes, projected_ettr
 
 
 def test_redone_steps_are_lost():

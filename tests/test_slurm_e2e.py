@@ -16,7 +16,7 @@ from slurm_harness import skip_reason, slurm  # noqa: F401  (the fixture)
 from slurm_jobs import train_script, xid_recovery
 from test_slurm_cluster import expand
 
-from trainguard.chaos import xid_line
+from trainguard.apps.chaos import xid_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(skip_reason() is not None,
                                                    reason=skip_reason() or "")]

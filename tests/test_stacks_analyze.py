@@ -1,4 +1,4 @@
-"""Aggregated stack analysis (trainguard.actions.stacks): prefix tree, classes, suspects."""
+"""Aggregated stack analysis (trainguard.diagnosis.stacks): prefix tree, classes, suspects."""
 from __future__ import annotations
 
 import gzip
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainguard.actions import stacks
-from trainguard.actions.stacks import (analyze_dir, analyze_threads, format_ranks, map_suspects,
+from trainguard.diagnosis import stacks
+from trainguard.diagnosis.stacks import (analyze_dir, analyze_threads, format_ranks, map_suspects,
                                        normalize_threads, render_tree_text)
 
 DATA = Path(__file__).resolve().parent / "data" / "stacks"

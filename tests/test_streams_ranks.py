@@ -10,7 +10,7 @@ from trainguard.detectors import RankStage
 from trainguard.streams.logic import decode_summaries
 from trainguard.streams.metrics import Metrics
 from trainguard.streams.processors import RankProcessor
-from trainguard.streams.ranks import RankService
+from trainguard.streams.rank_side import RankService
 from trainguard.streams.settings import WorkerSettings
 from trainguard.streams.worker import WorkerTopics
 

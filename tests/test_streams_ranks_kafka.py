@@ -13,7 +13,7 @@ from trainguard import events as ev
 from trainguard.detectors import RankStage
 from trainguard.streams.metrics import Metrics
 from trainguard.streams.processors import RankProcessor
-from trainguard.streams.ranks import RankService
+from trainguard.streams.rank_side import RankService
 from trainguard.streams.settings import WorkerSettings
 from trainguard.streams.worker import WorkerTopics
 from trainguard.topics import TopicPlan, create_topics

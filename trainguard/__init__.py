@@ -14,10 +14,10 @@ def init(job: str, **kwargs):
 
 
 def __getattr__(name):
-    if name == "chaos":  # `import trainguard` then `trainguard.chaos.from_env(...)` for game days
+    if name == "chaos":  # `import trainguard` then `trainguard.apps.chaos.from_env(...)` for game days
         import importlib
 
-        return importlib.import_module(".chaos", __name__)
+        return importlib.import_module(".apps.chaos", __name__)
     raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
 
 

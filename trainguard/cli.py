@@ -97,10 +97,10 @@ def cmd_analyze(args) -> int:
 
 def write_analysis_report(recording, result: dict, path) -> None:
     """The HTML report of a recording: its events, actions and stack captures, and the incidents."""
-    from .actions.stacks import analyze_threads
+    from trainguard.diagnosis.stacks import analyze_threads
     from .events import to_dict
     from .recording import read_events
-    from .report import write_report
+    from trainguard.apps.report import write_report
 
     events = list(read_events(recording))
     per_capture: dict = {}
@@ -125,13 +125,13 @@ def _print_localization(result: dict, as_json: bool) -> int:
 
 
 def cmd_stacks(args) -> int:
-    from .actions.stacks import analyze_dir
+    from trainguard.diagnosis.stacks import analyze_dir
 
     return _print_localization(analyze_dir(args.dir), args.json)
 
 
 def cmd_fr(args) -> int:
-    from .actions.flight_recorder import analyze_dir
+    from trainguard.diagnosis.flight_recorder import analyze_dir
 
     return _print_localization(analyze_dir(args.dir), args.json)
 

@@ -74,7 +74,7 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command")
     add_kafka_flags(run)
     add_metrics_flags(run, "run")
-    run.set_defaults(func=delegate(".actions.supervisor"))
+    run.set_defaults(func=delegate(".launcher.supervisor"))
 
     record = sub.add_parser("record", help="Kafka topics to a recording")
     record.add_argument("--out", required=True, metavar="FILE",
@@ -104,4 +104,4 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
                       help="skip the plain torchrun baseline")
     demo.add_argument("--out", metavar="DIR", default=None, help="where the report goes")
     add_kafka_flags(demo)
-    demo.set_defaults(func=delegate(".demo"))
+    demo.set_defaults(func=delegate(".apps.demo"))

@@ -36,7 +36,7 @@ import datetime as _dt
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
-from ...ranks import format_ranks
+from trainguard.rank_sets import format_ranks
 
 __all__ = ["AlertMessage", "format_ranks", "json_safe", "as_dict", "STATES"]
 

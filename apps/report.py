@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import events as ev
-from .ranks import format_ranks
+from trainguard import events as ev
+from trainguard.rank_sets import format_ranks
 
 __all__ = ["write_report", "render_report", "format_ranks"]
 

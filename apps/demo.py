@@ -19,12 +19,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, Topics
-from .errors import UserError
-from .scorecard import ettr, kept_steps, outcomes, projected_ettr
-from .services import ServiceSet, tail
-from .topics import TopicPlan, create_topics
-from .up import ensure_broker, kafka_args, start_pipeline
+from trainguard.config import Config, Topics
+from trainguard.errors import UserError
+from trainguard.apps.scorecard import ettr, kept_steps, outcomes, projected_ettr
+from trainguard.services import ServiceSet, tail
+from trainguard.topics import TopicPlan, create_topics
+from trainguard.up import ensure_broker, kafka_args, start_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,13 +110,13 @@ def run_trainguard(plan: DemoPlan, config: Config, out: Path, minutes: float, vi
     run_dir.mkdir(parents=True)
     job = f"demo-{uuid.uuid4().hex[:6]}"
     node = socket.gethostname()
-    from .signing import KEY_ENV, generate_key
+    from trainguard.signing import KEY_ENV, generate_key
 
     env = {**chaos_env(plan, run_dir), "TRAINGUARD_BOOTSTRAP": config.bootstrap,
            "TRAINGUARD_TOPIC_PREFIX": config.topics.prefix,
            "TRAINGUARD_HOME": str(run_dir / "home"),
            KEY_ENV: generate_key()}  # the demo's services sign and check orders and commands
-    from .live import EventTap
+    from trainguard.apps.live import EventTap
 
     tap = EventTap(config, run_dir / "recording.jsonl.gz", job=job)
     tap.start()
@@ -175,7 +175,7 @@ def run_baseline(plan: DemoPlan, out: Path, minutes: float, view) -> dict:
 
 
 def _free_port() -> int:
-    from .broker import free_port
+    from trainguard.broker import free_port
 
     return free_port()
 
@@ -191,7 +191,7 @@ def _interrupt(signum, frame):
 
 
 def main(args, config: Config) -> int:
-    from .live import LiveView
+    from trainguard.apps.live import LiveView
 
     # Ctrl-C, and a SIGTERM from a scheduler, unwind through the ServiceSets, which stop every
     # process the demo started (also when SIGINT was ignored, as in a background job).
@@ -215,7 +215,7 @@ def main(args, config: Config) -> int:
                 baseline = run_baseline(plan, out, args.minutes, view)
     finally:
         if started_broker:
-            from .broker import local_broker
+            from trainguard.broker import local_broker
 
             local_broker(port=int(config.bootstrap.rpartition(":")[2])).stop()
     result = scorecard(ours, baseline, out)
@@ -227,7 +227,7 @@ def main(args, config: Config) -> int:
 
 
 def scorecard(ours: dict, baseline: dict | None, out: Path) -> dict:
-    from .report import write_report
+    from trainguard.apps.report import write_report
 
     faults = ours["faults"]
     loss = mean_loss_per_fault(faults, ours["steps"])

@@ -48,7 +48,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Iterable
-from ..ranks import format_ranks
+from trainguard.rank_sets import format_ranks
 
 __all__ = ["analyze_threads", "analyze_dir", "render_tree_text", "map_suspects",
            "normalize_threads", "load_stack_file", "format_ranks", "rank_from_name",

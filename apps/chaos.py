@@ -4,8 +4,8 @@ Faults are declared in ``TRAINGUARD_CHAOS`` (compact form or JSON) or in a JSON 
 ``TRAINGUARD_CHAOS_FILE``; the training loop calls five hooks, which do nothing when no fault
 is declared::
 
-    import trainguard.chaos
-    chaos = trainguard.chaos.from_env(rank=rank)
+    import trainguard.apps.chaos
+    chaos = trainguard.apps.chaos.from_env(rank=rank)
     for step in range(start, steps):
         chaos.in_data(step)                 # hang: blocks, as a stuck data loader would
         chaos.before_forward(step)          # straggler: sleeps, as a slow GPU would
@@ -33,14 +33,14 @@ restarted from a checkpoint gets past it. **Injection log**: each firing appends
 (``id``, ``kind``, ``spec``, ``ranks``, ``rank``, ``node``, ``step``, ``injected_ts``, ``pid``)
 to ``TRAINGUARD_CHAOS_LOG``. The full reference is docs/CHAOS.md.
 
-Check a schedule with ``python -m trainguard.chaos 'SPEC'``.
+Check a schedule with ``python -m trainguard.apps.chaos 'SPEC'``.
 
 >>> [f.spec for f in parse("nan@step=30,rank=1; straggler@step=40-80,rank=2+3,factor=1.5")]
 ['nan@step=30,rank=1', 'straggler@step=40-80,rank=2+3,factor=1.5']
 >>> parse("hang@step=x,rank=2")
 Traceback (most recent call last):
 ...
-trainguard.chaos.ChaosError: chaos fault 1 'hang@step=x,rank=2': step must be N or A-B (e.g. step=120 or step=40-80), not 'x'
+trainguard.apps.chaos.ChaosError: chaos fault 1 'hang@step=x,rank=2': step must be N or A-B (e.g. step=120 or step=40-80), not 'x'
 """
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .collectors.nodename import node_name
-from .errors import UserError
+from trainguard.collectors.nodename import node_name
+from trainguard.errors import UserError
 
 __all__ = ["ChaosError", "ChaosInjectedError", "Fault", "Chaos", "parse", "load",
            "from_env", "xid_line", "KINDS", "XID_MESSAGES"]
@@ -104,7 +104,7 @@ class Fault:
     >>> Fault(kind="crash", first=5, last=9, ranks=(3,))
     Traceback (most recent call last):
     ...
-    trainguard.chaos.ChaosError: crash fires once: give one step (step=N), not a window
+    trainguard.apps.chaos.ChaosError: crash fires once: give one step (step=N), not a window
     """
 
     kind: str
@@ -443,7 +443,7 @@ class Chaos:
         if self.log_path:
             _append(self.log_path, line)
         if not self.quiet:
-            print(f"[trainguard.chaos] injecting {f.spec} at step {step} on rank {self.rank} "
+            print(f"[trainguard.apps.chaos] injecting {f.spec} at step {step} on rank {self.rank} "
                   f"({self.node})", file=sys.stderr, flush=True)
         return record
 
@@ -509,7 +509,7 @@ def from_env(rank: int | None = None, *, node: str | None = None, local_rank: in
 
 def _main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: python -m trainguard.chaos 'SPEC' | FILE   (check a chaos schedule)")
+        print("usage: python -m trainguard.apps.chaos 'SPEC' | FILE   (check a chaos schedule)")
         return 2
     try:
         faults = load(argv[0]) if os.path.isfile(argv[0]) else parse(argv[0])

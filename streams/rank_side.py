@@ -26,9 +26,9 @@ import uuid
 
 from mode import Service
 
-from .logic import EventTimeAligner
-from .processors import RankOutput, RankProcessor, state_partition
-from .snapshots import StateError
+from trainguard.streams.logic import EventTimeAligner
+from trainguard.streams.processors import RankOutput, RankProcessor, state_partition
+from trainguard.streams.snapshots import StateError
 
 __all__ = ["RankService"]
 

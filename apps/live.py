@@ -7,9 +7,9 @@ import time
 import uuid
 from pathlib import Path
 
-from . import events as ev
-from .config import Config
-from .recording import RecordingWriter
+from trainguard import events as ev
+from trainguard.config import Config
+from trainguard.recording import RecordingWriter
 
 
 class EventTap:
@@ -85,7 +85,7 @@ class EventTap:
             published[incident.id] = d
         if published:
             return sorted(published.values(), key=lambda i: (i["onset_ts"], i["id"]))
-        from .detectors.correlate import Correlator
+        from trainguard.detectors.correlate import Correlator
 
         correlator = Correlator()
         for anomaly in self.of_type("anomaly"):
@@ -94,7 +94,7 @@ class EventTap:
 
     def captures(self) -> list[dict]:
         """The stack analysis of every capture the action service made."""
-        from .actions.stacks import analyze_threads
+        from trainguard.diagnosis.stacks import analyze_threads
 
         by_capture: dict[str, dict[int, list]] = {}
         for stack in self.of_type("stack"):
