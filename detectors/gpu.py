@@ -376,12 +376,13 @@ class GpuDegradedDetector(_GpuDetector):
         on = (n >= self.min_samples and span >= self.window_s / 2
               and throttled >= self.throttle_fraction * n) or (
             window.run >= self.min_samples and ts - window.run_ts >= self.window_s / 4)
-        if on or (node, index, "throttle") in self._active:
+        if self._newly_on(node, index, "throttle", on):
             onset = next((r[0] for r in rows if r[1]), ts)
-            out += self._condition(node, index, "throttle", on, ts, onset,
-                                   f"GPU {index} of {node} throttled by hardware in {throttled} "
-                                   f"of {n} samples ({', '.join(reasons or ()) or 'now clear'})",
-                                   {"throttled_samples": throttled, "samples": n})
+            out.append(self._degraded(node, index, "throttle", ts, onset,
+                                      f"GPU {index} of {node} throttled by hardware in "
+                                      f"{throttled} of {n} samples "
+                                      f"({', '.join(reasons or ()) or 'now clear'})",
+                                      {"throttled_samples": throttled, "samples": n}))
         if not rising:                             # the common case: no counter rose
             if self._active:
                 for name in _COUNTERS:
@@ -400,21 +401,29 @@ class GpuDegradedDetector(_GpuDetector):
                 on = incs >= self.nvlink_increments
             else:
                 on = rise >= self.sbe_increase and incs >= self.sbe_increments
+            if not self._newly_on(node, index, name, on and rise > 0):
+                continue
             onset = next(r[0] for r in rows if r[3][col])
-            out += self._condition(node, index, name, on and rise > 0, ts, onset,
-                                   f"{name} on GPU {index} of {node} rose by {rise} in "
-                                   f"{span:.0f}s ({incs} increases)",
-                                   {"rise": rise, "increases": incs, "span_s": span})
+            out.append(self._degraded(node, index, name, ts, onset,
+                                      f"{name} on GPU {index} of {node} rose by {rise} in "
+                                      f"{span:.0f}s ({incs} increases)",
+                                      {"rise": rise, "increases": incs, "span_s": span}))
         return out
 
-    def _condition(self, node, index, what, on, ts, onset, summary, evidence):
+    def _newly_on(self, node, index, what, on) -> bool:
+        """Whether condition ``what`` of a GPU is to be reported now: it is on and was not
+        (each is reported once until it clears). The finding is built only then: this runs
+        for every GPU of every sample."""
         key = (node, index, what)
         if not on:
             self._active.discard(key)
-            return []
+            return False
         if key in self._active:
-            return []
+            return False
         self._active.add(key)
-        return [self._finding("gpu_degraded", "warning", node, index, ts, summary,
-                              {"condition": what, **evidence},
-                              key=f"{what}:{index}:{onset:.3f}", onset=onset)]
+        return True
+
+    def _degraded(self, node, index, what, ts, onset, summary, evidence) -> Finding:
+        return self._finding("gpu_degraded", "warning", node, index, ts, summary,
+                             {"condition": what, **evidence},
+                             key=f"{what}:{index}:{onset:.3f}", onset=onset)
