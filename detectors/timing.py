@@ -16,12 +16,13 @@ drop is the whole job slower than its own past while no rank stands out.
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 
 from river import stats
 
-from .base import (Detector, Finding, fmt_ranks, is_finite, make_jobstep, median, num,
-                   rank_nodes, whole_nodes)
+from .base import (Detector, Finding, fmt_ranks, make_jobstep, median, num, rank_nodes,
+                   whole_nodes)
 from .view import UsesView
 
 __all__ = ["StragglerDetector", "ThroughputDetector", "PageHinkleyUp", "peer_ratios",
@@ -66,6 +67,9 @@ class PageHinkleyUp:
         return False
 
 
+_value = operator.itemgetter(1)
+
+
 def peer_ratios(times: dict) -> dict:
     """``{rank: compute_time / median of the other ranks' compute_time}``.
 
@@ -75,7 +79,7 @@ def peer_ratios(times: dict) -> dict:
     >>> {r: round(x, 2) for r, x in peer_ratios({0: 1.0, 1: 1.0, 2: 2.0, 3: 2.0}).items()}
     {0: 0.5, 1: 0.5, 2: 2.0, 3: 2.0}
     """
-    order = sorted(times.items(), key=lambda kv: kv[1])
+    order = sorted(times.items(), key=_value)
     values = [v for _, v in order]
     m = len(values) - 1                      # each rank's number of peers
     if m < 1:
@@ -110,8 +114,10 @@ def peer_view(item) -> tuple[dict, dict]:
 def _compute_times(item) -> dict:
     out = {}
     for rank, rec in item["ranks"].items():
-        ct = num(rec.get("compute_time"))
-        if ct is not None and ct >= 0 and is_finite(ct):
+        ct = rec.get("compute_time")
+        if type(ct) is not float:             # a float is the common case: no num() call
+            ct = num(ct)
+        if ct is not None and ct >= 0 and ct - ct == 0:
             out[rank] = ct
     return out
 
@@ -182,10 +188,13 @@ class StragglerDetector(UsesView, Detector):
         step, ts = item["step"], item["ts"]
         qualifying = []
         base_of, log_ratio, warmup = self._base, self._log_ratio, self.warmup
+        history, slow_steps, named, n, k = (self._history, self._slow_steps, self._named,
+                                            self.n, self.k)
+        log, exp, min_excess = math.log, math.exp, self.min_excess_s
         for rank, r in ratios.items():
             if r <= 0:
                 continue
-            rel = math.log(r)               # judge the step, learn the rank's usual share
+            rel = log(r)                    # judge the step, learn the rank's usual share
             base = base_of.get(rank)
             if base is None:
                 base_of[rank] = [rel, 1, r]
@@ -193,27 +202,27 @@ class StragglerDetector(UsesView, Detector):
             else:
                 level, learned, _ = base
                 t = times[rank]
-                slow = learned >= warmup and rel >= log_ratio and t - t / r >= self.min_excess_s
+                slow = learned >= warmup and rel >= log_ratio and t - t / r >= min_excess
                 if learned < warmup:
                     base[0] = level = level + min(rel, log_ratio) / (learned + 1)
                     base[1] = learned + 1
-                    base[2] = math.exp(level)
+                    base[2] = exp(level)
                 elif rel < log_ratio / 2:          # a drift up is not learned: it may grow
                     base[0] = level = level + self.baseline_alpha * rel
-                    base[2] = math.exp(level)
-            hist = self._history.get(rank)
+                    base[2] = exp(level)
+            hist = history.get(rank)
             if hist is None:
-                hist = self._history[rank] = deque(maxlen=self.n)
-            count = self._slow_steps.get(rank, 0)
-            if len(hist) == self.n and hist[0][0]:
+                hist = history[rank] = deque(maxlen=n)
+            count = slow_steps.get(rank, 0)
+            if len(hist) == n and hist[0][0]:
                 count -= 1                        # the oldest slow step leaves the window
             hist.append((slow, step, ts, r))
             count += slow
-            self._slow_steps[rank] = count
-            if rank in self._named:
-                if count <= self.n - self.k:
-                    self._named.discard(rank)
-            elif count >= self.k:
+            slow_steps[rank] = count
+            if rank in named:
+                if count <= n - k:
+                    named.discard(rank)
+            elif count >= k:
                 qualifying.append(rank)
         if not qualifying:
             self._pending = None
@@ -318,8 +327,10 @@ class ThroughputDetector(Detector):
             return []
         times = []
         for rec in item["ranks"].values():
-            t = num(rec.get("step_time"))
-            if t is not None and t > 0 and is_finite(t):
+            t = rec.get("step_time")
+            if type(t) is not float:          # a float is the common case: no num() call
+                t = num(t)
+            if t is not None and t > 0 and t - t == 0:
                 times.append(t)
         if not times:
             return []

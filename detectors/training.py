@@ -61,15 +61,19 @@ class NanDetector(Detector):
         first_ts = math.inf
         late_ranks = self._late_ranks
         for rank, rec in item["ranks"].items():
-            loss, grad = num(rec.get("loss")), num(rec.get("grad_norm"))
-            if loss is not None and not is_finite(loss):
+            loss, grad = rec.get("loss"), rec.get("grad_norm")
+            if type(loss) is not float:       # a float is the common case: no num() call
+                loss = num(loss)
+            if type(grad) is not float:
+                grad = num(grad)
+            if loss is not None and loss - loss != 0:
                 bad_loss.append(rank)
                 first_ts = min(first_ts, rec["ts"])
             elif late_ranks and loss is not None:
                 late_ranks.discard(rank)
             if grad is not None:
                 seen_grad += 1
-                if not is_finite(grad):
+                if grad - grad != 0:
                     bad_grad.append(rank)
                     first_ts = min(first_ts, rec["ts"])
             if rec.get("loss_scale") is not None:
@@ -185,8 +189,11 @@ class SpikeDetector(Detector):
         if type(item) is not dict or item.get("k") != "jobstep":
             return []
         values = []
+        field = self.FIELD
         for rec in item["ranks"].values():
-            x = num(rec.get(self.FIELD))
+            x = rec.get(field)
+            if type(x) is not float:          # a float is the common case: no num() call
+                x = num(x)
             if x is not None and x > 0 and x - x == 0:
                 values.append(x)
         if not values:
