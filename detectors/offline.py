@@ -46,6 +46,7 @@ def analyze_events(events, config: DetectorConfig | None = None,
     update = engine.update
     check = EventTimeFilter(limits).check
     now = None
+    next_advance = engine.next_advance_ts
     types: dict = {}
     jobs: set = set()
     first = None
@@ -68,8 +69,9 @@ def analyze_events(events, config: DetectorConfig | None = None,
         types[kind] = types.get(kind, 0) + 1
         jobs.add(event.job)
         update(event)
-        if now >= engine.next_advance_ts:
+        if now >= next_advance:
             engine.advance(now)
+            next_advance = engine.next_advance_ts
     if now is not None:
         engine.advance(now, force=True)
     summary = {"types": types, "jobs": sorted(jobs), "first_ts": first, "last_ts": now,

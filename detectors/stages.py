@@ -34,7 +34,7 @@ from .config import DetectorConfig
 from .correlate import Correlator
 from .data_position import DataPositionDetector
 from .gpu import GpuDegradedDetector, GpuFaultDetector, Placement
-from .hang import is_allowed_phase
+from .hang import STEP_PHASES
 from .view import LEARNS_FROM, JobView
 from .liveness import CrashDetector, HangDetector, SilentDetector
 from .timing import StragglerDetector, ThroughputDetector
@@ -55,6 +55,8 @@ JOB_DETECTORS = tuple(cls for cls in DETECTORS if cls not in NODE_DETECTORS)
 #: The summary kinds a JobStage passes to detectors as they are (``step`` also goes on to
 #: the step aggregator, whose ``jobstep`` and ``late`` items are routed in turn).
 _SUMMARY_ROUTES = frozenset(("hb", "life", "gpu"))
+#: The event types a RankStage compacts.
+_RANK_EVENTS = frozenset(("step", "heartbeat", "lifecycle"))
 
 
 def routes(detectors) -> dict:
@@ -122,7 +124,8 @@ class RankStage:
                      "samples": (event.extra or {}).get("samples")}]
         if kind == "heartbeat":
             phase = event.phase
-            key = (phase, event.phase_since) if is_allowed_phase(phase) else None
+            allowed = type(phase) is str and phase not in STEP_PHASES   # is_allowed_phase
+            key = (phase, event.phase_since) if allowed else None
             if key == self._hb_key and event.ts - self._hb_ts < self._every:
                 return []
             self._hb_key = key
@@ -347,9 +350,13 @@ class JobStage:
             if k == "step":
                 findings = []
                 for d in self._routes["step"]:
-                    findings += d.update(item)
-                for jobstep in self.steps.add(item):
-                    findings += self._jobstep(jobstep)
+                    found = d.update(item)
+                    if found:
+                        findings += found
+                closed = self.steps.add(item)
+                if closed:
+                    for jobstep in closed:
+                        findings += self._jobstep(jobstep)
                 return self._emit(findings) if findings else []
             if k == "finding":
                 return self._emit([self._named(Finding(**item["finding"]))])
@@ -465,12 +472,13 @@ class Engine:
 
     def update(self, event) -> list[ev.Anomaly]:
         kind = event.TYPE
-        if kind in ("step", "heartbeat", "lifecycle"):
-            if event.rank is None:
+        if kind in _RANK_EVENTS:
+            rank = event.rank
+            if rank is None:
                 if kind == "lifecycle":        # the launcher's (trainguard run's) own
                     return self.job_stage(event.job).update(launcher_summary(event))
                 return []
-            key = (event.job, event.rank)
+            key = (event.job, rank)
             rank_stage = self._ranks.get(key)
             if rank_stage is None:
                 rank_stage = self._ranks[key] = RankStage(self.config)
@@ -478,6 +486,8 @@ class Engine:
             if not summaries:
                 return []
             stage = self._jobs.get(event.job) or self.job_stage(event.job)
+            if len(summaries) == 1:             # what a RankStage gives
+                return stage.update(summaries[0])
             out = []
             for summary in summaries:
                 out += stage.update(summary)
