@@ -95,9 +95,9 @@ def peer_ratios(times: dict) -> dict:
         at = (values[h - 1] + values[h + 1]) / 2
         above = (values[h - 1] + values[h]) / 2
     out = {}
-    for i, (rank, value) in enumerate(order):
-        ref = below if i < h else at if i == h else above
-        out[rank] = value / ref if ref > 0 else 1.0
+    for ref, part in ((below, order[:h]), (at, order[h:h + 1]), (above, order[h + 1:])):
+        for rank, value in part:
+            out[rank] = value / ref if ref > 0 else 1.0
     return out
 
 
