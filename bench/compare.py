@@ -105,8 +105,17 @@ def main() -> int:
         print(f"compare: no benchmark named {args.name!r}", file=sys.stderr)
         return 2
     result = compare(args.name, args.against, args.rounds)
+    import datetime
+    import platform
+
+    from run import _cpu_count, _memory_gib
+
+    stamped = {"bench": f"compare_{args.name}",
+               "date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "machine": f"{platform.node()} {platform.machine()} {_cpu_count()} cores "
+                          f"{_memory_gib():.0f} GiB", "result": result}
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / f"compare_{args.name}.json").write_text(json.dumps(result, indent=2)
+    (HERE / "results" / f"compare_{args.name}.json").write_text(json.dumps(stamped, indent=2)
                                                                 + "\n")
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
