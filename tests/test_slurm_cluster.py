@@ -99,3 +99,33 @@ def test_resubmit_cancels_and_submits_off_the_evicted_node(slurm, tmp_path):
         slurm.cancel_all()
         slurm.resume_nodes([bad])
         slurm.wait_idle()
+
+
+def test_a_rollback_resubmits_with_the_step_to_resume_from(slurm, tmp_path):
+    """Issue 12 point 4 on the real cluster: a rollback's step reaches the resubmitted job as
+    TRAINGUARD_RESUME_STEP (with the restart count), where trainguard.resume_step reads it."""
+    script = tmp_path / "rollback.sh"
+    script.write_text(f"""#!/bin/bash
+echo "${{TRAINGUARD_RESUME_STEP:-none}} ${{TRAINGUARD_RESTART_COUNT:-none}}" \
+    >> {tmp_path}/resume.txt
+trap 'exit 143' TERM
+sleep 600 & wait
+""")
+    script.chmod(0o755)
+    job = slurm.sbatch(script, "-N", "1", "-o", "/dev/null")
+    slurm.wait_job(job, "RUNNING", 30)
+    d = driver(slurm, mode="resubmit", script=str(script), sbatch_args=("-N", "1",
+                                                                         "-o", "/dev/null"))
+    try:
+        calls = d.restart(job, resume_step=40)
+        assert calls_ok(calls), [c.to_dict() for c in calls]
+        slurm.wait_job(calls[1].output, "RUNNING", 40)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and \
+                len((tmp_path / "resume.txt").read_text().splitlines()) < 2:
+            time.sleep(0.2)
+        first, second = (tmp_path / "resume.txt").read_text().splitlines()[:2]
+        assert first == "none none" and second == "40 1"
+    finally:
+        slurm.cancel_all()
+        slurm.wait_idle()
