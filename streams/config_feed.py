@@ -23,6 +23,7 @@ from trainguard.overrides import (Accepted, OverrideBook, audit_action, check_re
                                   topic_ends)
 
 from .deadletter import deadletter_record
+from .feed_client import FeedClient
 
 __all__ = ["ConfigFeed"]
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 MAX_PER_POLL = 500
 
 
-class ConfigFeed:
+class ConfigFeed(FeedClient):
     """See the module docstring. ``processor`` is the job side's ``JobProcessor``;
     ``verifier`` a :class:`~trainguard.signing.Verifier` (its keys None: unsigned records are
     accepted); ``keys`` sign the audit records."""
@@ -166,21 +167,3 @@ class ConfigFeed:
                           self.keys)
             self._produce(self.topics.actions, accepted.job.encode(), ev.encode(action))
         return changes
-
-    def _produce(self, topic, key, value) -> None:
-        try:
-            self.producer.produce(topic, value, key)
-        except BufferError:
-            self.producer.poll(1.0)
-            self.producer.produce(topic, value, key)
-
-    def _count(self, name: str) -> None:
-        if self.metrics is not None:
-            self.metrics.inc(name)
-
-    def close(self) -> None:
-        if self.producer is not None:
-            self.producer.flush(5)
-        if self.consumer is not None:
-            self.consumer.close()
-            self.consumer = None

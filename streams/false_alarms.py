@@ -27,6 +27,7 @@ import uuid
 from trainguard import events as ev
 
 from .deadletter import deadletter_record
+from .feed_client import FeedClient
 
 __all__ = ["FalseAlarmFeed", "learned_from", "MAX_STALLED_S"]
 
@@ -68,7 +69,7 @@ def learned_from(action) -> tuple | None:
     return phase, float(stalled)
 
 
-class FalseAlarmFeed:
+class FalseAlarmFeed(FeedClient):
     """See the module docstring. ``processor`` is the job side's ``JobProcessor``;
     ``verifier`` a :class:`~trainguard.signing.Verifier`."""
 
@@ -146,20 +147,5 @@ class FalseAlarmFeed:
         record = deadletter_record(reason=f"false alarm refused: {reason}",
                                    topic=self.topics.actions, partition=partition,
                                    offset=offset, key=key, raw=value, ts=self.clock())
-        try:
-            self.producer.produce(self.topics.deadletter, record, key)
-        except BufferError:
-            self.producer.poll(1.0)
-            self.producer.produce(self.topics.deadletter, record, key)
+        self._produce(self.topics.deadletter, key, record)
         return False
-
-    def _count(self, name: str) -> None:
-        if self.metrics is not None:
-            self.metrics.inc(name)
-
-    def close(self) -> None:
-        if self.producer is not None:
-            self.producer.flush(5)
-        if self.consumer is not None:
-            self.consumer.close()
-            self.consumer = None
