@@ -122,8 +122,10 @@ def _check_str(w: _Writer, checker: Str, var: str, indent: int) -> None:
     w.emit(indent + 1, f"if len({seen}) < CACHE_LIMIT: {seen}.add({var})")
 
 
-def _fields(w: _Writer, required: dict, optional: dict, target: str, indent: int) -> None:
-    """Check every declared field of a nested object, converting in place."""
+def _fields(w: _Writer, required: dict, optional: dict, target: str, indent: int,
+            defaults: dict | None = None) -> None:
+    """Check every declared field; with ``defaults``, fill in the optional ones that are
+    missing, so that afterwards the dict holds every declared field."""
     for name, checker in required.items():
         w.emit(indent, f"x = {target}.get({name!r}, MISSING)")
         if isinstance(checker, Nullable):
@@ -131,24 +133,12 @@ def _fields(w: _Writer, required: dict, optional: dict, target: str, indent: int
         _check(w, checker, "x", f"{target}[{name!r}]", indent)
     for name, checker in optional.items():
         w.emit(indent, f"x = {target}.get({name!r}, MISSING)")
-        w.emit(indent, "if x is not MISSING:")
+        if defaults is None:
+            w.emit(indent, "if x is not MISSING:")
+        else:
+            w.emit(indent, f"if x is MISSING: {target}[{name!r}] = {defaults[name]}")
+            w.emit(indent, "else:")
         _check(w, checker, "x", f"{target}[{name!r}]", indent + 1)
-
-
-def _event_fields(w: _Writer, required: dict, optional: dict, defaults: dict) -> None:
-    """Check every declared field of an event into a local ``v_NAME`` (converted, or the
-    default of a missing optional one); ``missing`` counts the missing ones."""
-    w.emit(1, "missing = 0")
-    for name, checker in required.items():
-        w.emit(1, f"v_{name} = x = obj.get({name!r}, MISSING)")
-        if isinstance(checker, Nullable):
-            w.emit(1, "if x is MISSING: return None")
-        _check(w, checker, "x", f"v_{name}", 1)
-    for name, checker in optional.items():
-        w.emit(1, f"v_{name} = x = obj.get({name!r}, MISSING)")
-        w.emit(1, f"if x is MISSING: v_{name} = {defaults[name]}; missing += 1")
-        w.emit(1, "else:")
-        _check(w, checker, "x", f"v_{name}", 2)
 
 
 def _compile_object(w: _Writer, checker: Object) -> str:
@@ -167,10 +157,8 @@ def _compile_object(w: _Writer, checker: Object) -> str:
 def compile_type(cls):
     """The fast ``dict -> event or None`` of one event class.
 
-    The event's ``__dict__`` is a new dict whose keys are the interned field names (the
-    parsed dict's keys are orjson's own strings, which defeat the interpreter's attribute
-    caches: every ``event.field`` would be a full lookup). Unknown keys go to ``extra``, as
-    ``from_dict`` does.
+    The dict is consumed: checked, converted and completed in place, it becomes the event's
+    ``__dict__``. Unknown keys move to ``extra``, as ``from_dict`` does.
     """
     from . import events as ev
 
@@ -181,19 +169,21 @@ def compile_type(cls):
                 for name, value in ev._DEFAULTS[cls.TYPE].items()}
     defaults.update({name: f"{w.const(factory, 'FACTORY')}()"
                      for name, factory in ev._FACTORIES[cls.TYPE]})
-    required = {**ev.ENVELOPE, **cls.REQUIRED}
-    optional = {**ev.ENVELOPE_NULLABLE, **cls.OPTIONAL}
     w.emit(0, "def fast(obj):")
-    _event_fields(w, required, optional, defaults)
+    _fields(w, {**ev.ENVELOPE, **cls.REQUIRED}, {**ev.ENVELOPE_NULLABLE, **cls.OPTIONAL},
+            "obj", 1, defaults)
     if cls is ev.Lifecycle:
-        w.emit(1, "if v_event == 'start' and (v_pid is None or v_world_size is None):"
-                  " return None")
-    # Every known key but the missing ones is present: any further key is an unknown one.
-    w.emit(1, f"if len(obj) + missing == {len(known)}: extra = {{}}")
-    w.emit(1, "else: extra = {k: obj[k] for k in obj if k not in KNOWN}")
+        w.emit(1, "if obj['event'] == 'start' and (obj['pid'] is None"
+                  " or obj['world_size'] is None): return None")
+    # Every known key is now present, so any further key is an unknown one.
+    w.emit(1, f"if len(obj) == {len(known)}:")
+    w.emit(2, "del obj['v'], obj['type']")
+    w.emit(2, "obj['extra'] = {}")
+    w.emit(1, "else:")
+    w.emit(2, "del obj['v'], obj['type']")
+    w.emit(2, "obj['extra'] = {k: obj.pop(k) for k in [k for k in obj if k not in KNOWN]}")
     w.emit(1, "event = NEW(CLS)")
-    items = ", ".join(f"{name!r}: v_{name}" for name in (*required, *optional))
-    w.emit(1, f"event.__dict__ = {{{items}, 'extra': extra}}")
+    w.emit(1, "event.__dict__ = obj")
     w.emit(1, "return event")
     source = "\n".join(line for function in (*w.functions, w.lines) for line in function)
     exec(compile(source, f"<trainguard fast decode: {cls.TYPE}>", "exec"), w.namespace)
