@@ -112,19 +112,28 @@ trap 'exit 143' TERM
 sleep 600 & wait
 """)
     script.chmod(0o755)
+    resume = tmp_path / "resume.txt"
+
+    def lines_within(count, seconds):
+        # Slurm shows RUNNING before the batch script has run its first line.
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            found = resume.read_text().splitlines() if resume.exists() else []
+            if len(found) >= count:
+                return found
+            time.sleep(0.2)
+        return resume.read_text().splitlines() if resume.exists() else []
+
     job = slurm.sbatch(script, "-N", "1", "-o", "/dev/null")
     slurm.wait_job(job, "RUNNING", 30)
+    assert len(lines_within(1, 20)) == 1
     d = driver(slurm, mode="resubmit", script=str(script), sbatch_args=("-N", "1",
                                                                          "-o", "/dev/null"))
     try:
         calls = d.restart(job, resume_step=40)
         assert calls_ok(calls), [c.to_dict() for c in calls]
         slurm.wait_job(calls[1].output, "RUNNING", 40)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and \
-                len((tmp_path / "resume.txt").read_text().splitlines()) < 2:
-            time.sleep(0.2)
-        first, second = (tmp_path / "resume.txt").read_text().splitlines()[:2]
+        first, second = lines_within(2, 20)[:2]
         assert first == "none none" and second == "40 1"
     finally:
         slurm.cancel_all()
