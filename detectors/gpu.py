@@ -347,6 +347,7 @@ class GpuDegradedDetector(_GpuDetector):
             return []
         out = []
         ts = item.ts
+        healthy_skip = self.throttle_fraction > 0      # as _judge's first test
         for gpu in item.gpus:
             index = gpu.get("index")
             if index is None or gpu.get("lost"):
@@ -359,6 +360,10 @@ class GpuDegradedDetector(_GpuDetector):
             hw = bool(reasons) and any(r.startswith("hw_") or r == "sw_thermal" for r in reasons)
             window.add(ts, hw, (gpu.get("pcie_replay"), gpu.get("nvlink_errors"),
                                 gpu.get("ecc_sbe")), ts - self.window_s)
+            ups = window.ups
+            if (not window.throttled and healthy_skip and not self._active
+                    and not (ups[0] or ups[1] or ups[2])):
+                continue                           # a healthy GPU: nothing to judge
             out += self._judge(item.node, index, window, ts, reasons)
         return out
 
