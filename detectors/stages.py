@@ -116,11 +116,18 @@ class RankStage:
         kind = event.TYPE
         if kind == "step":
             self._last_step = event.step
+            loss, grad_norm, loss_scale = event.loss, event.grad_norm, event.loss_scale
+            # json_number's test inline: a finite float or None is the common case
+            if loss is not None and loss - loss != 0:
+                loss = json_number(loss)
+            if grad_norm is not None and grad_norm - grad_norm != 0:
+                grad_norm = json_number(grad_norm)
+            if loss_scale is not None and loss_scale - loss_scale != 0:
+                loss_scale = json_number(loss_scale)
             return [{"k": "step", "job": event.job, "rank": event.rank, "node": event.node,
                      "ts": event.ts, "step": event.step, "step_time": event.step_time,
-                     "compute_time": event.compute_time, "loss": json_number(event.loss),
-                     "grad_norm": json_number(event.grad_norm),
-                     "loss_scale": json_number(event.loss_scale),
+                     "compute_time": event.compute_time, "loss": loss,
+                     "grad_norm": grad_norm, "loss_scale": loss_scale,
                      "samples": (event.extra or {}).get("samples")}]
         if kind == "heartbeat":
             phase = event.phase

@@ -350,7 +350,7 @@ class ThroughputDetector(Detector):
         base = self._baseline.get()
         clipped = min(y, base + math.log(self.clip))
         drifted = self._ph.update(clipped - base)
-        recent = sorted(h[0] for h in self._recent)
+        recent = sorted([h[0] for h in self._recent])
         recent_median = recent[len(recent) // 2]
         if not drifted:
             if recent_median - base < math.log(self.ratio):
