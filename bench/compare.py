@@ -146,6 +146,13 @@ def _summary(rounds: list[dict]) -> dict:
     return out
 
 
+def _ratios(now: dict, before: dict) -> dict:
+    """this/earlier of each rate: ``*_per_s`` (wall clock) and ``*_per_worker_cpu_s*`` (per
+    CPU second of the workers, which moves far less on the shared machine)."""
+    return {k: round(now[k] / before[k], 3) for k in now
+            if (k.endswith("_per_s") or "_per_worker_cpu_s" in k) and before.get(k)}
+
+
 def compare(name: str, against: str, rounds: int = 3, settings: dict | None = None) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", against], cwd=REPO, check=True,
                             capture_output=True, text=True).stdout.strip()
@@ -169,8 +176,7 @@ def compare(name: str, against: str, rounds: int = 3, settings: dict | None = No
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=REPO)
     now, before = _summary(mine), _summary(theirs)
-    ratios = {k: round(now[k] / before[k], 3) for k in now
-              if k.endswith("_per_s") and before.get(k)}
+    ratios = _ratios(now, before)
     return {"bench": name, "against": commit, "rounds": rounds, "this": now,
             "earlier": before, "ratio_this_to_earlier": ratios, "imports_checked": checked,
             "settings": settings or {}}
