@@ -13,8 +13,9 @@ import time
 import pytest
 
 from trainguard.collectors import stack_capture
-from trainguard.collectors.stack_capture import (InprocDumper, capture_pid, find_pyspy, inproc_threads,
-                                                 install_inproc_handler, stack_file)
+from trainguard.collectors.stack_capture import (InprocDumper, capture_pid, find_pyspy,
+                                                 inproc_threads, install_inproc_handler,
+                                                 stack_file)
 
 CHILD = r'''
 import os, sys, threading, time, ctypes, importlib.util
