@@ -43,7 +43,7 @@ stream of anomalies.
 """
 from __future__ import annotations
 
-__all__ = ["PRIORITY", "CONSEQUENCES", "Correlator"]
+__all__ = ["PRIORITY", "CONSEQUENCES", "Correlator", "summarize", "incident_id_of"]
 
 #: Root-cause priority, most fundamental first.
 PRIORITY = ("gpu_fault", "nan", "crash", "silent", "gpu_degraded", "straggler", "hang",
@@ -121,9 +121,14 @@ def _linked(x, y) -> bool:
     return False
 
 
+def incident_id_of(anomaly_id: str) -> str:
+    """The id of the incident that an anomaly opens."""
+    return "inc-" + anomaly_id
+
+
 class _Incident:
     def __init__(self, anomaly):
-        self.id = "inc-" + anomaly.id
+        self.id = incident_id_of(anomaly.id)
         self.job = anomaly.job
         self.members = [anomaly]
         self.first = anomaly.onset_ts
@@ -222,3 +227,25 @@ class Correlator:
         """All incidents, open and closed, by onset time."""
         every = [inc.to_dict(self.root_slack_s) for inc in self._closed + self._open]
         return sorted(every, key=lambda i: (i["onset_ts"], i["id"]))
+
+
+def summarize(incident_id: str, members: list, root_slack_s: float = 2.0) -> dict:
+    """The incident dict (as :meth:`Correlator.add` returns) of ``members`` (anomalies of one
+    job, in arrival order) grouped under ``incident_id``: its root kind, suspects, onset and
+    summary, computed from the members alone. The action service summarises a worker's
+    incident this way from the anomalies it received itself.
+
+    >>> from trainguard import events as ev
+    >>> def a(kind, ts, ranks):
+    ...     return ev.Anomaly(job="j", ts=ts, id=f"{kind}-{ts:g}", kind=kind, severity="critical",
+    ...                       ranks=ranks, nodes=[], onset_ts=ts, detected_ts=ts,
+    ...                       detector=kind, summary=f"{kind} at {ts:g}")
+    >>> i = summarize("inc-1", [a("hang", 10.0, []), a("crash", 9.0, [3])])
+    >>> i["id"], i["kind"], i["ranks"], i["anomalies"]
+    ('inc-1', 'crash', [3], ['hang-10', 'crash-9'])
+    """
+    incident = _Incident(members[0])
+    incident.id = incident_id
+    for member in members[1:]:
+        incident.add(member)
+    return incident.to_dict(root_slack_s)
