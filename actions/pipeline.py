@@ -495,18 +495,20 @@ def build_pipeline(*, policy: Policy, state, recorder, capturer=None, directory=
                    notify=None, drivers: dict | None = None, correlator=None,
                    log: Callable[[str], None] | None = None,
                    clock: Callable[[], float] | None = None, orders=None,
-                   progress=None, book=None) -> Pipeline:
+                   progress=None, book=None,
+                   sleep: Callable[[float], None] | None = None) -> Pipeline:
     """The one place where the chain is assembled. ``book`` (an
     :class:`~trainguard.actions.incidents.IncidentBook`) holds the worker's incidents, which
     :class:`~trainguard.actions.incidents.AwaitIncident` waits for and :class:`Correlate`
-    uses; ``correlator`` correlates the anomalies no incident lists. ``orders`` (an
+    uses (``sleep``: how a blocking wait for one sleeps); ``correlator`` correlates the
+    anomalies no incident lists. ``orders`` (an
     :class:`~trainguard.actions.order_desk.OrderDesk`) sends the job actions to ``trainguard
     run`` where no driver carries them out; ``progress`` (a
     :class:`~trainguard.actions.confirm.JobProgress`) is where :class:`Confirm` looks whether
     a stalled job moved on, before and again after the stack capture."""
     record = Record(recorder, state, clock)
     return Pipeline([
-        AwaitIncident(book, clock=clock or time.time),
+        AwaitIncident(book, clock=clock or time.time, sleep=sleep or time.sleep),
         Correlate(correlator, state, directory, policy.limits.restart_settle_s, book=book),
         Dedup(state, policy),
         Confirm(policy, progress, record, when="before_capture", clock=clock),
