@@ -16,6 +16,12 @@ one-machine job every rank shares it). A crash it caused still explains the othe
 hang through ``crash -> hang``. Machines of ranks come from the anomalies' ``nodes`` and
 ``evidence["rank_nodes"]``.
 
+A problem that begins after the job was dealt with is a new one: a hang whose onset (the
+last progress) comes more than :data:`PROGRESS_SLACK_S` after an incident's last detection
+joins none, nor does any anomaly that begins once ranks of the job started again after the
+incident (:meth:`Correlator.relaunched`, told by the job stage: a restart by ``trainguard
+run``, torchrun or a scheduler).
+
 The incident's suspects (``ranks``, ``nodes``) are those of its root-kind members detected
 within ``root_slack_s`` of the root's onset: the first crashed rank, not the ranks torn down
 after it. Its id is taken from the first anomaly that opened it, so it is stable for a given
@@ -40,6 +46,12 @@ stream of anomalies.
 >>> _ = c.add(a("hang", 1150.0, [2], onset=1100.0))  # progress after 1050: a new stall
 >>> [i["kind"] for i in c.incidents()]
 ['gpu_fault', 'hang', 'nan', 'hang']
+>>> _ = c.add(a("crash", 2000.0, [1]))
+>>> _ = c.add(a("crash", 2020.0, [0]))               # one crash leads to the next
+>>> c.relaunched("j", 2030.0)                        # the job was restarted
+>>> _ = c.add(a("crash", 2050.0, [1]))               # a crash after that is a new problem
+>>> [(i["kind"], len(i["anomalies"])) for i in c.incidents()][-2:]
+[('crash', 2), ('crash', 1)]
 """
 from __future__ import annotations
 
@@ -133,6 +145,7 @@ class _Incident:
         self.members = [anomaly]
         self.first = anomaly.onset_ts
         self.last = anomaly.detected_ts
+        self.relaunched = None    # when ranks of the job started again after it, first
 
     def root(self):
         return min(self.members, key=lambda a: (_RANK.get(a.kind, len(_RANK)), a.onset_ts,
@@ -211,6 +224,8 @@ class Correlator:
                 continue
             if anomaly.kind == "hang" and anomaly.onset_ts > inc.last + PROGRESS_SLACK_S:
                 continue     # the job made progress after the incident: a new problem
+            if inc.relaunched is not None and anomaly.onset_ts >= inc.relaunched:
+                continue     # began after the job was relaunched: a new problem
             if not any(_linked(m, anomaly) for m in inc.members):
                 continue
             if best is None or _RANK.get(inc.root().kind, 99) < _RANK.get(best.root().kind, 99):
@@ -222,6 +237,15 @@ class Correlator:
             best.add(anomaly)
         self._by_anomaly[anomaly.id] = best
         return best.to_dict(self.root_slack_s)
+
+    def relaunched(self, job: str, ts: float) -> None:
+        """Ranks of ``job`` started at ``ts`` (a restart, by ``trainguard run``, torchrun or
+        a scheduler): whatever its open incidents detected until then were about was dealt
+        with, so an anomaly that begins from ``ts`` on joins none of them (findings of the
+        old problem that began before still do)."""
+        for inc in self._open:
+            if inc.job == job and inc.relaunched is None and inc.last <= ts:
+                inc.relaunched = ts
 
     def incidents(self) -> list[dict]:
         """All incidents, open and closed, by onset time."""
