@@ -107,7 +107,8 @@ class IncidentBook:
 
     def done_with(self, anomaly_id: str) -> None:
         """The anomaly is taken up: its arrival is no longer needed."""
-        self._arrived.pop(anomaly_id, None)
+        with self._lock:
+            self._arrived.pop(anomaly_id, None)
 
 
 def _trim(table: dict, most: int) -> None:
@@ -227,7 +228,7 @@ class Correlate:
     name = "correlate"
 
     def __init__(self, correlator=None, state=None, directory=None, settle_s: float = 120.0,
-                 book=None, keep: int = 100_000, root_slack_s: float = 2.0):
+                 book=None, keep: int = 10_000, root_slack_s: float = 2.0):
         self.correlator = correlator
         self.state = state
         self.directory = directory
