@@ -44,7 +44,7 @@ from typing import Callable
 
 from trainguard import events as ev
 from trainguard.actions.policy import Incident, restart_over
-from trainguard.detectors.correlate import incident_id_of, summarize
+from trainguard.detectors.correlate import PRIORITY, incident_id_of, summarize
 
 __all__ = ["IncidentBook", "AwaitIncident", "IncidentWait", "Correlate", "incident_of",
            "incident_from", "recaused_id", "restarts_seen"]
@@ -52,9 +52,10 @@ __all__ = ["IncidentBook", "AwaitIncident", "IncidentWait", "Correlate", "incide
 
 class IncidentBook:
     """Anomaly id -> ``(job, incident id)`` of the latest incident event that listed it, at
-    most ``max_anomalies`` of them; the arrival time of the anomalies not yet mapped (as
-    many). Written by the consume loop, read by the pipeline: thread-safe. Time is given
-    (``now``), never read."""
+    most ``max_anomalies`` of them; each incident's latest list of anomaly ids (lists of at
+    most ``max_anomalies`` ids in all, the oldest incidents out first); the arrival time of
+    the anomalies not yet mapped (at most ``max_anomalies``). Written by the consume loop,
+    read by the pipeline: thread-safe. Time is given (``now``), never read."""
 
     def __init__(self, *, wait_s: float = 2.0, expect_s: float = 3600.0,
                  max_anomalies: int = 100_000):
@@ -62,6 +63,8 @@ class IncidentBook:
         self.expect_s = expect_s
         self.max_anomalies = max_anomalies
         self._of: dict[str, tuple[str, str]] = {}
+        self._listed: dict[tuple[str, str], tuple] = {}
+        self._listed_ids = 0
         self._arrived: dict[str, float] = {}
         self._last_seen: float | None = None   # when an incident event last came
         self._lock = threading.Lock()
@@ -78,6 +81,15 @@ class IncidentBook:
                 self._of[anomaly_id] = pair
                 self._arrived.pop(anomaly_id, None)
             _trim(self._of, self.max_anomalies)
+            ids = tuple(incident.anomalies)
+            self._listed_ids += len(ids) - len(self._listed.pop(pair, ()))
+            self._listed[pair] = ids
+            while self._listed_ids > self.max_anomalies:
+                self._listed_ids -= len(self._listed.pop(next(iter(self._listed))))
+
+    def listed(self, job: str, incident_id: str) -> tuple:
+        """The anomaly ids of the worker's incident, as it last listed them (or none)."""
+        return self._listed.get((job, incident_id), ())
 
     def arrived(self, anomaly_id: str, now: float) -> None:
         """An anomaly came off the topic at ``now``: its wait starts here."""
@@ -237,7 +249,6 @@ class Correlate:
         self.keep = keep
         self.root_slack_s = root_slack_s
         self.received: dict = {}   # anomaly id -> anomaly (the last ``keep``)
-        self.members: dict = {}    # (job, worker's incident id) -> ids of its anomalies here
 
     def __call__(self, work) -> bool:
         a = work.anomaly
@@ -263,14 +274,11 @@ class Correlate:
         incident_id = self.book.incident_id(a.id, a.job) if self.book is not None else None
         if incident_id is None:
             return None
-        key = (a.job, incident_id)
-        ids = self.members.pop(key, None) or []
-        self.members[key] = ids            # the most recently grown last
-        _trim(self.members, self.keep)
+        ids = self.book.listed(a.job, incident_id)
+        members = [self.received[i] for i in ids if i in self.received]   # received only
         if a.id not in ids:
-            ids.append(a.id)
-        ids[:] = [i for i in ids if i in self.received]
-        return summarize(incident_id, [self.received[i] for i in ids], self.root_slack_s)
+            members.append(a)
+        return summarize(incident_id, members, self.root_slack_s)
 
     def _kinds(self, found: dict) -> dict:
         return {i: self.received[i].kind for i in found.get("anomalies") or ()
@@ -286,10 +294,18 @@ class Correlate:
             incident = incident_from(fresh, a, {a.id: a.kind})
             settled = self.state.settled_ts(incident.id)
         known_kind = self.state.incident_kind(incident.id)
-        if known_kind and known_kind != incident.kind and (settled is None
-                                                           or a.onset_ts <= settled):
+        if known_kind and _deeper(incident.kind, known_kind) and (settled is None
+                                                                  or a.onset_ts <= settled):
             incident.id = recaused_id(incident.id, incident.kind)  # an earlier cause, found later
         return incident
+
+
+def _deeper(kind: str, than: str) -> bool:
+    """Whether root kind ``kind`` is a more fundamental cause than ``than`` (a GPU fault
+    than a crash): only that makes an incident handled again; a root kind that looks
+    shallower (members not received) never does."""
+    rank = {k: i for i, k in enumerate(PRIORITY)}
+    return rank.get(kind, len(rank)) < rank.get(than, len(rank))
 
 
 def recaused_id(incident_id: str, kind: str) -> str:

@@ -50,7 +50,8 @@ from trainguard.actions.waits import Blocking, drive
 
 __all__ = ["Work", "Pipeline", "build_pipeline", "apply_limits", "covering_restart",
            "incident_of", "incident_from", "driver_actions", "ListRecorder",
-           "AwaitIncident", "Correlate", "recaused_id", "Dedup", "Confirm", "Investigate", "Decide", "Limit", "Act", "Record",
+           "AwaitIncident", "Correlate", "recaused_id", "Dedup", "Confirm", "Investigate",
+           "Decide", "Limit", "Act", "Record",
            "Dispatch", "Notify", "action_event", "record_drop"]
 
 

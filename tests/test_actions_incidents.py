@@ -166,3 +166,40 @@ def test_the_book_is_bounded():
         book.arrived(f"b{i}", T0)
     assert len(book._of) == 3 and len(book._arrived) == 3
     assert book.incident_id("a9", "j1") == "inc-a" and book.incident_id("a0", "j1") is None
+
+
+def test_an_anomaly_handled_before_its_incident_came_still_counts_as_a_member():
+    """The first crash went through the fallback (no incident seen yet); the hang that
+    joins the worker's incident later is summarised with that crash, so the incident stays a
+    crash (not a hang to be handled again)."""
+    pipe, book, rec, clock = setup(correlator=Correlator())
+    first = pipe.process(anomaly(), now=clock())                 # no incident event yet
+    book.observe(incident("inc-c1", ["c1"]), clock())
+    book.observe(incident("inc-c1", ["c1", "h1"]), clock())
+    hang = pipe.process(anomaly(kind="hang", id="h1", ranks=[], nodes=[], onset=T0 - 1),
+                        now=clock())
+    assert first.incident.id == "inc-c1" and hang.incident.kind == "crash"
+    assert hang.dropped.startswith("duplicate: incident inc-c1 already has a restart")
+    assert restarts(rec) == [("inc-c1", "planned")]
+
+
+def test_a_shallower_root_kind_is_never_handled_again():
+    """A forged or partial incident that makes a handled crash look like a hang: no second
+    handling (only a more fundamental cause found later is acted on again)."""
+    pipe, book, rec, clock = setup()
+    book.observe(incident("inc-c1", ["c1"]), clock())
+    pipe.process(anomaly(), now=clock())
+    book.observe(incident("inc-c1", ["h1"]), clock())            # c1 no longer listed
+    hang = pipe.process(anomaly(kind="hang", id="h1", ranks=[], nodes=[], onset=T0 - 1),
+                        now=clock())
+    assert hang.incident.id == "inc-c1" and hang.dropped.startswith("duplicate")
+    assert restarts(rec) == [("inc-c1", "planned")]
+
+
+def test_the_books_incident_lists_are_bounded():
+    book = IncidentBook(max_anomalies=5)
+    for n in range(4):
+        book.observe(incident(f"inc-{n}", [f"a{n}-{i}" for i in range(3)]), T0)
+    assert sum(len(ids) for ids in book._listed.values()) <= 5
+    assert book.listed("j1", "inc-3") == ("a3-0", "a3-1", "a3-2")
+    assert not book.listed("j1", "inc-0")
