@@ -233,9 +233,9 @@ class Correlate:
     that dealt with its incident was over (:func:`~trainguard.actions.policy.restart_over`)
     is a new problem, an incident of its own (the worker opens a new incident itself when
     the job was relaunched or made progress since, see ``detectors/correlate.py``; this
-    covers the fallback and an older worker); and an incident whose root kind changed since
-    it was handled (a crash later explained by a GPU fault) is handled again, under the
-    ledger id :func:`recaused_id`. At most ``keep`` anomalies are remembered."""
+    covers the fallback and an older worker); and an incident whose root kind became more
+    fundamental since it was handled (a crash later explained by a GPU fault) is handled
+    again, under the ledger id :func:`recaused_id`. At most ``keep`` anomalies are remembered."""
 
     name = "correlate"
 
