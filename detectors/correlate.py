@@ -138,6 +138,16 @@ def incident_id_of(anomaly_id: str) -> str:
     return "inc-" + anomaly_id
 
 
+def _collateral(root) -> set:
+    """Ranks the root finding names as its consequences (``evidence["collateral"]``, as the
+    crash detector's vanished rank names the peers that failed after it): they do not join
+    the incident's suspects."""
+    named = (root.evidence or {}).get("collateral") if type(root.evidence) is dict else None
+    if type(named) is not list:
+        return set()
+    return {r for r in named if type(r) is int} - set(root.ranks)
+
+
 class _Incident:
     def __init__(self, anomaly):
         self.id = incident_id_of(anomaly.id)
@@ -159,9 +169,10 @@ class _Incident:
     def to_dict(self, root_slack_s: float) -> dict:
         root = self.root()
         ranks, nodes = set(), set()
+        collateral = _collateral(root)
         for m in self.members:
             if m.kind == root.kind and m.detected_ts <= root.onset_ts + root_slack_s:
-                ranks.update(m.ranks)
+                ranks.update(r for r in m.ranks if r not in collateral)
                 nodes.update(m.nodes)
         ranks.update(root.ranks)
         nodes.update(root.nodes)
