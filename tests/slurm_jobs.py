@@ -4,7 +4,9 @@ across Slurm nodes (gloo on CPU), one torchrun agent per node started by ``srun`
 
 ``train_script`` writes the batch script. On a requeue Slurm runs it again with
 ``SLURM_RESTART_COUNT`` raised; the script passes that on as ``TRAINGUARD_RESTART_COUNT`` (and
-``TRAINGUARD_RESUME=1``), and examples/train.py resumes from its newest checkpoint. Each run
+``TRAINGUARD_RESUME=1``, and a rollback's ``TRAINGUARD_RESUME_STEP`` from ``trainguard
+resume-step``), and examples/train.py resumes from its newest checkpoint (at or before that
+step). Each run
 uses its own rendezvous port, derived from the job id and restart count (Slurm's, or
 ``trainguard run``'s).
 
@@ -45,10 +47,18 @@ def train_script(folder: Path, job: str, *, nodes: int = 2, steps: int = 60,
                f" --grace 5 --checkpoint-dir {ckpt} -- " + " ".join(shlex.quote(a) for a in step))
     else:
         raise ValueError(f"launcher must be sbatch or trainguard-run, got {launcher!r}")
+    # a rollback's step, which the Slurm driver leaves in a requeued job's comment;
+    # trainguard run reads it itself
+    resume = ("step=$(" + PYTHON + " -m trainguard.cli resume-step); "
+              "[ -n \"$step\" ] && export TRAINGUARD_RESUME_STEP=$step"
+              if launcher == "sbatch" else ":")
     script = folder / f"{job}.sbatch"
     script.write_text(f"""#!/bin/bash
 export TRAINGUARD_RESTART_COUNT=${{SLURM_RESTART_COUNT:-0}}
-if [ "$TRAINGUARD_RESTART_COUNT" -gt 0 ]; then export TRAINGUARD_RESUME=1; fi
+if [ "$TRAINGUARD_RESTART_COUNT" -gt 0 ]; then
+  export TRAINGUARD_RESUME=1
+  {resume}
+fi
 export TRAINGUARD_CHECKPOINT_DIR={ckpt}
 echo "launch job=$SLURM_JOB_ID restart=$TRAINGUARD_RESTART_COUNT nodes=$SLURM_JOB_NODELIST \
 $(date +%s.%N)" >> {folder}/{job}.launches
