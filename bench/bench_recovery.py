@@ -51,7 +51,8 @@ SLURM_NOTE = (
     "started again; spare: trainguard run relaunched its srun); after_relaunch_s = "
     "resumed_s - relaunched_s, the part both paths share: srun, torchrun, Python and torch "
     "imports of fresh processes, the process group, the optimizer and checkpoint load, one "
-    "step. *_busy: another 2-node job of %g s was queued before the Xid (a busy cluster); the "
+    "step; it varies with the machine's load from run to run. *_relaunch ratios: of "
+    "relaunched_s alone, the part where the two paths differ. *_busy: another 2-node job of %g s was queued before the Xid (a busy cluster); the "
     "requeued job waits behind it, the spare path never enters the queue; that wait grows "
     "with the queue, so spare_over_requeue_busy is an example, not a constant" % QUEUE_S)
 STEPS = 60
@@ -184,9 +185,10 @@ def _slurm(bootstrap: str, folder: Path) -> dict:
             out[name] = r
     for ratio, spare, requeue in (("spare_over_requeue", "spare", "requeue"),
                                   ("spare_over_requeue_busy", "spare_busy", "requeue_busy")):
-        a, b = out.get(spare, {}).get("resumed_s"), out.get(requeue, {}).get("resumed_s")
-        if a and b:
-            out[ratio] = round(a / b, 2)
+        for key, suffix in (("resumed_s", ""), ("relaunched_s", "_relaunch")):
+            a, b = out.get(spare, {}).get(key), out.get(requeue, {}).get(key)
+            if a and b:
+                out[ratio + suffix] = round(a / b, 2)
     out["note"] = SLURM_NOTE
     return out
 
