@@ -262,14 +262,15 @@ DRIVER_CODES = {"failed": "driver_error", "not_applicable": "no_change"}
 SAID_OUTPUT = ("submit", "wait", "list_pods")  # driver calls whose output the record says
 #: Driver calls that only look: an order of which nothing else was done changed nothing, and
 #: is recorded ``not_applicable``, never ``done``.
-READ_ONLY_OPS = ("wait", "list_pods")
+READ_ONLY_OPS = ("wait", "list_pods", "read_comment")
 
 
 def driver_actions(driver, job_refs: dict | None = None) -> dict:
     """``Act``'s drivers from a recovery driver (``restart(job_ref, exclude_nodes)``,
     ``evict(nodes)``, returning the calls made, see docs/DRIVERS.md); ``job_refs`` maps a
     trainguard job id to the cluster's job reference (default: the id itself). A rollback
-    is a restart: the script finds ``rollback_step`` in the action record. An order for
+    is a restart with ``resume_step``, which the driver passes on or, where it cannot, refuses
+    (a ``not_applicable`` call: recorded ``not_applicable``). An order for
     which the driver made no call that changes anything (no pod to delete, an eviction
     with ``drain=False``) is ``not_applicable``, never ``done``."""
     refs = dict(job_refs or {})
