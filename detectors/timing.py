@@ -204,19 +204,22 @@ class StragglerDetector(UsesView, Detector):
         history, slow_steps, named, n, k = (self._history, self._slow_steps, self._named,
                                             self.n, self.k)
         log, exp, min_excess, step_size = math.log, math.exp, self.min_excess_s, self.baseline_step
-        z, half_ratio = self.noise_z, log_ratio / 2
+        z, half_ratio, spread_weight = self.noise_z, log_ratio / 2, _SPREAD_WEIGHT
         learned_now = []
         # the typical ratio of the step's ranks that are not slow: what a rank learns is its
         # ratio against it, so a straggler among few ranks (each normal rank's peer median
         # is then its slower normal peer) does not drag every usual share down, and with
         # them the straggler's ratio
-        usual = [r for r in ratios.values() if 0 < r < self.ratio]
-        shift = log(median(usual)) if usual else 0.0
+        usual = sorted([r for r in ratios.values() if 0 < r < self.ratio])
+        m = len(usual)
+        shift = log(usual[m // 2] if m % 2 else (usual[m // 2 - 1] + usual[m // 2]) / 2) if m \
+            else 0.0
         for rank, r in ratios.items():
             if r <= 0:
                 continue
             rel = log(r)                    # judge the step, learn the rank's usual share
             base = base_of.get(rank)
+            count = slow_steps.get(rank, 0)
             if base is None:
                 base_of[rank] = [rel, 1, r, 0.0]
                 slow, r = False, 1.0
@@ -235,21 +238,22 @@ class StragglerDetector(UsesView, Detector):
                         learned_now.append(rank)
                 else:
                     own = rel - shift
-                    if slow_steps.get(rank, 0) * 2 < k:
+                    twice = dev + dev
+                    if count + count < k:
                         # its noise, slow steps included while it is not falling behind
-                        cap = max(log_ratio, dev + dev)
-                        base[3] = dev + _SPREAD_WEIGHT * (min(abs(own), cap) - dev)
-                    gate = max(half_ratio, dev + dev)
+                        size = own if own >= 0 else -own
+                        cap = twice if twice > log_ratio else log_ratio
+                        base[3] = dev + spread_weight * ((size if size < cap else cap) - dev)
                     # a slow step is not learned, nor a drift up beyond the rank's noise: it
                     # may grow. A fixed step towards each step: the median of a noisy rank's
                     # steps, not a mean pulled down by never learning their slow side
-                    if rel < log_ratio and own < gate and own != 0:
+                    if rel < log_ratio and own != 0 and (
+                            own < half_ratio or own < twice):
                         base[0] = level = level + (step_size if own > 0 else -step_size)
                         base[2] = exp(level)
             hist = history.get(rank)
             if hist is None:
                 hist = history[rank] = deque(maxlen=n)
-            count = slow_steps.get(rank, 0)
             if len(hist) == n and hist[0][0]:
                 count -= 1                        # the oldest slow step leaves the window
             hist.append((slow, step, ts, r))
