@@ -4,9 +4,13 @@ Every stage is a small object called with the :class:`Work` of one anomaly; it a
 and returns True to go on, or sets ``work.dropped`` and returns False to stop. The chain is
 assembled in one place, :func:`build_pipeline`::
 
-    correlate -> dedup -> confirm -> investigate -> confirm -> decide -> limit -> act
-              -> record -> dispatch -> notify
+    await_incident -> correlate -> dedup -> confirm -> investigate -> confirm -> decide
+                   -> limit -> act -> record -> dispatch -> notify
 
+``await_incident`` and ``correlate`` give the anomaly its incident: the stream worker's
+(SPEC §6 ``incident`` events, read from the anomalies topic into an
+:class:`~trainguard.actions.incidents.IncidentBook`), waited for briefly when it is not there
+yet, else the fallback correlator's (:mod:`trainguard.actions.incidents` says how).
 ``investigate`` (capture and aggregate the stacks) sits before ``decide`` because the
 policy of a hang needs its suspects. ``confirm`` (:mod:`trainguard.actions.confirm`), before
 and again after the capture, closes a hang whose job moved on as a false alarm. The
@@ -31,19 +35,23 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from trainguard import events as ev
 from trainguard.actions.confirm import Confirm
+from trainguard.actions.incidents import (AwaitIncident, Correlate, incident_from, incident_of,
+                                          recaused_id, restarts_seen)
 from trainguard.actions.orders import check_targets
 from trainguard.actions.policy import (JOB_ACTIONS, Decision, Incident, Policy, apply_limits,
-                                       covering_restart, decide, ladder_kind, restart_over)
+                                       covering_restart, decide, ladder_kind)
 from trainguard.actions.waits import Blocking, drive
 
 __all__ = ["Work", "Pipeline", "build_pipeline", "apply_limits", "covering_restart",
            "incident_of", "incident_from", "driver_actions", "ListRecorder",
-           "Correlate", "Dedup", "Confirm", "Investigate", "Decide", "Limit", "Act", "Record",
+           "AwaitIncident", "Correlate", "recaused_id", "Dedup", "Confirm", "Investigate",
+           "Decide", "Limit", "Act", "Record",
            "Dispatch", "Notify", "action_event", "record_drop"]
 
 
@@ -67,16 +75,6 @@ class Work:
         programs count on); returns False, a stage's answer."""
         self.dropped, self.drop_code = f"{code}: {detail}", code
         return False
-
-
-def incident_of(anomaly: ev.Anomaly) -> Incident:
-    """One incident per anomaly, with the anomaly's id (the fallback correlation)."""
-    return Incident(id=anomaly.id, job=anomaly.job, kind=anomaly.kind,
-                    severity=anomaly.severity, ranks=list(anomaly.ranks),
-                    nodes=list(anomaly.nodes), onset_ts=anomaly.onset_ts,
-                    detected_ts=anomaly.detected_ts, summary=anomaly.summary,
-                    step=anomaly.step, anomalies=[anomaly.id], evidence=dict(anomaly.evidence),
-                    kinds=[anomaly.kind])
 
 
 def action_event(decision: Decision, incident: Incident, ts: float) -> ev.Action:
@@ -110,98 +108,7 @@ class ListRecorder:
         pass
 
 
-def incident_from(found: dict, anomaly: ev.Anomaly, kinds: dict | None = None) -> Incident:
-    """An :class:`Incident` from the correlator's incident dict (SPEC §4 shape) and the
-    anomaly that just joined it; machines of the ranks come from ``evidence.rank_nodes``
-    when the anomalies name none. ``kinds`` (``{anomaly id: kind}`` of the anomalies seen so
-    far) gives the incident's member kinds, root kind first."""
-    ids = list(found.get("anomalies") or [anomaly.id])
-    seen = [anomaly.kind if i == anomaly.id else (kinds or {}).get(i) for i in ids]
-    members = list(dict.fromkeys([found["kind"], *filter(None, seen)]))
-    evidence = dict(anomaly.evidence)
-    nodes = list(found.get("nodes") or [])
-    where = evidence.get("rank_nodes") or {}
-    if not nodes and isinstance(where, dict):
-        nodes = sorted({where[str(r)] for r in found["ranks"] if where.get(str(r))})
-    return Incident(id=found["id"], job=found["job"], kind=found["kind"],
-                    severity=found["severity"], ranks=list(found["ranks"]), nodes=nodes,
-                    onset_ts=found["onset_ts"], detected_ts=max(found["detected_ts"],
-                                                                anomaly.detected_ts),
-                    summary=found["summary"], step=found.get("step"), anomalies=ids,
-                    evidence=evidence, kinds=members,
-                    same_kind=max(1, sum(1 for k in seen if k == found["kind"])))
-
-
-def _fresh(obj):
-    """A new object of the same configuration (river style: constructor arguments are
-    stored under their own names)."""
-    if hasattr(obj, "clone"):
-        return obj.clone()
-    params = inspect.signature(type(obj)).parameters
-    return type(obj)(**{k: getattr(obj, k) for k in params if hasattr(obj, k)})
-
-
 # ---------------------------------------------------------------------------- stages
-def _restarts_seen(directory, job: str) -> tuple:
-    """``(launches, satisfied)``: when ``trainguard run`` launched the job, and which
-    incidents' restarts it acked ``already_satisfied`` (none without a directory)."""
-    if directory is None:
-        return (), frozenset()
-    return directory.launches(job), directory.satisfied(job)
-
-
-class Correlate:
-    """Anomaly -> incident. With a ``correlator`` (``add(anomaly) -> incident dict``, as
-    :class:`trainguard.detectors.correlate.Correlator`) anomalies of one problem share an
-    incident; without, each anomaly is its own. Two refinements keep one restart per
-    problem and no fewer: an anomaly that began after the restart that dealt with its
-    incident was over (:func:`~trainguard.actions.policy.restart_over`) is a new problem,
-    correlated afresh (a new *generation*: a fresh correlator of the same settings), and an
-    incident whose root cause changed since it was handled (a crash later explained by a GPU
-    fault) is handled again as ``<id>~<new kind>``. The kinds of the last ``keep_kinds``
-    anomalies are remembered, for the incident's member kinds (escalation, see
-    :func:`~trainguard.actions.policy.ladder_kind`)."""
-
-    name = "correlate"
-
-    def __init__(self, correlator=None, state=None, directory=None, settle_s: float = 120.0,
-                 keep_kinds: int = 100_000):
-        self.correlator = correlator
-        self.state = state
-        self.directory = directory
-        self.settle_s = settle_s
-        self.keep_kinds = keep_kinds
-        self.generations = [correlator] if correlator is not None else []
-        self.kinds: dict = {}
-
-    def _generation(self, n: int):
-        while len(self.generations) <= n:
-            self.generations.append(_fresh(self.generations[0]))
-        return self.generations[n]
-
-    def __call__(self, work: Work) -> bool:
-        a = work.anomaly
-        if self.correlator is None or (self.state and self.state.seen_anomaly(a.id)):
-            work.incident = incident_of(a)
-            return True
-        launches, satisfied = _restarts_seen(self.directory, a.job)
-        self.kinds[a.id] = a.kind
-        while len(self.kinds) > self.keep_kinds:
-            del self.kinds[next(iter(self.kinds))]  # the oldest
-        for n in range(64):
-            incident = incident_from(self._generation(n).add(a), a, self.kinds)
-            settled = self.state.settled_ts(incident.id) if self.state else None
-            if settled is None or a.onset_ts <= restart_over(settled, launches, self.settle_s,
-                                                             incident.id in satisfied):
-                break
-        known_kind = self.state.incident_kind(incident.id) if self.state else None
-        if known_kind and known_kind != incident.kind and (settled is None
-                                                           or a.onset_ts <= settled):
-            incident.id = f"{incident.id}~{incident.kind}"  # an earlier cause, found later
-        work.incident = incident
-        return True
-
-
 class Dedup:
     """Drops anomalies already handled (delivered twice, or re-read after a restart of the
     service), anomalies older than ``policy.max_anomaly_age_s``, and further anomalies of an
@@ -314,7 +221,7 @@ class Limit:
         self.directory = directory
 
     def __call__(self, work: Work) -> bool:
-        launches, satisfied = _restarts_seen(self.directory, work.incident.job)
+        launches, satisfied = restarts_seen(self.directory, work.incident.job)
         work.decisions = apply_limits(work.decisions, work.incident, self.policy, self.state,
                                       work.now, launches, satisfied)
         return True
@@ -355,14 +262,15 @@ DRIVER_CODES = {"failed": "driver_error", "not_applicable": "no_change"}
 SAID_OUTPUT = ("submit", "wait", "list_pods")  # driver calls whose output the record says
 #: Driver calls that only look: an order of which nothing else was done changed nothing, and
 #: is recorded ``not_applicable``, never ``done``.
-READ_ONLY_OPS = ("wait", "list_pods")
+READ_ONLY_OPS = ("wait", "list_pods", "read_comment")
 
 
 def driver_actions(driver, job_refs: dict | None = None) -> dict:
     """``Act``'s drivers from a recovery driver (``restart(job_ref, exclude_nodes)``,
     ``evict(nodes)``, returning the calls made, see docs/DRIVERS.md); ``job_refs`` maps a
     trainguard job id to the cluster's job reference (default: the id itself). A rollback
-    is a restart: the script finds ``rollback_step`` in the action record. An order for
+    is a restart with ``resume_step``, which the driver passes on or, where it cannot, refuses
+    (a ``not_applicable`` call: recorded ``not_applicable``). An order for
     which the driver made no call that changes anything (no pod to delete, an eviction
     with ``drain=False``) is ``not_applicable``, never ``done``."""
     refs = dict(job_refs or {})
@@ -589,15 +497,21 @@ def build_pipeline(*, policy: Policy, state, recorder, capturer=None, directory=
                    notify=None, drivers: dict | None = None, correlator=None,
                    log: Callable[[str], None] | None = None,
                    clock: Callable[[], float] | None = None, orders=None,
-                   progress=None) -> Pipeline:
-    """The one place where the chain is assembled. ``orders`` (an
+                   progress=None, book=None,
+                   sleep: Callable[[float], None] | None = None) -> Pipeline:
+    """The one place where the chain is assembled. ``book`` (an
+    :class:`~trainguard.actions.incidents.IncidentBook`) holds the worker's incidents, which
+    :class:`~trainguard.actions.incidents.AwaitIncident` waits for and :class:`Correlate`
+    uses (``sleep``: how a blocking wait for one sleeps); ``correlator`` correlates the
+    anomalies no incident lists. ``orders`` (an
     :class:`~trainguard.actions.order_desk.OrderDesk`) sends the job actions to ``trainguard
     run`` where no driver carries them out; ``progress`` (a
     :class:`~trainguard.actions.confirm.JobProgress`) is where :class:`Confirm` looks whether
     a stalled job moved on, before and again after the stack capture."""
     record = Record(recorder, state, clock)
     return Pipeline([
-        Correlate(correlator, state, directory, policy.limits.restart_settle_s),
+        AwaitIncident(book, clock=clock or time.time, sleep=sleep or time.sleep),
+        Correlate(correlator, state, directory, policy.limits.restart_settle_s, book=book),
         Dedup(state, policy),
         Confirm(policy, progress, record, when="before_capture", clock=clock),
         Investigate(policy, capturer, directory),

@@ -3,7 +3,10 @@
 It consumes ``<prefix>.anomalies`` (consumer group ``trainguard-actions.<prefix>``, offsets
 committed up to the oldest anomaly still under way) and runs the anomalies through the
 pipeline of :mod:`trainguard.actions.pipeline`, many at once, on the scheduler of
-:mod:`trainguard.actions.scheduler`. Around it:
+:mod:`trainguard.actions.scheduler`. The worker's ``incident`` events on the same topic go
+to an :class:`~trainguard.actions.incidents.IncidentBook` as they are read (the pipeline
+groups the anomalies by them, see :mod:`trainguard.actions.incidents`); other event types
+are skipped. Around it:
 
 - at start-up it reads back the last ``state_horizon_s`` of ``<prefix>.actions`` into the
   ledger (:class:`~trainguard.actions.state.ServiceState`), so that even with a lost state
@@ -39,6 +42,7 @@ from pathlib import Path
 from trainguard import events as ev
 from trainguard.actions.capture import JobDirectory, StackCapture, StackGatherer
 from trainguard.actions.confirm import JobProgress
+from trainguard.actions.incidents import IncidentBook
 from trainguard.actions.order_desk import OrderDesk
 from trainguard.actions.pipeline import build_pipeline
 from trainguard.actions.policy import BacklogSettings, Policy, PolicyError, load_policy
@@ -326,8 +330,9 @@ class ActionService:
 
     def __init__(self, *, pipeline, state: ServiceState, clock=time.time, log=_log,
                  settings: BacklogSettings = BacklogSettings(), pump=None,
-                 before_commit=None):
+                 before_commit=None, book=None):
         self.pipeline = pipeline
+        self.book = book  # the worker's incidents (actions/incidents.py), fed from the topic
         self.state = state
         self.clock = clock
         self.log = log
@@ -399,8 +404,13 @@ class ActionService:
                     if deadletter:
                         deadletter(msg, reason)
                 if isinstance(event, ev.Anomaly):
+                    if self.book is not None:
+                        self.book.arrived(event.id, self.clock())
                     self.scheduler.submit(event, token)
                 else:
+                    if isinstance(event, ev.Incident) and self.book is not None:
+                        self.book.observe(event, self.clock())
+                        self.counts["incidents"] += 1
                     self.offsets.finished(*token)
         finally:
             loop_stop.set()
@@ -534,13 +544,14 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
 
     from trainguard.detectors.correlate import Correlator
 
+    book = IncidentBook()  # the worker's incidents; Correlator(): for anomalies without one
     pipeline = build_pipeline(policy=policy, state=state, recorder=audit,
                               capturer=capturer, directory=directory, notify=notify,
                               drivers=drivers, correlator=Correlator(), log=log,
-                              clock=time.time, orders=desk, progress=progress)
+                              clock=time.time, orders=desk, progress=progress, book=book)
     service = ActionService(pipeline=pipeline, state=state, log=log, settings=policy.backlog,
                             pump=lambda timeout: gatherer.pump(timeout, max_events=500),
-                            before_commit=audit.flush_now)
+                            before_commit=audit.flush_now, book=book)
 
     def close() -> None:
         stop.set()

@@ -23,7 +23,11 @@ Debian's slurmctld/slurmd), an Xid for one node of a 2-node torchrun job, at ste
 ways (tests/slurm_jobs.py ``xid_recovery``): ``requeue`` (the Slurm driver drains the node and
 requeues the job off it) and ``spare`` (the job holds a third node; ``trainguard run`` inside
 the allocation relaunches off the node, onto the spare). ``resumed_s``: seconds from the Xid
-to the first step after the restart; ``spare_over_requeue`` their ratio (target <= 0.5).
+to the first step after the restart; ``spare_over_requeue`` their ratio (target <= 0.5), with
+an empty queue. Both again with a busy queue (``*_busy``: a 2-node job of ``QUEUE_S`` seconds
+queued before the Xid, which a requeued job waits behind): ``spare_over_requeue_busy``.
+``relaunched_s``, ``ranks_up_s`` and ``after_relaunch_s`` say where the time goes
+(``SLURM_NOTE``).
 """
 from __future__ import annotations
 
@@ -38,6 +42,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 SCENARIOS = {"hang": "hang@step=25,rank=2", "crash": "crash@step=25,rank=1"}
+QUEUE_S = 30.0
+#: (result key, how, seconds of the job queued ahead): an empty queue, then a busy one
+SLURM_RUNS = (("requeue", "requeue", 0.0), ("spare", "spare", 0.0),
+              ("requeue_busy", "requeue", QUEUE_S), ("spare_busy", "spare", QUEUE_S))
+SLURM_NOTE = (
+    "seconds from the Xid. relaunched_s: the new launch began (requeue: the batch script "
+    "started again; spare: trainguard run relaunched its srun); after_relaunch_s = "
+    "resumed_s - relaunched_s, the part both paths share: srun, torchrun, Python and torch "
+    "imports of fresh processes, the process group, the optimizer and checkpoint load, one "
+    "step; it varies with the machine's load from run to run. *_relaunch ratios: of "
+    "relaunched_s alone, the part where the two paths differ. *_busy: another 2-node job of %g s was queued before the Xid (a busy cluster); the "
+    "requeued job waits behind it, the spare path never enters the queue; that wait grows "
+    "with the queue, so spare_over_requeue_busy is an example, not a constant" % QUEUE_S)
 STEPS = 60
 TIMEOUT_S = 150.0
 
@@ -153,19 +170,26 @@ def _slurm(bootstrap: str, folder: Path) -> dict:
         return {"skipped": why}
     out: dict = {}
     with slurm_cluster(folder / "slurm-cluster") as cluster:
-        for how in ("requeue", "spare"):
+        for name, how, queue_s in SLURM_RUNS:
             config = Config(bootstrap=bootstrap,
                             topics=Topics(prefix=f"bench{uuid.uuid4().hex[:8]}"))
             create_topics(config, TopicPlan(telemetry_partitions=4, other_partitions=2))
             try:
-                r = xid_recovery(cluster, config, folder / f"slurm-{how}", how)
+                r = xid_recovery(cluster, config, folder / f"slurm-{name}", how,
+                                 queue_s=queue_s)
             except AssertionError as exc:
                 r = {"how": how, "missing": [str(exc)[:300]]}
             r.pop("actions", None)
-            out[how] = r
-    spare, requeue = out["spare"].get("resumed_s"), out["requeue"].get("resumed_s")
-    if spare and requeue:
-        out["spare_over_requeue"] = round(spare / requeue, 2)
+            if r.get("resumed_s") is not None and r.get("relaunched_s") is not None:
+                r["after_relaunch_s"] = round(r["resumed_s"] - r["relaunched_s"], 2)
+            out[name] = r
+    for ratio, spare, requeue in (("spare_over_requeue", "spare", "requeue"),
+                                  ("spare_over_requeue_busy", "spare_busy", "requeue_busy")):
+        for key, suffix in (("resumed_s", ""), ("relaunched_s", "_relaunch")):
+            a, b = out.get(spare, {}).get(key), out.get(requeue, {}).get(key)
+            if a and b:
+                out[ratio + suffix] = round(a / b, 2)
+    out["note"] = SLURM_NOTE
     return out
 
 

@@ -364,6 +364,10 @@ what was read). No thread busy-spins:
             self._line(line)
         if not self._stop.is_set():
             self.reason = f"dmesg ended with {self._proc.wait()}"
+            err = self._proc.stderr.read().decode("utf-8", "replace").strip()
+            if err:
+                self.reason += f": {err}"
+            self.kernel_source = None     # a dmesg slower to fail than start()'s wait
             log.warning("%s", self.reason)
 
     # -- extra file ------------------------------------------------------------------------

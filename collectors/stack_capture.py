@@ -21,6 +21,7 @@ of ``SIGUSR2`` would kill a rank that has no handler.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -188,8 +189,11 @@ class InprocDumper:
         return current == self._socks[1].fileno()
 
     def _on_signal(self, signum, frame) -> None:
-        if not self._owns_wakeup_fd():  # else the wakeup thread has written the dump
-            self.dump()
+        try:  # a handler's exception would surface in the training loop: never raise
+            if not self._owns_wakeup_fd():  # else the wakeup thread has written the dump
+                self.dump()
+        except Exception:
+            pass
 
     def _after_fork_child(self) -> None:
         if self._socks is not None:
@@ -206,8 +210,13 @@ def install_inproc_handler(runtime_dir: os.PathLike, signum: int = DEFAULT_SIGNA
     return InprocDumper(runtime_dir, signum).install()
 
 
+_TMP_NAMES = itertools.count()
+
+
 def _write_atomic(path: Path, doc: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # a temporary file of its own per write: the wakeup thread and the handler (or a handler
+    # run again within the first) may write the same dump at once
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(_TMP_NAMES)}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(doc, fh)
     os.replace(tmp, path)

@@ -16,6 +16,12 @@ one-machine job every rank shares it). A crash it caused still explains the othe
 hang through ``crash -> hang``. Machines of ranks come from the anomalies' ``nodes`` and
 ``evidence["rank_nodes"]``.
 
+A problem that begins after the job was dealt with is a new one: a hang whose onset (the
+last progress) comes more than :data:`PROGRESS_SLACK_S` after an incident's last detection
+joins none, nor does any anomaly that begins once ranks of the job started again after the
+incident (:meth:`Correlator.relaunched`, told by the job stage: a restart by ``trainguard
+run``, torchrun or a scheduler).
+
 The incident's suspects (``ranks``, ``nodes``) are those of its root-kind members detected
 within ``root_slack_s`` of the root's onset: the first crashed rank, not the ranks torn down
 after it. Its id is taken from the first anomaly that opened it, so it is stable for a given
@@ -40,10 +46,16 @@ stream of anomalies.
 >>> _ = c.add(a("hang", 1150.0, [2], onset=1100.0))  # progress after 1050: a new stall
 >>> [i["kind"] for i in c.incidents()]
 ['gpu_fault', 'hang', 'nan', 'hang']
+>>> _ = c.add(a("crash", 2000.0, [1]))
+>>> _ = c.add(a("crash", 2020.0, [0]))               # one crash leads to the next
+>>> c.relaunched("j", 2030.0)                        # the job was restarted
+>>> _ = c.add(a("crash", 2050.0, [1]))               # a crash after that is a new problem
+>>> [(i["kind"], len(i["anomalies"])) for i in c.incidents()][-2:]
+[('crash', 2), ('crash', 1)]
 """
 from __future__ import annotations
 
-__all__ = ["PRIORITY", "CONSEQUENCES", "Correlator"]
+__all__ = ["PRIORITY", "CONSEQUENCES", "Correlator", "summarize", "incident_id_of"]
 
 #: Root-cause priority, most fundamental first.
 PRIORITY = ("gpu_fault", "nan", "crash", "silent", "gpu_degraded", "straggler", "hang",
@@ -121,13 +133,29 @@ def _linked(x, y) -> bool:
     return False
 
 
+def incident_id_of(anomaly_id: str) -> str:
+    """The id of the incident that an anomaly opens."""
+    return "inc-" + anomaly_id
+
+
+def _collateral(root) -> set:
+    """Ranks the root finding names as its consequences (``evidence["collateral"]``, as the
+    crash detector's vanished rank names the peers that failed after it): they do not join
+    the incident's suspects."""
+    named = (root.evidence or {}).get("collateral") if type(root.evidence) is dict else None
+    if type(named) is not list:
+        return set()
+    return {r for r in named if type(r) is int} - set(root.ranks)
+
+
 class _Incident:
     def __init__(self, anomaly):
-        self.id = "inc-" + anomaly.id
+        self.id = incident_id_of(anomaly.id)
         self.job = anomaly.job
         self.members = [anomaly]
         self.first = anomaly.onset_ts
         self.last = anomaly.detected_ts
+        self.relaunched = None    # when ranks of the job started again after it, first
 
     def root(self):
         return min(self.members, key=lambda a: (_RANK.get(a.kind, len(_RANK)), a.onset_ts,
@@ -141,9 +169,10 @@ class _Incident:
     def to_dict(self, root_slack_s: float) -> dict:
         root = self.root()
         ranks, nodes = set(), set()
+        collateral = _collateral(root)
         for m in self.members:
             if m.kind == root.kind and m.detected_ts <= root.onset_ts + root_slack_s:
-                ranks.update(m.ranks)
+                ranks.update(r for r in m.ranks if r not in collateral)
                 nodes.update(m.nodes)
         ranks.update(root.ranks)
         nodes.update(root.nodes)
@@ -206,6 +235,8 @@ class Correlator:
                 continue
             if anomaly.kind == "hang" and anomaly.onset_ts > inc.last + PROGRESS_SLACK_S:
                 continue     # the job made progress after the incident: a new problem
+            if inc.relaunched is not None and anomaly.onset_ts >= inc.relaunched:
+                continue     # began after the job was relaunched: a new problem
             if not any(_linked(m, anomaly) for m in inc.members):
                 continue
             if best is None or _RANK.get(inc.root().kind, 99) < _RANK.get(best.root().kind, 99):
@@ -218,7 +249,38 @@ class Correlator:
         self._by_anomaly[anomaly.id] = best
         return best.to_dict(self.root_slack_s)
 
+    def relaunched(self, job: str, ts: float) -> None:
+        """Ranks of ``job`` started at ``ts`` (a restart, by ``trainguard run``, torchrun or
+        a scheduler): whatever its open incidents detected until then were about was dealt
+        with, so an anomaly that begins from ``ts`` on joins none of them (findings of the
+        old problem that began before still do)."""
+        for inc in self._open:
+            if inc.job == job and inc.relaunched is None and inc.last <= ts:
+                inc.relaunched = ts
+
     def incidents(self) -> list[dict]:
         """All incidents, open and closed, by onset time."""
         every = [inc.to_dict(self.root_slack_s) for inc in self._closed + self._open]
         return sorted(every, key=lambda i: (i["onset_ts"], i["id"]))
+
+
+def summarize(incident_id: str, members: list, root_slack_s: float = 2.0) -> dict:
+    """The incident dict (as :meth:`Correlator.add` returns) of ``members`` (anomalies of one
+    job, in arrival order) grouped under ``incident_id``: its root kind, suspects, onset and
+    summary, computed from the members alone. The action service summarises a worker's
+    incident this way from the anomalies it received itself.
+
+    >>> from trainguard import events as ev
+    >>> def a(kind, ts, ranks):
+    ...     return ev.Anomaly(job="j", ts=ts, id=f"{kind}-{ts:g}", kind=kind, severity="critical",
+    ...                       ranks=ranks, nodes=[], onset_ts=ts, detected_ts=ts,
+    ...                       detector=kind, summary=f"{kind} at {ts:g}")
+    >>> i = summarize("inc-1", [a("hang", 10.0, []), a("crash", 9.0, [3])])
+    >>> i["id"], i["kind"], i["ranks"], i["anomalies"]
+    ('inc-1', 'crash', [3], ['hang-10', 'crash-9'])
+    """
+    incident = _Incident(members[0])
+    incident.id = incident_id
+    for member in members[1:]:
+        incident.add(member)
+    return incident.to_dict(root_slack_s)

@@ -37,10 +37,12 @@ class CrashDetector(UsesView, Detector):
       latest of them (or until every rank heard within ``vanish_s`` before the first exited)
       and decided together:
 
-      * when ranks were torn down, the ranks heard within ``vanish_s`` before the first
-        tear-down exit, and not since, that sent no exit (a SIGKILL or the OOM killer
-        leaves no exit event) are the crash: one critical finding naming them, the
-        torn-down peers in its evidence;
+      * when ranks were torn down or failed, the ranks heard within ``vanish_s`` before the
+        first exit, and not since, that sent no exit (a SIGKILL or the OOM killer leaves no
+        exit event) are the crash: one critical finding naming them, the torn-down and
+        failed peers in its evidence (``collateral``: with gloo, the peers of a killed rank
+        fail with code 1 before torchrun stops them; the correlator names the vanished
+        ranks, not them);
       * else, after a crash exit, nothing more (the tear-down follows that crash);
       * else, when more ranks were torn down than are still running, the whole job was
         stopped from outside (our own restart, a preemption, Ctrl-C): one ``warning``
@@ -97,6 +99,15 @@ class CrashDetector(UsesView, Detector):
         found = []
         event = item.get("event")
         if rank is None and event == "exit" and item.get("restart"):
+            wave = self._wave
+            if wave is not None and wave["failed"] and not wave["own"] \
+                    and not wave["decided"]:
+                found = self._close(ts)         # the failure this restart answers, as it stands
+                wave = self._open(ts)
+                wave["own"] = True
+                self.own_restarts.append(ts)
+                del self.own_restarts[:-20]
+                return found
             wave = self._open(ts)               # trainguard run restarting the job
             wave["own"] = True
             self.own_restarts.append(ts)
@@ -139,6 +150,8 @@ class CrashDetector(UsesView, Detector):
         wave = self._wave
         if wave is None or wave["decided"] or now < wave["last"] + self.grace_s:
             return []
+        if not wave["torn"] and now < wave["start"] + self.vanish_s:
+            return []     # failures alone: a peer hung in the collective is heard again first
         return self._decide(now)
 
     def finish(self, now: float) -> list[Finding]:
@@ -175,7 +188,9 @@ class CrashDetector(UsesView, Detector):
             return []        # trainguard's own restart: recorded by the supervisor, no alert
         start, torn = wave["start"], wave["torn"]
         pending = self._pending_ranks(wave)
-        vanished = [r for r in pending if self._last[r] < start] if torn else []
+        vanished = [r for r in pending if self._last[r] < start]
+        if not torn and len(vanished) >= len(wave["failed"]):
+            vanished = []   # as many silent as failed: hung in the collective, not killed
         running = [r for r in pending if self._last[r] >= start]
         evidence = {"exit_code": None, "signal": None, "teardown_ts": start,
                     "torn_down": {str(r): torn[r] for r in sorted(torn)},
@@ -197,6 +212,8 @@ class CrashDetector(UsesView, Detector):
                 key=f"t{onset:.3f}",
                 evidence={**evidence, "vanished": True,
                           "last_seen": {str(r): self._last[r] for r in vanished},
+                          # peers that failed or were stopped after it: its consequences
+                          "collateral": sorted(set(torn) | set(wave["failed"])),
                           "rank_nodes": rank_nodes(vanished, self.view.where)})]
         if wave["failed"] or not torn:
             return []

@@ -364,6 +364,9 @@ class JobStage:
             if k == "life":
                 self.steps.life(item)
                 self.placement.learn(item)
+                if item.get("event") == "start" and item.get("rank") is not None \
+                        and type(item.get("ts")) in (int, float):
+                    self.correlator.relaunched(self.job, item["ts"])   # a new problem after
         else:
             if self.job is None:
                 self.job = item.job

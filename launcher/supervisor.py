@@ -236,14 +236,17 @@ class Supervisor:
     """One supervised command. ``publish`` (an event -> None), ``orders`` (an object with
     ``poll(timeout) -> Delivery | None``) and ``deadletter`` (``(delivery, reason) -> None``)
     are the Kafka ends; each may be None. ``verifier`` checks every order before it is
-    obeyed (default: no signing key, so signatures are not checked)."""
+    obeyed (default: no signing key, so signatures are not checked). ``resume_step``: the step
+    a rollback decided before this supervisor started asks to resume from (a requeued Slurm
+    job's, see :mod:`trainguard.launcher.slurm_resume`); the launches get it as a rollback's."""
 
     def __init__(self, *, job: str, cmd: list, max_restarts: int = 3,
                  checkpoint_dir: str | None = None, grace_s: float = 10.0,
                  environ: dict | None = None, node: str | None = None, publish=None,
                  orders=None, verifier: Verifier | None = None, deadletter=None,
                  clock=time.time, log=_log, poll_s: float = 0.1,
-                 world_size: int | None = None, instrument: bool = False):
+                 world_size: int | None = None, instrument: bool = False,
+                 resume_step: int | None = None):
         self.job = job
         self.cmd = list(cmd)
         self.max_restarts = max_restarts
@@ -266,7 +269,7 @@ class Supervisor:
         self.launched_ts = 0.0
         self.excluded: set[str] = set()
         self.active_excluded: set[str] = set()
-        self.rollback_step: int | None = None
+        self.rollback_step: int | None = resume_step  # a rollback's, from before this run
         self.restarted_incidents: set[str] = set()
         self._stop_signal: int | None = None
         self._signals = 0
@@ -589,6 +592,9 @@ def main(args, config, keys=None) -> int:
     keys = keys if keys is not None else signing_key_from_env()
     warn_if_unsigned(keys, "run", f"orders on {config.topics.orders}")
     started = time.time()
+    from .slurm_resume import slurm_rollback_step
+
+    resume_step = slurm_rollback_step(os.environ, log=_log)
     publish = _Publisher(config, keys)
     feed = OrderFeed(config, args.job, since=started)
     feed.start()
@@ -598,7 +604,8 @@ def main(args, config, keys=None) -> int:
                             checkpoint_dir=args.checkpoint_dir, grace_s=args.grace,
                             environ=environ, publish=publish, orders=feed,
                             verifier=Verifier(keys), deadletter=publish.deadletter,
-                            instrument=getattr(args, "instrument", False))
+                            instrument=getattr(args, "instrument", False),
+                            resume_step=resume_step)
     old = {s: signal.signal(s, lambda signum, frame: supervisor.request_stop(signum))
            for s in (signal.SIGINT, signal.SIGTERM)}
     try:

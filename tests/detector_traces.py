@@ -112,7 +112,8 @@ class JobSim:
 
     def kill(self, rank, step, teardown_s=0.5, signal="SIGTERM"):
         """``rank`` is SIGKILLed (or OOM-killed) at ``step``: it sends no exit event; the
-        launcher stops the other ranks by ``signal`` ``teardown_s`` later."""
+        launcher stops the other ranks by ``signal`` ``teardown_s`` later (``"gloo"``: they
+        fail with code 1 first, their collective broken)."""
         self._stop = (step, "kill", {"rank": rank, "teardown_s": teardown_s, "signal": signal})
         return self
 
@@ -231,8 +232,10 @@ class JobSim:
             for i, peer in enumerate(ranks):
                 at = ts + spread * i / max(1, len(ranks) - 1)
                 hb_end[peer] = at
+                code = 1 if signal == "gloo" else None   # the peer's collective failed
                 emit(ev.Lifecycle(job=self.job, ts=at, node=self.node_of(peer), rank=peer,
-                                  event="exit", signal=signal))
+                                  event="exit", signal=None if code else signal,
+                                  exit_code=code))
 
         if self._stop:
             _, how, detail = self._stop

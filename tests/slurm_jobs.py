@@ -59,7 +59,8 @@ $(date +%s.%N)" >> {folder}/{job}.launches
 
 
 def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
-                 fault_step: int = 12, timeout: float = 150.0, log=lambda m: None) -> dict:
+                 fault_step: int = 12, timeout: float = 150.0, queue_s: float = 0.0,
+                 log=lambda m: None) -> dict:
     """One Xid on one node of a 2-node training job, recovered ``how``:
 
     - ``"requeue"``: an sbatch job of 2 nodes, the action service's Slurm driver drains the
@@ -68,16 +69,24 @@ def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
       the action service's orders go to ``trainguard run``, which relaunches the ``srun``
       off the evicted node, onto the spare, within the allocation.
 
+    ``queue_s`` > 0: a busy cluster. Once the training steps, another 2-node job of
+    ``queue_s`` seconds is submitted; it waits in the queue (``Reason=Resources``), ahead of
+    any job submitted or requeued after it.
+
     Returns the timeline in seconds from the Xid (``detected_s``: the first anomaly;
-    ``ordered_s``: the restart's record; ``resumed_s``: the first step after it) and what
-    happened (nodes before and after, the resume step, the action records: ``(action,
-    status, ack_status, reason)``, ``ack_status`` None where no order was acked)."""
+    ``ordered_s``: the restart's record; ``relaunched_s``: the new launch began, the batch
+    script's start after a requeue, ``trainguard run``'s relaunch of its ``srun`` on a spare;
+    ``ranks_up_s``: the first rank of it called ``trainguard.init`` (its process started,
+    imported torch, joined the process group); ``resumed_s``: the first step after the
+    restart) and what happened (nodes before and after, the resume step, when the queued
+    job ran, the action records: ``(action, status, ack_status, reason)``, ``ack_status``
+    None where no order was acked)."""
     from actions_harness import Collector, Deployment, wait_for
 
     from trainguard.apps.chaos import xid_line
     from trainguard.signing import KEY_ENV, generate_key
 
-    job = f"xid-{how}"
+    job = f"xid-{how}" + ("-busy" if queue_s else "")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     launcher = "trainguard-run" if how == "spare" else "sbatch"
@@ -110,6 +119,10 @@ def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
             nodes = telemetry.wait(lambda ev: len(nodes_stepping(ev)) == 2 and
                                    nodes_stepping(ev), timeout=timeout, what="both nodes")
             bad = nodes[-1]
+            queued_at = folder / "queued-job.started"
+            if queue_s:
+                slurm.run("sbatch", "--parsable", "-N", "2", "-o", "/dev/null", "-J", "queued",
+                          "--wrap", f"date +%s.%N > {queued_at}; sleep {queue_s:g}")
             kmsg = folder / "kmsg.log"
             kmsg.write_text("")
             d.procs.trainguard("agent", "agent", "--node", bad, "--job", job, "--kmsg-extra",
@@ -140,6 +153,23 @@ def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
             anomalies.drain(0.5)
             found = [a for a in anomalies.events if a.type == "anomaly" and a.job == job]
             first_resumed = min(resumed, key=lambda e: e.ts)
+            launches = [float(line.split()[-1]) for line in
+                        (folder / f"{job}.launches").read_text().splitlines()]
+            relaunch = [e.ts for e in telemetry.events if e.type == "lifecycle"
+                        and e.job == job and e.rank is None and e.event == "start"
+                        and (e.extra or {}).get("incarnation", 0) > 0]
+            ranks_up = [e.ts for e in telemetry.events if e.type == "lifecycle"
+                        and e.job == job and e.rank is not None and e.event == "start"
+                        and e.ts > fault_ts]
+            relaunched = min(relaunch) if how == "spare" and relaunch else \
+                launches[1] if how != "spare" and len(launches) > 1 else None
+            result.update(
+                relaunched_s=round(relaunched - fault_ts, 2) if relaunched else None,
+                ranks_up_s=round(min(ranks_up) - fault_ts, 2) if ranks_up else None)
+            if queue_s:
+                ran = float(queued_at.read_text()) if queued_at.exists() else None
+                result.update(queue_s=queue_s, queued_job_started_s=round(ran - fault_ts, 2)
+                              if ran else None)
             result.update(
                 nodes_before=nodes, evicted=bad,
                 detected_s=round(min(a.detected_ts for a in found) - fault_ts, 2)

@@ -78,3 +78,27 @@ def test_a_driver_that_changed_nothing_is_recorded_not_applicable_with_its_code(
     [evict] = [r for r in rec.events if r.action == "evict"]
     assert (evict.status, evict.extra["code"]) == ("not_applicable", "no_change")
     assert ev.decode(ev.encode(evict)).status == "not_applicable"
+
+
+def test_a_rollback_a_driver_cannot_pass_the_step_to_is_never_done():
+    """Kubernetes cannot hand recreated pods the step: the rollback is not carried out and is
+    recorded not_applicable with the reason. The Slurm driver requeues with the step in the
+    job's comment (done); where it could not write it, failed, never done."""
+    rollback = decision("rollback", exclude_nodes=[], rollback_step=40)
+    status, reason = driver_actions(KubernetesDriver(core_api=NoPods()))["rollback"](
+        rollback, INCIDENT)
+    assert status == "not_applicable" and "cannot pass the resume step 40" in reason
+
+    def slurm(answers):
+        answers = list(answers)
+        return SlurmDriver(runner=lambda argv, **kw: subprocess.CompletedProcess(
+            argv, *answers.pop(0)) if answers else ok_runner(argv), sleep=lambda s: None)
+
+    held = (0, "JobId=42 JobState=PENDING Restarts=1", "")
+    status, reason = driver_actions(slurm([(0, "", ""), held, (0, "(null)\n", "")]),
+                                    {"j1": "42"})["rollback"](rollback, INCIDENT)
+    assert status == "done" and "Comment=trainguard-resume-step=40@1: done" in reason
+    status, reason = driver_actions(slurm([(0, "", ""), held, (1, "", "squeue: timeout")]),
+                                    {"j1": "42"})["rollback"](rollback, INCIDENT)
+    assert status == "failed" and "squeue -h -j 42 -o %k: failed (exit 1: squeue: timeout)" \
+        in reason and "scontrol release 42: done" in reason

@@ -283,3 +283,52 @@ def test_offsets_of_finished_anomalies_are_committed(kafka_config):
         assert [e.incident for e in restarts(actions.events)] == ["inc-first", "inc-second"]
     finally:
         actions.close()
+
+
+def test_the_service_groups_anomalies_by_the_workers_incident_events(kafka_config):
+    """The worker's output, as it publishes it (streams/processors.py ``_with_incidents``,
+    streams/app.py ``emit``): each anomaly, then the incident it opened or grew, keyed by
+    job, on the anomalies topic. The service's own fallback correlator is off, so any
+    grouping comes from the incident events: the crash gets one restart, and the hang it
+    caused is dropped as part of the same incident."""
+    from confluent_kafka import Producer
+
+    from streams.shorten import encode_finding
+    from trainguard.detectors.correlate import Correlator
+
+    actions = Collector(kafka_config, kafka_config.topics.actions)
+    told = []
+    stop = threading.Event()
+    service, deadletter, close = build_service(kafka_config, Policy(), ServiceState(),
+                                               stop=stop, log=told.append)
+    correlate = next(s for s in service.pipeline.stages if s.name == "correlate")
+    correlate.correlator = None                 # no grouping but the worker's
+    thread = threading.Thread(target=service.run_kafka, args=(kafka_config, stop, deadletter),
+                              daemon=True)
+    thread.start()
+    try:
+        worker = Correlator()
+        out = Producer(kafka_config.kafka(**{"linger.ms": 5}))
+        earlier = worker.add(anomaly(kind="straggler", id="s0", job="j0"))
+        out.produce(kafka_config.topics.anomalies, key=b"j0",
+                    value=encode_finding(ev.Incident.of(earlier)))
+        out.flush(10)       # the worker was publishing incidents before: they are expected
+        wait_for(lambda: service.counts["incidents"] == 1, what="the earlier incident")
+        for a in (anomaly(id="c1"), anomaly(kind="hang", id="h1", ranks=(), nodes=())):
+            found = worker.add(a)
+            for event in (a, ev.Incident.of(found)):
+                out.produce(kafka_config.topics.anomalies, key=event.job.encode(),
+                            value=encode_finding(event))
+        assert out.flush(10) == 0
+        wait_for(lambda: any("anomaly h1" in m for m in told), what="the hang's outcome")
+        actions.wait(lambda es: [e for e in es if e.action == "alert"], what="the alert")
+        assert [(e.action, e.status, e.incident) for e in actions.events] == [
+            ("restart", "planned", "inc-c1"), ("alert", "done", "inc-c1")]
+        hang = next(m for m in told if "anomaly h1" in m)
+        assert "dropped: duplicate: incident inc-c1 already has a restart" in hang
+        assert service.counts["incidents"] == 3 and service.book.incident_id("h1") == "inc-c1"
+    finally:
+        stop.set()
+        thread.join(15)
+        close()
+        actions.close()

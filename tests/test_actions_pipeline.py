@@ -39,8 +39,9 @@ def summary(records):
 
 def test_pipeline_is_assembled_in_order():
     p, _, _ = pipe()
-    assert repr(p) == ("Pipeline(correlate -> dedup -> confirm -> investigate -> confirm -> "
-                       "decide -> limit -> act -> record -> dispatch -> notify)")
+    assert repr(p) == ("Pipeline(await_incident -> correlate -> dedup -> confirm -> "
+                       "investigate -> confirm -> decide -> limit -> act -> record -> "
+                       "dispatch -> notify)")
 
 
 def test_crash_becomes_planned_restart_records():

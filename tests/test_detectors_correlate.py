@@ -118,3 +118,29 @@ def test_a_nan_explains_its_own_ranks_crash_and_hang():
     c.add(anomaly("crash", 160.0, [2]))
     [incident] = c.incidents()
     assert incident["kind"] == "nan" and len(incident["anomalies"]) == 3
+
+
+def test_a_fault_after_the_job_was_relaunched_is_a_new_incident():
+    """Issue 10 point 5: the problem a restart dealt with is over; what begins after the
+    relaunch is a new incident (the action service restarts once per incident)."""
+    c = Correlator()
+    c.add(anomaly("crash", 100.0, [1]))
+    c.relaunched("j", 130.0)
+    c.add(anomaly("crash", 131.0, [2], onset=128.0))    # the old problem's, found late
+    c.add(anomaly("crash", 160.0, [1]))                  # began after the relaunch
+    c.relaunched("other", 170.0)                         # another job's relaunch: no matter
+    c.add(anomaly("crash", 175.0, [3]))
+    assert [(i["ranks"], len(i["anomalies"])) for i in c.incidents()] == [
+        ([1], 2), ([1], 2)]
+
+
+def test_the_job_stage_tells_its_correlator_of_a_relaunch():
+    from trainguard.detectors import JobStage
+
+    stage = JobStage()
+    stage.job = "j"
+    stage.correlator.add(anomaly("crash", 100.0, [1]))
+    stage.update({"k": "life", "job": "j", "rank": 0, "node": "n1", "ts": 130.0,
+                  "event": "start", "world_size": 2})
+    stage.correlator.add(anomaly("crash", 160.0, [1]))
+    assert [len(i["anomalies"]) for i in stage.correlator.incidents()] == [1, 1]

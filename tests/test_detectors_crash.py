@@ -44,6 +44,22 @@ def test_killed_rank_is_the_crash_not_its_torn_down_peers(signal):
     assert incident["kind"] == "crash" and incident["ranks"] == [5]
 
 
+def test_killed_rank_is_the_crash_when_its_peers_fail_with_code_1_first():
+    """With gloo the peers of a SIGKILLed rank fail (code 1) before torchrun stops them:
+    they are crashes at once, and the rank that vanished is named once the exits settle;
+    the incident names it alone."""
+    sim = JobSim(steps=300).kill(5, 200, teardown_s=0.05, signal="gloo")
+    found, engine = run_engine(sim.events())
+    vanished = [a for a in crashes(found) if a.evidence.get("vanished")]
+    assert [a.ranks for a in vanished] == [[5]]
+    assert vanished[0].evidence["collateral"] == [0, 1, 2, 3, 4, 6, 7]
+    # decided once a peer hung in the collective would have been heard again (vanish_s)
+    assert vanished[0].detected_ts - sim.stop_ts <= 12.0
+    assert min(a.detected_ts for a in crashes(found)) - sim.stop_ts <= 2.0
+    [incident] = engine.incidents()
+    assert incident["kind"] == "crash" and incident["ranks"] == [5]
+
+
 def test_whole_job_stopped_from_outside_is_one_warning_naming_no_rank():
     sim = JobSim(steps=300).stop(200)
     found, engine = run_engine(sim.events())

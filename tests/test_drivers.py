@@ -100,6 +100,37 @@ def test_slurm_requeue_with_exclusions_holds_updates_releases():
     assert [c[0] for c in runner.calls] == argvs(calls) and calls_ok(calls)
 
 
+def test_slurm_requeue_rollback_writes_the_step_for_the_next_run_into_the_comment():
+    shown = "JobId=42 JobState=PENDING Reason=job_requeued_in_held_state Requeue=1 Restarts=3"
+    runner = Runner([(0, "", ""), (0, shown, ""), (0, "ablation b trainguard-resume-step=9@1\n",
+                                                  ""), (0, "", ""), (0, "", "")])
+    calls = slurm(runner).restart("42", ["n2"], resume_step=40)
+    assert [c.op for c in calls] == ["requeuehold", "wait", "read_comment", "update", "release"]
+    assert argvs(calls)[2] == ["squeue", "-h", "-j", "42", "-o", "%k"]
+    # the owner's comment is kept; the stale token of restart 1 is replaced by run 3's
+    assert argvs(calls)[3] == ["scontrol", "update", "JobId=42", "ExcNodeList=n2",
+                               "StartTime=now", "Comment=ablation b trainguard-resume-step=40@3"]
+    assert calls_ok(calls) and calls[2].output == ""
+    with pytest.raises(InvalidTarget, match="resume step -1"):
+        slurm(Runner()).restart("42", resume_step=-1)
+
+
+def test_slurm_requeue_rollback_that_cannot_write_the_step_fails_but_releases():
+    runner = Runner([(0, "", ""), (0, "JobId=42 JobState=PENDING Restarts=1", ""),
+                     (1, "", "squeue: error: Invalid job id")])
+    calls = slurm(runner).restart("42", ["n2"], resume_step=40)
+    assert [(c.op, c.status) for c in calls] == [
+        ("requeuehold", "done"), ("wait", "done"), ("read_comment", "failed"),
+        ("update", "done"), ("release", "done")]
+    assert not any(a.startswith("Comment=") for a in calls[3].argv) and not calls_ok(calls)
+    runner = Runner([(0, "", ""), (0, "JobId=42 JobState=PENDING", "")])  # no Restarts=
+    calls = slurm(runner).restart("42", resume_step=40)
+    assert [(c.op, c.status) for c in calls][2:] == [
+        ("read_comment", "failed"), ("update", "done"), ("release", "done")]
+    assert "Restarts count is unknown" in calls[2].error
+    assert [a[0][0] for a in runner.calls] == ["scontrol"] * 4  # squeue never asked
+
+
 def test_slurm_evict_drains_and_later_restarts_keep_excluding():
     runner = Runner()
     d = slurm(runner, reason="trainguard: Xid 79 on GPU 3")
@@ -154,13 +185,15 @@ def test_slurm_dry_run_runs_nothing():
                                      "Reason=trainguard evict"]]
 
 
-def test_slurm_failure_stops_the_sequence():
+def test_slurm_failure_is_recorded_and_a_held_job_is_released_all_the_same():
     runner = Runner([(0, "", ""), (0, "", ""),
                      (1, "", "slurm_update error: Invalid node name specified")])
     calls = slurm(runner).restart("12", ["n1"])
-    assert [c.status for c in calls] == ["done", "done", "failed"]  # release never run
+    # released after the failed update: a job left held by requeuehold never runs again
+    assert [(c.op, c.status) for c in calls] == [("requeuehold", "done"), ("wait", "done"),
+                                                 ("update", "failed"), ("release", "done")]
     assert calls[2].error == "exit 1: slurm_update error: Invalid node name specified"
-    assert not calls_ok(calls) and len(runner.calls) == 3
+    assert not calls_ok(calls) and len(runner.calls) == 4
     runner = Runner([(1, "", "Job has already finished")])
     calls = slurm(runner).restart("12")
     assert [(c.op, c.status) for c in calls] == [("requeuehold", "failed")]
@@ -300,6 +333,15 @@ def test_kubernetes_failures_stop_and_a_pod_already_gone_is_fine():
     api = FakeCoreV1Api(PODS, fail={("list_namespaced_pod", "default"): OSError("refused")})
     calls = KubernetesDriver(core_api=api).restart("llama")
     assert [c.status for c in calls] == ["failed"] and "refused" in calls[0].error
+
+
+def test_kubernetes_does_not_carry_out_a_rollback_it_cannot_pass_the_step_to():
+    api = FakeCoreV1Api()
+    calls = KubernetesDriver(core_api=api).restart("llama", ["n1"], resume_step=40)
+    [call] = calls
+    assert (call.op, call.status) == ("rollback", "not_applicable") and not calls_ok(calls)
+    assert "cannot pass the resume step 40" in call.error
+    assert api.calls == []  # nothing cordoned, no pod deleted
 
 
 def test_kubernetes_no_pods_is_reported():

@@ -31,6 +31,18 @@ def expand(nodelist: str) -> set:
     return out
 
 
+def lines_within(path, count: int, seconds: float = 30.0) -> list:
+    """The lines of ``path`` once it has ``count`` of them, or what it has after ``seconds``
+    (Slurm shows RUNNING before the batch script has run its first line)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = path.read_text().splitlines() if path.exists() else []
+        if len(found) >= count:
+            return found
+        time.sleep(0.2)
+    return path.read_text().splitlines() if path.exists() else []
+
+
 def test_cluster_is_up_and_runs_a_two_node_job(slurm, tmp_path):
     job = slurm.sbatch(sleeper(tmp_path), "-N", "2", "--requeue", "-o", "/dev/null")
     info = slurm.wait_job(job, "RUNNING", 30)
@@ -114,27 +126,55 @@ sleep 600 & wait
     script.chmod(0o755)
     resume = tmp_path / "resume.txt"
 
-    def lines_within(count, seconds):
-        # Slurm shows RUNNING before the batch script has run its first line.
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            found = resume.read_text().splitlines() if resume.exists() else []
-            if len(found) >= count:
-                return found
-            time.sleep(0.2)
-        return resume.read_text().splitlines() if resume.exists() else []
-
     job = slurm.sbatch(script, "-N", "1", "-o", "/dev/null")
     slurm.wait_job(job, "RUNNING", 30)
-    assert len(lines_within(1, 20)) == 1
+    assert len(lines_within(resume, 1, 20)) == 1
     d = driver(slurm, mode="resubmit", script=str(script), sbatch_args=("-N", "1",
                                                                          "-o", "/dev/null"))
     try:
         calls = d.restart(job, resume_step=40)
         assert calls_ok(calls), [c.to_dict() for c in calls]
         slurm.wait_job(calls[1].output, "RUNNING", 40)
-        first, second = lines_within(2, 20)[:2]
+        first, second = lines_within(resume, 2, 20)[:2]
         assert first == "none none" and second == "40 1"
+    finally:
+        slurm.cancel_all()
+        slurm.wait_idle()
+
+
+def test_a_rollback_requeues_with_the_step_in_the_jobs_comment(slurm, tmp_path):
+    """Under mode="requeue" the requeued job keeps its environment: the driver writes the step
+    into the job's comment while it is held, tied to the run it is for; the batch script
+    (trainguard resume-step) and trainguard run read it back; the next restart does not roll
+    back again; the owner's own comment is kept."""
+    from slurm_jobs import PYTHON
+
+    seen = tmp_path / "resume.txt"
+    script = tmp_path / "requeue-rollback.sh"
+    script.write_text(f"""#!/bin/bash
+step=$({PYTHON} -m trainguard.cli resume-step)
+echo "script ${{step:-none}} ${{SLURM_RESTART_COUNT:-0}}" >> {seen}
+{PYTHON} -m trainguard.cli run --job rb --max-restarts 0 -- \
+    bash -c 'echo "run ${{TRAINGUARD_RESUME_STEP:-none}}" >> {seen}'
+trap 'exit 143' TERM
+sleep 600 & wait
+""")
+    script.chmod(0o755)
+
+    job = slurm.sbatch(script, "-N", "1", "--requeue", "-o", str(tmp_path / "out.txt"),
+                       "--comment=ablation b")
+    d = driver(slurm)
+    try:
+        assert lines_within(seen, 2) == ["script none 0", "run none"]
+        calls = d.restart(job, resume_step=40)
+        assert calls_ok(calls), [c.to_dict() for c in calls]
+        assert [c.op for c in calls] == ["requeuehold", "wait", "read_comment", "update",
+                                         "release"]
+        assert lines_within(seen, 4)[2:] == ["script 40 1", "run 40"]
+        assert calls_ok(d.restart(job))  # a plain restart later: no rollback again
+        assert lines_within(seen, 6)[4:] == ["script none 2", "run none"]
+        comment = slurm.run("squeue", "-h", "-j", job, "-o", "%k").strip()
+        assert comment == "ablation b trainguard-resume-step=40@1"
     finally:
         slurm.cancel_all()
         slurm.wait_idle()

@@ -28,6 +28,11 @@ def _steps(events, job, after=0.0):
     return [e for e in events if e.type == "step" and e.job == job and e.ts >= after]
 
 
+def _rank_starts(events, job, after):
+    return [e for e in events if e.type == "lifecycle" and e.job == job and e.event == "start"
+            and e.rank is not None and e.ts >= after]
+
+
 def _actions(events, job, action, status=None):
     return [e for e in events if e.type == "action" and e.job == job and e.action == action
             and (status is None or e.status == status) and e.extra.get("source") == "actions"]
@@ -111,9 +116,14 @@ def test_xid_drains_the_node_and_the_job_resumes_off_it(slurm, kafka_config, tmp
 
             mark("restarted")
             # The job resumes from its checkpoint, off the drained node.
-            resumed = telemetry.wait(lambda ev: _steps(ev, job, after=restart.ts),
+            # The old run's last steps can arrive after the restart's record: the new run is
+            # told apart by its ranks' start events.
+            starts = telemetry.wait(lambda ev: _rank_starts(ev, job, after=restart.ts),
+                                    timeout=120, what="the new run's start")
+            new_run = min(e.ts for e in starts)
+            resumed = telemetry.wait(lambda ev: _steps(ev, job, after=new_run),
                                      timeout=120, what="a step after the restart")
-            again = slurm.job(current)
+            again = slurm.wait_job(current, "RUNNING", 30)
             assert bad not in expand(again["NodeList"]) and bad in again["ExcNodeList"]
             assert {e.node for e in resumed} <= expand(again["NodeList"])
             before = max(e.step for e in _steps(telemetry.events, job) if e.ts < fault_ts)
@@ -139,7 +149,7 @@ def test_xid_drains_the_node_and_the_job_resumes_off_it(slurm, kafka_config, tmp
             assert final["JobState"] == "COMPLETED", \
                 Path(out.replace("%j", current)).read_text()[-2000:]
             assert bad not in expand(final["NodeList"])
-            nodes_after = {e.node for e in _steps(telemetry.events, job, after=restart.ts)}
+            nodes_after = {e.node for e in _steps(telemetry.events, job, after=new_run)}
             assert bad not in nodes_after
             mark("finished")
         finally:

@@ -13,8 +13,9 @@ import time
 import pytest
 
 from trainguard.collectors import stack_capture
-from trainguard.collectors.stack_capture import (capture_pid, find_pyspy, inproc_threads,
-                                                 install_inproc_handler, stack_file)
+from trainguard.collectors.stack_capture import (InprocDumper, capture_pid, find_pyspy,
+                                                 inproc_threads, install_inproc_handler,
+                                                 stack_file)
 
 CHILD = r'''
 import os, sys, threading, time, ctypes, importlib.util
@@ -244,3 +245,30 @@ def test_install_in_this_process_and_signal_self(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) == previous
     assert not stack_file(tmp_path, os.getpid()).with_suffix(".ready").exists()
     assert signal.set_wakeup_fd(-1) == -1  # the wakeup fd was given back
+
+
+def test_dumps_at_once_and_a_failing_dump_never_raise(tmp_path, monkeypatch):
+    """The wakeup thread and the handler may write the same dump at once (a rank hung in a
+    Python loop runs both): each write has its own temporary file, and the handler never
+    raises into the training loop, whatever the dump does."""
+    dumper = InprocDumper(tmp_path, signal.SIGUSR1)
+    dumper.path.parent.mkdir(parents=True)
+    errors = []
+
+    def dump_many():
+        try:
+            for _ in range(50):
+                dumper.dump()
+        except Exception as exc:  # pragma: no cover - the failure this test is about
+            errors.append(exc)
+
+    threads = [threading.Thread(target=dump_many) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and json.loads(dumper.path.read_text())["pid"] == os.getpid()
+    assert [p.name for p in dumper.path.parent.iterdir()] == [dumper.path.name]
+
+    monkeypatch.setattr(dumper, "dump", lambda: 1 / 0)
+    dumper._on_signal(signal.SIGUSR1, None)   # no wakeup thread: the handler dumps, and fails

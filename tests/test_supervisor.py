@@ -346,3 +346,35 @@ def test_command_line_runs_and_returns_the_exit_code(tmp_path, capsys):
                  "--", sys.executable, "-c", "import os, sys; sys.exit(int("
                  "os.environ['TRAINGUARD_RESTART_COUNT']) + 5)"])
     assert code == 5
+
+
+def test_a_requeued_slurm_jobs_rollback_step_reaches_the_first_launch():
+    """The Slurm driver leaves a rollback's step in the requeued job's comment, tied to the
+    run (SLURM_RESTART_COUNT) it is for; trainguard run hands it to its first launch."""
+    import subprocess
+
+    from trainguard.launcher.slurm_resume import slurm_rollback_step
+
+    asked, said = [], []
+
+    def squeue(argv, **kw):
+        asked.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "run b trainguard-resume-step=40@2\n", "")
+
+    env = {"SLURM_JOB_ID": "17", "SLURM_RESTART_COUNT": "2"}
+    assert slurm_rollback_step(env, runner=squeue, log=said.append) == 40
+    assert asked == [["squeue", "-h", "-j", "17", "-o", "%k"]]
+    assert slurm_rollback_step({**env, "SLURM_RESTART_COUNT": "3"}, runner=squeue,
+                               log=said.append) is None  # a later run: the token is stale
+    assert slurm_rollback_step({"SLURM_JOB_ID": "17"}, runner=squeue) is None  # first run
+    assert len(asked) == 2
+
+    def broken(argv, **kw):
+        raise subprocess.TimeoutExpired(argv, 20)
+
+    assert slurm_rollback_step(env, runner=broken, log=said.append) is None
+    assert "resuming as usual" in said[-1]
+    sup = Supervisor(job="j1", cmd=["python", "t.py"], environ={}, node="n", resume_step=40)
+    assert sup._env(resume=False)["TRAINGUARD_RESUME_STEP"] == "40"
+    assert "TRAINGUARD_RESUME_STEP" not in Supervisor(job="j1", cmd=["t"], environ={},
+                                                      node="n")._env(resume=False)

@@ -76,6 +76,10 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     add_metrics_flags(run, "run")
     run.set_defaults(func=delegate(".launcher.supervisor"))
 
+    resume = sub.add_parser("resume-step", help="print the step this (requeued Slurm) job "
+                            "resumes from after a rollback, or nothing")
+    resume.set_defaults(func=_resume_step)
+
     record = sub.add_parser("record", help="Kafka topics to a recording")
     record.add_argument("--out", required=True, metavar="FILE",
                         help=".jsonl, .jsonl.gz or .jsonl.zst")
@@ -105,3 +109,9 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     demo.add_argument("--out", metavar="DIR", default=None, help="where the report goes")
     add_kafka_flags(demo)
     demo.set_defaults(func=delegate(".apps.demo"))
+
+
+def _resume_step(args) -> int:
+    from trainguard.launcher.slurm_resume import resume_step_main
+
+    return resume_step_main(args)

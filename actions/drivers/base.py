@@ -8,7 +8,8 @@ mode the calls it would make:
   one line, says why where the cluster keeps a reason: naming the incident).
 
 A failing call ends the sequence: the list then ends with that call, ``status="failed"``,
-and nothing after it was run. Drivers never raise for an API or command failure; they raise
+and nothing after it was run. A request the driver cannot carry out at all is one call of
+``status="not_applicable"`` whose ``error`` says why; nothing was run. Drivers never raise for an API or command failure; they raise
 :class:`InvalidTarget` (a ``UserError``) for a job or node name they refuse to pass on.
 
 >>> c = DriverCall(driver="slurm", op="requeue", argv=["scontrol", "requeue", "42"],
@@ -30,7 +31,7 @@ from trainguard.errors import UserError
 __all__ = ["DriverCall", "RecoveryDriver", "InvalidTarget", "calls_ok", "check_names",
            "CALL_STATUSES"]
 
-CALL_STATUSES = ("planned", "done", "failed", "dry_run")
+CALL_STATUSES = ("planned", "done", "failed", "dry_run", "not_applicable")
 OUTPUT_MAX = 2000
 
 
@@ -77,8 +78,8 @@ class RecoveryDriver(Protocol):
 
 
 def calls_ok(calls: Iterable[DriverCall]) -> bool:
-    """True when no call failed (dry-run calls count as fine)."""
-    return all(c.status != "failed" for c in calls)
+    """True when no call failed or could not be made (dry-run calls count as fine)."""
+    return all(c.status not in ("failed", "not_applicable") for c in calls)
 
 
 def check_names(names: Iterable[str], pattern: re.Pattern, what: str, hint: str) -> list[str]:

@@ -11,6 +11,8 @@ driver first needs a client; tests inject ``core_api``, any object with the thre
   ``delete_namespaced_pod(name, namespace, grace_period_seconds=...)`` for each pod. The
   controller that owns the pods (a Job, JobSet, PyTorchJob, StatefulSet...) makes new ones,
   which the scheduler keeps off cordoned nodes. A pod already gone (404) counts as deleted.
+- a rollback (``restart`` with ``resume_step``): not carried out, one ``not_applicable``
+  call says why (a recreated pod gets its spec's environment; nothing would carry the step).
 
 Dry run plans the writes but still *reads*: it lists the pods so the plan names them.
 
@@ -116,9 +118,19 @@ class KubernetesDriver:
 
     def restart(self, job_ref: str, exclude_nodes: Iterable[str] = (),
                 resume_step: int | None = None) -> list[DriverCall]:
-        """``resume_step`` is not passed on: the recreated pods get their spec's
-        environment (the step is in the action record)."""
+        """A rollback (``resume_step`` given) is not carried out: the recreated pods get
+        their spec's environment, so nothing would tell them the step, and a restart from the
+        newest checkpoint is what a rollback must not be. The one call returned is
+        ``not_applicable`` and says so; nothing is cordoned or deleted."""
         [job] = check_names([job_ref], LABEL_VALUE, "job", "a Kubernetes label value")
+        if resume_step is not None:
+            return [DriverCall(
+                driver=self.KIND, op="rollback", api="KubernetesDriver.restart",
+                args={"job": job, "resume_step": resume_step}, status="not_applicable",
+                error=(f"the Kubernetes driver cannot pass the resume step {resume_step} to "
+                       f"the recreated pods (they get their spec's environment) and did not "
+                       f"restart the job from its newest checkpoint instead; roll back by "
+                       f"hand: TRAINGUARD_RESUME_STEP={resume_step} in the pod template"))]
         calls = self.evict(exclude_nodes)
         if calls and calls[-1].status == "failed":
             return calls

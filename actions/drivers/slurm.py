@@ -9,6 +9,13 @@ is released::
     scontrol update JobId=<job> [ExcNodeList=<n1,n2>] StartTime=now
     scontrol release <job>
 
+A rollback (``resume_step``) reads the job's comment between the wait and the update
+(``squeue -h -j <job> -o %k``: op "read_comment") and the update writes it back with
+``trainguard-resume-step=<step>@<Restarts>`` added: a requeued job keeps the environment it was
+submitted with, and ``trainguard run`` (or ``trainguard resume-step`` in the batch script)
+finds the step there (see :mod:`.slurm_comment`). A job held by ``requeuehold`` is always
+released, whatever became of the calls between.
+
 Why: a job's ``ExcNodeList`` can be changed only while it is pending; and when Slurm requeues
 a job it sets the job's begin time to ``cred_expire + 1`` seconds (120 s by default, see
 ``AuthInfo`` in slurm.conf) after the old run finished, then waits for the next periodic
@@ -41,6 +48,8 @@ them: every later restart of this driver excludes all machines evicted or exclud
 dry_run ['scontrol', 'requeuehold', '4242']
 dry_run ['scontrol', 'update', 'JobId=4242', 'ExcNodeList=gpu-03,gpu-07', 'StartTime=now']
 dry_run ['scontrol', 'release', '4242']
+>>> [c.describe() for c in d.restart("4242", resume_step=40)][1:3]
+['squeue -h -j 4242 -o %k', 'scontrol update JobId=4242 ExcNodeList=gpu-03,gpu-07 StartTime=now Comment=<comment> trainguard-resume-step=40@<Restarts>']
 """
 from __future__ import annotations
 
@@ -50,7 +59,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterable
 
-from .base import DriverCall, check_names, cut
+from .base import DriverCall, InvalidTarget, check_names, cut
+from .slurm_comment import TOKEN, restart_count, with_resume_step
 
 __all__ = ["SlurmDriver", "JOB_ID", "NODE_NAME", "job_state"]
 
@@ -84,6 +94,7 @@ class SlurmDriver:
     scontrol: str = "scontrol"
     sbatch: str = "sbatch"
     scancel: str = "scancel"
+    squeue: str = "squeue"
     timeout: float = 30.0
     wait_s: float = 60.0
     poll_s: float = 0.2
@@ -116,25 +127,36 @@ class SlurmDriver:
 
     # ----------------------------------------------------------------- plans (argv lists)
     def plan_restart(self, job_ref: str, exclude_nodes: Iterable[str] = (),
-                     resume_step: int | None = None) -> list[list[str]]:
+                     resume_step: int | None = None, *, restart: int | None = None,
+                     comment: str | None = None) -> list[list[str]]:
+        """The argv lists of a restart; for a requeue with ``resume_step``, ``restart`` (the
+        job's ``Restarts`` once requeued) and ``comment`` (its comment) fill in the
+        ``Comment=`` of the update (placeholders when not known, as in a dry run)."""
         [job] = check_names([self.current(job_ref)], JOB_ID, "Slurm job id",
                             "digits, e.g. 4242 or 4242_7")
         avoid = sorted(self.excluded | set(check_names(exclude_nodes, NODE_NAME, "node",
                                                        "a Slurm node name")))
+        step = _resume_step(resume_step)
         if self.mode == "resubmit":
             exclude = [f"--exclude={','.join(avoid)}"] if avoid else []
             count = self.restarts.get(job_ref, 0) + 1
             export = f"--export=ALL,TRAINGUARD_RESUME=1,TRAINGUARD_RESTART_COUNT={count}"
-            if isinstance(resume_step, int) and not isinstance(resume_step, bool) \
-                    and resume_step >= 0:
-                export += f",TRAINGUARD_RESUME_STEP={resume_step}"
+            if step is not None:
+                export += f",TRAINGUARD_RESUME_STEP={step}"
             return [[self.scancel, job],
                     [self.sbatch, "--parsable", *exclude, export, *self.sbatch_args,
                      self.script]]
         exclude = [f"ExcNodeList={','.join(avoid)}"] if avoid else []
-        return [[self.scontrol, "requeuehold", job],
-                [self.scontrol, "update", f"JobId={job}", *exclude, "StartTime=now"],
-                [self.scontrol, "release", job]]
+        update = [self.scontrol, "update", f"JobId={job}", *exclude, "StartTime=now"]
+        if step is None:
+            return [[self.scontrol, "requeuehold", job], update,
+                    [self.scontrol, "release", job]]
+        if restart is None:
+            update.append(f"Comment=<comment> {TOKEN}={step}@<Restarts>")
+        else:
+            update.append(f"Comment={with_resume_step(comment, step, restart)}")
+        return [[self.scontrol, "requeuehold", job], [self.squeue, "-h", "-j", job, "-o", "%k"],
+                update, [self.scontrol, "release", job]]
 
     def plan_evict(self, nodes: Iterable[str], reason: str | None = None) -> list[list[str]]:
         names = check_names(nodes, NODE_NAME, "node", "a Slurm node name")
@@ -147,8 +169,7 @@ class SlurmDriver:
     def restart(self, job_ref: str, exclude_nodes: Iterable[str] = (),
                 resume_step: int | None = None) -> list[DriverCall]:
         """``resume_step`` (a rollback's) reaches a resubmitted job as
-        ``TRAINGUARD_RESUME_STEP``; a requeued job keeps the environment it was submitted
-        with (Slurm gives it ``SLURM_RESTART_COUNT``)."""
+        ``TRAINGUARD_RESUME_STEP``, a requeued one through its comment (module docstring)."""
         plan = self.plan_restart(job_ref, exclude_nodes, resume_step)
         if self.mode == "resubmit":
             calls = self._run(list(zip(["cancel", "submit"], plan)))
@@ -158,14 +179,41 @@ class SlurmDriver:
                 if JOB_ID.fullmatch(new):
                     self.resubmitted[self.current(job_ref)] = new
         else:
-            hold, update, release = plan
-            calls = self._run([("requeuehold", hold)])
-            if calls[-1].status == "done":
-                calls.append(self._wait_finished(hold[-1]))
-                calls += self._run([("update", update), ("release", release)])
-            elif calls[-1].status == "dry_run":
-                calls += self._run([("update", update), ("release", release)])
+            calls = self._requeue(job_ref, exclude_nodes, resume_step, plan)
         self.excluded |= set(check_names(exclude_nodes, NODE_NAME, "node", "a Slurm node name"))
+        return calls
+
+    def _requeue(self, job_ref, exclude_nodes, resume_step, plan) -> list[DriverCall]:
+        ops = ["requeuehold", "read_comment", "update", "release"] if len(plan) == 4 else \
+            ["requeuehold", "update", "release"]
+        if self.dry_run:
+            return self._run(list(zip(ops, plan)))
+        hold, release = plan[0], plan[-1]
+        calls = self._run([("requeuehold", hold)])
+        if calls[-1].status != "done":
+            return calls
+        wait, restart = self._wait_finished(hold[-1])
+        calls.append(wait)
+        update = plan[-2]
+        if resume_step is not None:
+            read = plan[1]
+            if restart is None:
+                calls.append(DriverCall(
+                    driver=self.KIND, op="read_comment", argv=read, status="failed",
+                    error="the job's Restarts count is unknown, so the resume step cannot be "
+                          "tied to its next run; the step was not passed on"))
+            else:
+                call, comment = self._call("read_comment", read)
+                calls.append(call)
+                call.output = ""  # the job owner's text: not for the audit record
+            if calls[-1].status == "done":
+                update = self.plan_restart(job_ref, exclude_nodes, resume_step, restart=restart,
+                                           comment=comment.rstrip("\n"))[-2]
+            else:  # requeued all the same: off the machines, without the step (and said so)
+                update = [a for a in update if not a.startswith("Comment=")]
+        calls += self._run([("update", update)])
+        # Always: a job held by requeuehold would otherwise stay held for good.
+        calls += self._run([("release", release)])
         return calls
 
     def evict(self, nodes: Iterable[str], reason: str | None = None) -> list[DriverCall]:
@@ -176,18 +224,20 @@ class SlurmDriver:
         self.excluded |= set(check_names(nodes, NODE_NAME, "node", "a Slurm node name"))
         return calls
 
-    def _wait_finished(self, job: str) -> DriverCall:
+    def _wait_finished(self, job: str) -> tuple[DriverCall, int | None]:
         """Poll ``scontrol show job`` until the requeued job's old run has finished; then
-        let the wall clock pass a whole second (see the module docstring)."""
+        let the wall clock pass a whole second (see the module docstring). Returns the call
+        and the job's ``Restarts`` count as last seen."""
         argv = [self.scontrol, "show", "job", "-o", job]
         call = DriverCall(driver=self.KIND, op="wait", argv=argv, status="done")
         start = self.clock()
-        state = None
+        state = restarts = None
         while True:
             try:
                 done = self.runner(argv, shell=False, capture_output=True, text=True,
                                    timeout=self.timeout, check=False)
                 state = job_state(done.stdout)
+                restarts = restart_count(done.stdout)
             except (OSError, subprocess.TimeoutExpired):
                 state = None
             waited = self.clock() - start
@@ -202,34 +252,49 @@ class SlurmDriver:
         else:
             self.sleep(1.0)
             call.output = f"old run finished after {waited:.1f} s (JobState={state})"
-        return call
+        return call, restarts
 
     def _run(self, steps: list[tuple[str, list[str]]]) -> list[DriverCall]:
         calls = []
         for op, argv in steps:
-            call = DriverCall(driver=self.KIND, op=op, argv=argv,
-                              status="dry_run" if self.dry_run else "planned")
+            call, _ = self._call(op, argv)
             calls.append(call)
-            if self.dry_run:
-                continue
-            try:
-                done = self.runner(argv, shell=False, capture_output=True, text=True,
-                                   timeout=self.timeout, check=False)
-            except FileNotFoundError:
-                call.status, call.error = "failed", (
-                    f"{argv[0]} not found; install the Slurm client tools on this machine "
-                    f"or give its path in the driver configuration")
+            if call.status == "failed":
                 break
-            except subprocess.TimeoutExpired:
-                call.status, call.error = "failed", f"no answer within {self.timeout} s"
-                break
-            call.output = cut(done.stdout)
-            if done.returncode != 0:
-                call.status = "failed"
-                call.error = f"exit {done.returncode}: {cut(done.stderr) or call.output}"
-                break
-            call.status = "done"
         return calls
+
+    def _call(self, op: str, argv: list[str]) -> tuple[DriverCall, str]:
+        """One command (planned only, in dry run): its record and its whole stdout."""
+        call = DriverCall(driver=self.KIND, op=op, argv=argv,
+                          status="dry_run" if self.dry_run else "planned")
+        if self.dry_run:
+            return call, ""
+        try:
+            done = self.runner(argv, shell=False, capture_output=True, text=True,
+                               timeout=self.timeout, check=False)
+        except FileNotFoundError:
+            call.status, call.error = "failed", (
+                f"{argv[0]} not found; install the Slurm client tools on this machine "
+                f"or give its path in the driver configuration")
+            return call, ""
+        except subprocess.TimeoutExpired:
+            call.status, call.error = "failed", f"no answer within {self.timeout} s"
+            return call, ""
+        call.output = cut(done.stdout)
+        if done.returncode != 0:
+            call.status = "failed"
+            call.error = f"exit {done.returncode}: {cut(done.stderr) or call.output}"
+        else:
+            call.status = "done"
+        return call, done.stdout or ""
+
+
+def _resume_step(step) -> int | None:
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidTarget(f"resume step {step!r} is not an integer >= 0")
+    return step
 
 
 def _one_line(reason: str) -> str:

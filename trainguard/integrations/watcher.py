@@ -87,10 +87,10 @@ def count_tokens(args: tuple, kwargs: dict | None) -> int | None:
 
 def _token_tensor_size(value) -> int | None:
     dtype = getattr(value, "dtype", None)
-    if dtype is None or getattr(value, "dim", None) is None:
+    if dtype is None or dtype.is_floating_point or dtype.is_complex \
+            or getattr(value, "dim", None) is None:
         return None
-    if value.dim() >= 2 and not dtype.is_floating_point and not dtype.is_complex and \
-            str(dtype) != "torch.bool":
+    if value.dim() >= 2 and str(dtype) != "torch.bool":
         return int(value.numel())
     return None
 
@@ -100,10 +100,14 @@ def _host_value(value):
     if value is None or type(value) is float or type(value) is int:
         return value
     try:
-        if getattr(value, "is_cuda", False):
+        if value.is_cuda:
             return _Deferred(value.detach().to("cpu", non_blocking=True))
-        if hasattr(value, "numel") and value.numel() != 1:
-            return None
+        return float(value.item()) if value.numel() == 1 else None
+    except AttributeError:  # not a tensor: a NumPy scalar, a Decimal...
+        pass
+    except Exception:
+        return None
+    try:
         return float(value.item()) if hasattr(value, "item") else float(value)
     except Exception:
         return None
@@ -180,8 +184,12 @@ class StepWatcher:
 
     def phase(self, name: str):
         """Show ``name`` in heartbeats; returns the previous phase (for :meth:`restore`)."""
-        c = self.live() if self.active else None
-        return c.set_phase(name) if c is not None else None
+        c = self.collector
+        if c is None or c.explicit or c.closed or not self.active:  # else live() is c
+            c = self.live() if self.active else None
+            if c is None:
+                return None
+        return c.set_phase(name)
 
     def restore(self, previous) -> None:
         c = self.collector
