@@ -56,7 +56,8 @@ class DetectorConfig:
     straggler_settle: int = 2              # steps to wait for more ranks before naming them
     straggler_min_ranks: int = 3           # ranks needed in a step (and a stage) to compare
     straggler_warmup: int = 10             # steps each rank's own baseline is learned over
-    straggler_baseline_alpha: float = 0.05  # ... then its moving-average weight
+    straggler_baseline_step: float = 0.002  # ... then moved this much (log) per step
+    straggler_noise_z: float = 3.0         # slow also needs >= z x the rank's own spread
 
     # -- throughput_drop: Page-Hinkley on the job's log step time, confirmed by a ratio ------
     throughput_warmup: int = 50            # steps before learning starts (compile, warm-up)

@@ -68,6 +68,8 @@ class PageHinkleyUp:
 
 
 _value = operator.itemgetter(1)
+#: the weight of a step in a rank's learned spread (its mean absolute deviation)
+_SPREAD_WEIGHT = 0.02
 
 
 def peer_ratios(times: dict) -> dict:
@@ -128,17 +130,24 @@ class StragglerDetector(UsesView, Detector):
     Peers: with a known topology (lifecycle ``topology``, Megatron layout: TP fastest, then
     DP, then PP) the ranks of the same pipeline stage, when the stage has ``min_ranks``;
     otherwise the whole job. Each rank has its own *usual share*: the log of its
-    ``compute_time`` over its peers' (a moving average, learned over its first ``warmup``
-    steps, then only from steps less than half the threshold above it). In a step every
+    ``compute_time`` over its peers' (the mean of its first ``warmup`` steps, then moved by
+    ``baseline_step`` towards each step within its own noise: a running median, which a
+    noisy rank's slow half does not drag), and its own *spread* (the mean absolute deviation
+    of its log ratio). A rank whose usual share came out at least ``ratio`` x its peers'
+    while at most a quarter of them did is slow from its first step: its share is set back
+    to its peers'. In a step every
     time is first divided by its rank's usual share, and a rank's *ratio* is its scaled time
     over the median of its peers' scaled times; so ranks that differ steadily from the start,
     or a steadily slower stage compared across the job, are not stragglers, and several
     ranks falling behind at once do not hide each other. A rank is *slow* in a step when its
-    ratio is at least ``ratio`` and its time at least ``min_excess_s`` more. A rank slow in
+    ratio is at least ``ratio`` and at least ``noise_z`` x its spread (a 12% wobble on a
+    shared CPU is noise), and its time at least ``min_excess_s`` more. A rank slow in
     ``k`` of the last ``n`` steps it reported is a
     straggler, also when single normal steps break the run. When the first rank qualifies,
-    the detector waits ``settle`` steps for others (a whole slow machine), then names exactly
-    the qualifying ranks; machines all of whose ranks are named are named too. A named rank is
+    the detector waits ``settle`` steps for others (a whole slow machine), and while another
+    rank is falling behind too (slow in 2+ steps) up to ``n`` steps, then names the ranks
+    that qualified meanwhile and are still slow in most steps; machines all of whose ranks
+    are named are named too. A named rank is
     reported again only after it recovered (slow in at most ``n - k`` of the last ``n``).
 
     >>> d = StragglerDetector(k=3, n=4, settle=0, warmup=2)
@@ -155,7 +164,7 @@ class StragglerDetector(UsesView, Detector):
 
     def __init__(self, ratio: float = 1.2, min_excess_s: float = 0.002, k: int = 6,
                  n: int = 10, settle: int = 2, min_ranks: int = 3, warmup: int = 10,
-                 baseline_alpha: float = 0.05):
+                 baseline_step: float = 0.002, noise_z: float = 3.0):
         self.ratio = ratio
         self.min_excess_s = min_excess_s
         self.k = k
@@ -163,14 +172,18 @@ class StragglerDetector(UsesView, Detector):
         self.settle = settle
         self.min_ranks = min_ranks
         self.warmup = warmup
-        self.baseline_alpha = baseline_alpha
+        self.baseline_step = baseline_step
+        self.noise_z = noise_z
         self._log_ratio = math.log(ratio)
         self._history: dict = {}       # rank -> deque of (slow, step, ts, ratio)
         self._slow_steps: dict = {}    # rank -> how many of its _history steps were slow
-        self._base: dict = {}          # rank -> [log of its usual share, steps learned, share]
+        self._base: dict = {}          # rank -> [log of its usual share, steps learned, share,
+                                       #          mean absolute deviation of its log ratio]
         self._init_view()              # where ranks run, ranks per pipeline stage
         self._named: set = set()
         self._pending = None           # steps left before naming
+        self._waited = 0               # steps waited since the first rank qualified
+        self._candidates: set = set()  # ranks that qualified meanwhile
 
     def _derive(self) -> None:
         self._log_ratio = math.log(self.ratio)
@@ -190,30 +203,57 @@ class StragglerDetector(UsesView, Detector):
         base_of, log_ratio, warmup = self._base, self._log_ratio, self.warmup
         history, slow_steps, named, n, k = (self._history, self._slow_steps, self._named,
                                             self.n, self.k)
-        log, exp, min_excess = math.log, math.exp, self.min_excess_s
+        log, exp, min_excess, step_size = math.log, math.exp, self.min_excess_s, self.baseline_step
+        z, half_ratio, spread_weight = self.noise_z, log_ratio / 2, _SPREAD_WEIGHT
+        learned_now = []
+        # the typical ratio of the step's ranks that are not slow: what a rank learns is its
+        # ratio against it, so a straggler among few ranks (each normal rank's peer median
+        # is then its slower normal peer) does not drag every usual share down, and with
+        # them the straggler's ratio
+        usual = sorted([r for r in ratios.values() if 0 < r < self.ratio])
+        m = len(usual)
+        shift = log(usual[m // 2] if m % 2 else (usual[m // 2 - 1] + usual[m // 2]) / 2) if m \
+            else 0.0
         for rank, r in ratios.items():
             if r <= 0:
                 continue
             rel = log(r)                    # judge the step, learn the rank's usual share
             base = base_of.get(rank)
+            count = slow_steps.get(rank, 0)
             if base is None:
-                base_of[rank] = [rel, 1, r]
+                base_of[rank] = [rel, 1, r, 0.0]
                 slow, r = False, 1.0
             else:
-                level, learned, _ = base
+                level, learned, _, dev = base
                 t = times[rank]
-                slow = learned >= warmup and rel >= log_ratio and t - t / r >= min_excess
+                # slow: past the ratio, and past the rank's own noise (a shared CPU's 12%)
+                slow = (learned >= warmup and rel >= log_ratio and rel >= z * dev
+                        and t - t / r >= min_excess)
                 if learned < warmup:
                     base[0] = level = level + min(rel, log_ratio) / (learned + 1)
                     base[1] = learned + 1
                     base[2] = exp(level)
-                elif rel < log_ratio / 2:          # a drift up is not learned: it may grow
-                    base[0] = level = level + self.baseline_alpha * rel
-                    base[2] = exp(level)
+                    base[3] = dev + (min(abs(rel), log_ratio) - dev) / learned
+                    if learned + 1 == warmup:
+                        learned_now.append(rank)
+                else:
+                    own = rel - shift
+                    twice = dev + dev
+                    if count + count < k:
+                        # its noise, slow steps included while it is not falling behind
+                        size = own if own >= 0 else -own
+                        cap = twice if twice > log_ratio else log_ratio
+                        base[3] = dev + spread_weight * ((size if size < cap else cap) - dev)
+                    # a slow step is not learned, nor a drift up beyond the rank's noise: it
+                    # may grow. A fixed step towards each step: the median of a noisy rank's
+                    # steps, not a mean pulled down by never learning their slow side
+                    if rel < log_ratio and own != 0 and (
+                            own < half_ratio or own < twice):
+                        base[0] = level = level + (step_size if own > 0 else -step_size)
+                        base[2] = exp(level)
             hist = history.get(rank)
             if hist is None:
                 hist = history[rank] = deque(maxlen=n)
-            count = slow_steps.get(rank, 0)
             if len(hist) == n and hist[0][0]:
                 count -= 1                        # the oldest slow step leaves the window
             hist.append((slow, step, ts, r))
@@ -224,17 +264,50 @@ class StragglerDetector(UsesView, Detector):
                     named.discard(rank)
             elif count >= k:
                 qualifying.append(rank)
-        if not qualifying:
-            self._pending = None
+        if learned_now:
+            self._slow_from_the_start(learned_now)
+        if not qualifying and self._pending is None:
             return []
         if self._pending is None:
-            self._pending = self.settle
-        if self._pending > 0:
+            self._pending, self._waited, self._candidates = self.settle, 0, set()
+        self._candidates.update(qualifying)
+        self._waited += 1
+        if self._pending > 0 or (self._waited <= n and self._rising(self._candidates)):
             self._pending -= 1
             return []
         self._pending = None
+        # the ranks that qualified while waiting and are still slow in most steps
+        qualifying = sorted(r for r in self._candidates if slow_steps[r] * 2 > n)
+        if not qualifying:
+            return []
         self._named.update(qualifying)
         return [self._finding(qualifying, step, ts)]
+
+    def _rising(self, qualifying) -> bool:
+        """Another rank slow in 2+ of its last steps, not yet qualifying: ranks falling
+        behind together a few steps apart are named together (wait at most ``n`` steps)."""
+        for rank, count in self._slow_steps.items():
+            if 2 <= count < self.k and rank not in self._named and rank not in qualifying:
+                return True
+        return False
+
+    def _slow_from_the_start(self, learned_now) -> None:
+        """A rank that learned a usual share of at least ``ratio`` x its peers' while at most a
+        quarter of its peers did is slow from its first step, not different by design (as the
+        several speeds of a heterogeneous job): its usual share is set back to its peers'."""
+        base, cut, size = self._base, self._log_ratio, self.view.stage_size
+        groups: dict = {}
+        for rank, b in base.items():
+            if b[1] >= self.warmup:
+                groups.setdefault(rank // size if size else 0, []).append(rank)
+        for rank in learned_now:
+            group = groups.get(rank // size if size else 0, ())
+            mid = median([base[r][0] for r in group])
+            high = sum(1 for r in group if base[r][0] - mid >= cut)
+            b = base[rank]
+            if b[0] - mid >= cut and high <= max(1, len(group) // 4):
+                b[0] = mid
+                b[2] = math.exp(mid)
 
     def _ratios(self, item):
         """``(compute_times, ratios)``: each rank's scaled time over the median of its

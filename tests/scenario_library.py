@@ -52,6 +52,12 @@ def _healthy():
             Scenario(name=f"steady-rank-differences-{st}s", seed=i,
                      rank_factors={0: 0.82, 3: 1.15, 2: 1.12, 1: 0.9}, **base),
         ]
+    # a shared CPU (a real 4-rank torchrun job on one machine): heavy per-step noise, two
+    # ranks steadily ~12% slower than the others; noise, not stragglers
+    for i, st in enumerate((0.05, 0.5, 2.0)):
+        out.append(Scenario(name=f"shared-cpu-noise-{st}s", dp=4, per_node=4, step_time=st,
+                            steps=_steps_for(st), checkpoint_every=0, rank_noise=0.12,
+                            moe_noise=0.1, rank_factors={0: 1.12, 3: 1.12}, seed=50 + i))
     # ... and some combinations
     for seed in range(8):
         st = (0.1, 0.5, 1.5, 6.0)[seed % 4]
@@ -128,6 +134,23 @@ def _faults():
                                              kind="straggler", step=60, ranks=(1,),
                                              factor=1.4, fraction=0.8),))),
     ]
+    # slow from the first step (never a normal baseline of its own), and slow among the
+    # noise of a shared CPU
+    cpu = dict(dp=4, per_node=4, checkpoint_every=0, rank_noise=0.12, moe_noise=0.1,
+               rank_factors={0: 1.12, 3: 1.12})
+    for st in (0.5, 2.0):
+        kinds += [
+            (f"straggler-from-step-0-{st}s", dict(step_time=st, steps=_steps_for(st),
+                                                  checkpoint_every=0, faults=(Fault(
+                                                      kind="straggler", step=0, ranks=(5,),
+                                                      factor=1.6),))),
+            (f"straggler-shared-cpu-{st}s", dict(step_time=st, steps=_steps_for(st), **cpu,
+                                                 faults=(Fault(kind="straggler", step=12,
+                                                               ranks=(1,), factor=1.6),))),
+            (f"straggler-from-step-0-shared-cpu-{st}s", dict(
+                step_time=st, steps=_steps_for(st), **cpu,
+                faults=(Fault(kind="straggler", step=0, ranks=(1,), factor=2.0),))),
+        ]
     for name, kw in kinds:
         kw = dict(kw)
         kw.setdefault("seed", 300 + len(out))

@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
 NPROC = 3
 SLOW_RANK = 1
-# the straggler detector learns each rank's usual share of the step over its first steps, so a
-# rank slow from the start is its normal (detectors/timing.py): rank 1 slows down at step 12
+# rank 1 slows down at step 12, after the straggler detector learned each rank's usual share
+# of the step (a rank slow from its first step is found too: tests/test_straggler_rules.py)
 SLOW_FROM = 12
 JOBS = {
     "plain": (["examples/plain_ddp.py", "--steps", "40", "--step-sleep", "0.02"], True),
