@@ -164,36 +164,44 @@ class _Encoder:
             ref = self._seen(obj)
             if ref is not None:
                 return ref
-            value = self.value
             if all(type(k) is str for k in obj):
-                return {k: value(v) for k, v in obj.items()}
-            out = ["d"]
-            for k, v in obj.items():
-                out.append(value(k))
-                out.append(value(v))
-            return out
+                return dict(zip(obj, self._extend([], obj.values())))
+            return self._extend(["d"], [x for kv in obj.items() for x in kv])
         if t is list:
             ref = self._seen(obj)
             if ref is not None:
                 return ref
-            value = self.value
-            return ["l", *[value(v) for v in obj]]
+            return self._extend(["l"], obj)
         if t is tuple:
-            value = self.value
-            return ["t", *[value(v) for v in obj]]
+            return self._extend(["t"], obj)
         if t is set or t is deque:
             ref = self._seen(obj)
             if ref is not None:
                 return ref
-            value = self.value
             if t is set:
-                return ["s", *[value(v) for v in obj]]
-            return ["q", obj.maxlen, *[value(v) for v in obj]]
+                return self._extend(["s"], obj)
+            return self._extend(["q", obj.maxlen], obj)
         if t is frozenset:
             return ["fs", *[self.value(v) for v in obj]]
         if t is bytes:
             return ["b", base64.b64encode(obj).decode("ascii")]
         return self._other(obj, t)
+
+    def _extend(self, out: list, items) -> list:
+        """``out`` with the encoding of each of ``items`` appended: the plain values that
+        are themselves (most of a stage's state) without a call of :meth:`value` each."""
+        value = self.value
+        append = out.append
+        for v in items:
+            t = type(v)
+            if t is float:
+                append(v if v - v == 0 else value(v))
+            elif t is str or t is bool or v is None or (
+                    t is int and _INT_MIN <= v <= _INT_MAX):
+                append(v)
+            else:
+                append(value(v))
+        return out
 
     def _other(self, obj, t):
         if t.__module__ == "numpy":
@@ -206,12 +214,8 @@ class _Encoder:
         if t not in self.allowlist:
             raise StateError(f"cannot encode a {t.__module__}.{t.__qualname__} (not a plain "
                              "value, and its class is not allowed in a snapshot)")
-        out = ["o", class_tag(t)]
-        value = self.value
-        for name, attr in _attributes(obj):
-            out.append(name)
-            out.append(value(attr))
-        return out
+        return self._extend(["o", class_tag(t)],
+                            [x for name_attr in _attributes(obj) for x in name_attr])
 
     def _numpy(self, obj):
         import numpy as np
