@@ -296,16 +296,20 @@ class StragglerDetector(UsesView, Detector):
         quarter of its peers did is slow from its first step, not different by design (as the
         several speeds of a heterogeneous job): its usual share is set back to its peers'."""
         base, cut, size = self._base, self._log_ratio, self.view.stage_size
+        wanted = {rank // size if size else 0 for rank in learned_now}
         groups: dict = {}
         for rank, b in base.items():
-            if b[1] >= self.warmup:
-                groups.setdefault(rank // size if size else 0, []).append(rank)
+            key = rank // size if size else 0
+            if key in wanted and b[1] >= self.warmup:
+                groups.setdefault(key, []).append(b[0])
+        judged = {}                       # group -> (peers' median, how many at cut above it)
+        for key, levels in groups.items():  # once per group: all ranks end warm-up together
+            mid = median(levels)
+            judged[key] = (mid, sum(1 for v in levels if v - mid >= cut), len(levels))
         for rank in learned_now:
-            group = groups.get(rank // size if size else 0, ())
-            mid = median([base[r][0] for r in group])
-            high = sum(1 for r in group if base[r][0] - mid >= cut)
+            mid, high, peers = judged[rank // size if size else 0]
             b = base[rank]
-            if b[0] - mid >= cut and high <= max(1, len(group) // 4):
+            if b[0] - mid >= cut and high <= max(1, peers // 4):
                 b[0] = mid
                 b[2] = math.exp(mid)
 
