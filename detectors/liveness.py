@@ -103,16 +103,11 @@ class CrashDetector(UsesView, Detector):
             if wave is not None and wave["failed"] and not wave["own"] \
                     and not wave["decided"]:
                 found = self._close(ts)         # the failure this restart answers, as it stands
-                wave = self._open(ts)
-                wave["own"] = True
-                self.own_restarts.append(ts)
-                del self.own_restarts[:-20]
-                return found
             wave = self._open(ts)               # trainguard run restarting the job
             wave["own"] = True
             self.own_restarts.append(ts)
             del self.own_restarts[:-20]
-            return []
+            return found
         if k == "step" and rank in self._exit and ts > self._exit[rank]:
             found = self._close(ts)                   # stepping again: a restart
             del self._exit[rank]
