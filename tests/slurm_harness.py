@@ -284,15 +284,14 @@ def slurm(tmp_path_factory):
         yield cluster
 
 
-def sleeper(folder: Path, name: str = "sleeper.sh") -> Path:
-    """A batch script that records each start (``SLURM_RESTART_COUNT``, node list) in
-    ``starts.txt`` next to it and then sleeps, leaving quickly on SIGTERM."""
+def sleeper(folder: Path, name: str = "sleeper.sh", first: str | None = None) -> Path:
+    """A batch script that runs ``first`` (shell lines; by default: record each start,
+    ``SLURM_RESTART_COUNT`` and node list, in ``starts.txt`` next to it) and then sleeps,
+    leaving quickly on SIGTERM."""
+    if first is None:
+        first = (f'echo "$SLURM_JOB_ID ${{SLURM_RESTART_COUNT:-0}} $SLURM_JOB_NODELIST '
+                 f'$(date +%s.%N)" >> {folder}/starts.txt')
     script = folder / name
-    script.write_text(f"""#!/bin/bash
-echo "$SLURM_JOB_ID ${{SLURM_RESTART_COUNT:-0}} $SLURM_JOB_NODELIST $(date +%s.%N)" \
-    >> {folder}/starts.txt
-trap 'exit 143' TERM
-sleep 600 & wait
-""")
+    script.write_text(f"#!/bin/bash\n{first}\ntrap 'exit 143' TERM\nsleep 600 & wait\n")
     script.chmod(0o755)
     return script

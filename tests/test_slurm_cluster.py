@@ -116,15 +116,10 @@ def test_resubmit_cancels_and_submits_off_the_evicted_node(slurm, tmp_path):
 def test_a_rollback_resubmits_with_the_step_to_resume_from(slurm, tmp_path):
     """Issue 12 point 4 on the real cluster: a rollback's step reaches the resubmitted job as
     TRAINGUARD_RESUME_STEP (with the restart count), where trainguard.resume_step reads it."""
-    script = tmp_path / "rollback.sh"
-    script.write_text(f"""#!/bin/bash
-echo "${{TRAINGUARD_RESUME_STEP:-none}} ${{TRAINGUARD_RESTART_COUNT:-none}}" \
-    >> {tmp_path}/resume.txt
-trap 'exit 143' TERM
-sleep 600 & wait
-""")
-    script.chmod(0o755)
     resume = tmp_path / "resume.txt"
+    script = sleeper(tmp_path, "rollback.sh", first=(
+        f'echo "${{TRAINGUARD_RESUME_STEP:-none}} ${{TRAINGUARD_RESTART_COUNT:-none}}" '
+        f'>> {resume}'))
 
     job = slurm.sbatch(script, "-N", "1", "-o", "/dev/null")
     slurm.wait_job(job, "RUNNING", 30)
@@ -150,16 +145,11 @@ def test_a_rollback_requeues_with_the_step_in_the_jobs_comment(slurm, tmp_path):
     from slurm_jobs import PYTHON
 
     seen = tmp_path / "resume.txt"
-    script = tmp_path / "requeue-rollback.sh"
-    script.write_text(f"""#!/bin/bash
+    script = sleeper(tmp_path, "requeue-rollback.sh", first=f"""\
 step=$({PYTHON} -m trainguard.cli resume-step)
 echo "script ${{step:-none}} ${{SLURM_RESTART_COUNT:-0}}" >> {seen}
 {PYTHON} -m trainguard.cli run --job rb --max-restarts 0 -- \
-    bash -c 'echo "run ${{TRAINGUARD_RESUME_STEP:-none}}" >> {seen}'
-trap 'exit 143' TERM
-sleep 600 & wait
-""")
-    script.chmod(0o755)
+    bash -c 'echo "run ${{TRAINGUARD_RESUME_STEP:-none}}" >> {seen}'""")
 
     job = slurm.sbatch(script, "-N", "1", "--requeue", "-o", str(tmp_path / "out.txt"),
                        "--comment=ablation b")
