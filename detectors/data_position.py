@@ -46,7 +46,10 @@ class DataPositionDetector(Detector):
     def update(self, item) -> list[Finding]:
         if type(item) is not dict:
             return []
-        k, rank = item.get("k"), item.get("rank")
+        k = item.get("k")
+        if k == "step" and item.get("samples") is None:
+            return []               # the common case: a rank that reports no samples
+        rank = item.get("rank")
         if rank is None:
             return []
         if k == "life":

@@ -114,8 +114,13 @@ class CrashDetector(UsesView, Detector):
         elif event == "start":
             found = self._close(ts)
             self._exit.pop(rank, None)
-        if rank is not None:
-            self._heard(rank, item, ts)
+        if rank is not None:                  # _heard, inline: it runs for every summary
+            last = self._last
+            if ts >= last.get(rank, ts):
+                last[rank] = ts
+                step = item.get("step")
+                if step is not None:
+                    self._step[rank] = step
         if event != "exit":
             return found
         code, sig = item.get("exit_code"), item.get("signal")
@@ -153,12 +158,6 @@ class CrashDetector(UsesView, Detector):
         """The input ended: decide a tear-down still within its grace period."""
         wave = self._wave
         return self._decide(now) if wave is not None and not wave["decided"] else []
-
-    def _heard(self, rank, item, ts) -> None:
-        if ts >= self._last.get(rank, ts):
-            self._last[rank] = ts
-            if item.get("step") is not None:
-                self._step[rank] = item["step"]
 
     def _open(self, ts) -> dict:
         if self._wave is None:
@@ -287,11 +286,12 @@ class SilentDetector(UsesView, Detector):
                 self.view.learn(item)
             rank = item.get("rank")
             ts = item.get("ts")
-            if rank is None or ts is None or item.get("k") not in ("step", "hb", "life"):
-                if item.get("k") == "gpu" and item.get("node") and ts is not None:
+            k = item.get("k")
+            if rank is None or ts is None or k not in ("step", "hb", "life"):
+                if k == "gpu" and item.get("node") and ts is not None:
                     self._gpu_sample(item["node"], ts)    # a NodeStage's gpu summary
                 return []
-            if item.get("k") == "life":
+            if k == "life":
                 if item.get("event") == "exit":
                     self._exited.add(rank)
                 else:

@@ -117,6 +117,7 @@ class RankStage:
         if kind == "step":
             self._last_step = event.step
             loss, grad_norm, loss_scale = event.loss, event.grad_norm, event.loss_scale
+            extra = event.extra
             # json_number's test inline: a finite float or None is the common case
             if loss is not None and loss - loss != 0:
                 loss = json_number(loss)
@@ -128,7 +129,7 @@ class RankStage:
                      "ts": event.ts, "step": event.step, "step_time": event.step_time,
                      "compute_time": event.compute_time, "loss": loss,
                      "grad_norm": grad_norm, "loss_scale": loss_scale,
-                     "samples": (event.extra or {}).get("samples")}]
+                     "samples": extra.get("samples") if extra else None}]
         if kind == "heartbeat":
             phase = event.phase
             allowed = type(phase) is str and phase not in STEP_PHASES   # is_allowed_phase
@@ -292,8 +293,11 @@ class StepAggregator:
         expected = self._world if self._world > len(self._ranks) else len(self._ranks)
         if len(entry[2]) >= expected and (self._stable or self._world):
             return self._close_through(step)
-        if step - self.close_lag > min(self._open):
-            return self._close_through(step - self.close_lag)
+        # every open step is above the last closed one: only a step that far ahead can
+        # leave an open step close_lag behind (the min() then runs seldom)
+        lagging = step - self.close_lag
+        if lagging > self._closed + 1 and lagging > min(self._open):
+            return self._close_through(lagging)
         return []
 
     def expire(self, now: float) -> list[dict]:
@@ -348,13 +352,10 @@ class JobStage:
     def update(self, item) -> list[ev.Anomaly]:
         if type(item) is dict:
             k = item.get("k")
-            if k is None and "type" in item:
-                return self.update(ev.from_dict(item))
-            if self.job is None:
-                self.job = item.get("job")
-            if k in LEARNS_FROM:
+            if k == "step":                     # the commonest item first
+                if self.job is None:
+                    self.job = item.get("job")
                 self.view.learn(item)
-            if k == "step":
                 findings = []
                 for d in self._routes["step"]:
                     found = d.update(item)
@@ -365,6 +366,12 @@ class JobStage:
                     for jobstep in closed:
                         findings += self._jobstep(jobstep)
                 return self._emit(findings) if findings else []
+            if k is None and "type" in item:
+                return self.update(ev.from_dict(item))
+            if self.job is None:
+                self.job = item.get("job")
+            if k in LEARNS_FROM:
+                self.view.learn(item)
             if k == "finding":
                 return self._emit([self._named(Finding(**item["finding"]))])
             targets = self._routes.get(k, ()) if k in _SUMMARY_ROUTES else ()
@@ -488,14 +495,14 @@ class Engine:
                 if kind == "lifecycle":        # the launcher's (trainguard run's) own
                     return self.job_stage(event.job).update(launcher_summary(event))
                 return []
-            key = (event.job, rank)
-            rank_stage = self._ranks.get(key)
+            job = event.job
+            rank_stage = self._ranks.get((job, rank))
             if rank_stage is None:
-                rank_stage = self._ranks[key] = RankStage(self.config)
+                rank_stage = self._ranks[(job, rank)] = RankStage(self.config)
             summaries = rank_stage.update(event)
             if not summaries:
                 return []
-            stage = self._jobs.get(event.job) or self.job_stage(event.job)
+            stage = self._jobs.get(job) or self.job_stage(job)
             if len(summaries) == 1:             # what a RankStage gives
                 return stage.update(summaries[0])
             out = []

@@ -225,10 +225,9 @@ class StragglerDetector(UsesView, Detector):
                 slow, r = False, 1.0
             else:
                 level, learned, _, dev = base
-                t = times[rank]
                 # slow: past the ratio, and past the rank's own noise (a shared CPU's 12%)
                 slow = (learned >= warmup and rel >= log_ratio and rel >= z * dev
-                        and t - t / r >= min_excess)
+                        and (t := times[rank]) - t / r >= min_excess)
                 if learned < warmup:
                     base[0] = level = level + min(rel, log_ratio) / (learned + 1)
                     base[1] = learned + 1

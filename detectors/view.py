@@ -39,17 +39,20 @@ class JobView:
         if type(item) is not dict:
             return
         k = item.get("k")
-        if k == "jobstep":
+        if k == "step" or k == "hb":            # the common case first
+            pass
+        elif k == "jobstep":
             where = self.where
             for rank, rec in item["ranks"].items():
                 node = rec.get("node")
                 if node and where.get(rank) != node:
                     where[rank] = node
             return
-        if k not in LEARNS_FROM:
+        elif k == "life":
+            if item.get("event") == "start":
+                self._learn_topology(item)
+        else:
             return
-        if k == "life" and item.get("event") == "start":
-            self._learn_topology(item)
         rank, ts = item.get("rank"), item.get("ts")
         if rank is None or ts is None:
             return
