@@ -346,25 +346,25 @@ class GpuDegradedDetector(_GpuDetector):
         if item.node is None or item.status == "unavailable":
             return []
         out = []
-        ts = item.ts
+        ts, node, windows = item.ts, item.node, self._windows
+        horizon = ts - self.window_s
         healthy_skip = self.throttle_fraction > 0      # as _judge's first test
         for gpu in item.gpus:
             index = gpu.get("index")
             if index is None or gpu.get("lost"):
                 continue
-            key = (item.node, index)
-            window = self._windows.get(key)
+            window = windows.get((node, index))
             if window is None:
-                window = self._windows[key] = _Window()
+                window = windows[(node, index)] = _Window()
             reasons = gpu.get("throttle")
             hw = bool(reasons) and any(r.startswith("hw_") or r == "sw_thermal" for r in reasons)
             window.add(ts, hw, (gpu.get("pcie_replay"), gpu.get("nvlink_errors"),
-                                gpu.get("ecc_sbe")), ts - self.window_s)
+                                gpu.get("ecc_sbe")), horizon)
             ups = window.ups
             if (not window.throttled and healthy_skip and not self._active
                     and not (ups[0] or ups[1] or ups[2])):
                 continue                           # a healthy GPU: nothing to judge
-            out += self._judge(item.node, index, window, ts, reasons)
+            out += self._judge(node, index, window, ts, reasons)
         return out
 
     def _judge(self, node, index, window, ts, reasons) -> list[Finding]:
@@ -381,7 +381,8 @@ class GpuDegradedDetector(_GpuDetector):
         on = (n >= self.min_samples and span >= self.window_s / 2
               and throttled >= self.throttle_fraction * n) or (
             window.run >= self.min_samples and ts - window.run_ts >= self.window_s / 4)
-        if self._newly_on(node, index, "throttle", on):
+        active = self._active      # what can clear: nothing while it is empty (the common case)
+        if (on or active) and self._newly_on(node, index, "throttle", on):
             onset = next((r[0] for r in rows if r[1]), ts)
             out.append(self._degraded(node, index, "throttle", ts, onset,
                                       f"GPU {index} of {node} throttled by hardware in "
@@ -393,11 +394,12 @@ class GpuDegradedDetector(_GpuDetector):
                 for name in _COUNTERS:
                     self._active.discard((node, index, name))
             return out
+        least = (1, self.nvlink_increments, self.sbe_increments)
         for col, name in enumerate(_COUNTERS):
             incs = ups[col]
-            needed = (1, self.nvlink_increments, self.sbe_increments)[col]
-            if incs < needed:
-                self._active.discard((node, index, name))
+            if incs < least[col]:
+                if active:
+                    active.discard((node, index, name))
                 continue
             rise = window.last[col] - next(r[2][col] for r in rows if r[2][col] is not None)
             if col == 0:
@@ -406,7 +408,8 @@ class GpuDegradedDetector(_GpuDetector):
                 on = incs >= self.nvlink_increments
             else:
                 on = rise >= self.sbe_increase and incs >= self.sbe_increments
-            if not self._newly_on(node, index, name, on and rise > 0):
+            on = on and rise > 0
+            if not ((on or active) and self._newly_on(node, index, name, on)):
                 continue
             onset = next(r[0] for r in rows if r[3][col])
             out.append(self._degraded(node, index, name, ts, onset,
