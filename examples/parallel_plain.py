@@ -162,7 +162,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("parallel", choices=["fsdp2", "tp", "pp"])
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--width", type=int, default=48)  # 4x48 splits over 2, 3, 4 ranks
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--step-sleep", type=float, default=0.0, help="idle seconds between steps")
     p.add_argument("--timeout", type=float, default=300.0)

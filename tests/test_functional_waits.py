@@ -1,0 +1,97 @@
+"""The hooks time the waits of DTensor's functional collectives (tensor parallel): the module
+is patched once the script imported it, a wait inside a step is not compute, torch.compile's
+tracing sees the original, and nothing raises into the script. The real tensor parallel job is
+in tests/test_parallel_compute_time.py."""
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from trainguard.collectors.api import Collector, CollectorSettings
+
+torch = pytest.importorskip("torch")
+funcol = pytest.importorskip("torch.distributed._functional_collectives")
+
+from trainguard.integrations.torch_hooks import _FUNCOL, TorchHooks  # noqa: E402
+from trainguard.integrations.watcher import StepWatcher  # noqa: E402
+
+WAIT = 0.2
+
+
+class Sink:
+    dropped = 0
+
+    def __init__(self):
+        self.records = []
+
+    def produce(self, record, key=None):
+        self.records.append(record)
+
+
+@pytest.fixture
+def slow_waits(monkeypatch):
+    """funcol's waits stand in for a peer 0.2 s late; hooks installed on a 2-rank collector."""
+    calls = []
+
+    def wait_tensor(tensor):
+        calls.append(tensor)
+        time.sleep(WAIT)
+        return tensor
+
+    monkeypatch.setattr(funcol, "wait_tensor", wait_tensor)
+    sink = Sink()
+    collector = Collector(CollectorSettings(job="unit", rank=0, world_size=2), sink)
+    hooks = TorchHooks(StepWatcher(lambda: collector, cuda=False))
+    yield hooks, sink, calls
+    hooks.uninstall()
+
+
+def steps_of(sink):
+    return [r for r in sink.records if type(r) is tuple and r[0] == 1]
+
+
+def test_a_functional_wait_in_a_step_is_not_compute(slow_waits):
+    hooks, sink, calls = slow_waits
+    hooks.install()
+    assert funcol.wait_tensor.__wrapped__.__name__ == "wait_tensor"
+    w = hooks.watcher
+    w.begin()
+    out = funcol.wait_tensor(torch.ones(2))  # the result passes through
+    w.end()
+    assert out.tolist() == [1.0, 1.0] and len(calls) == 1
+    (_, _, step, step_time, compute, _), = steps_of(sink)
+    assert step_time >= WAIT and compute <= step_time - 0.9 * WAIT, (step_time, compute)
+
+
+def test_patched_once_the_script_imports_it(slow_waits, monkeypatch):
+    hooks, sink, _ = slow_waits
+    monkeypatch.delitem(sys.modules, _FUNCOL)
+    hooks.install()
+    assert not hasattr(funcol.wait_tensor, "__wrapped__")
+    monkeypatch.setitem(sys.modules, _FUNCOL, funcol)
+    torch.nn.Linear(2, 2)(torch.ones(1, 2))  # the first forward finds it
+    assert hasattr(funcol.wait_tensor, "__wrapped__")
+    hooks.uninstall()
+    assert not hasattr(funcol.wait_tensor, "__wrapped__")
+
+
+def test_compiling_sees_the_original_and_a_broken_watcher_never_raises(slow_waits, monkeypatch):
+    hooks, sink, calls = slow_waits
+    compiling = [True]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling[0])
+    hooks.install()
+    w = hooks.watcher
+    w.begin()
+    # while traced, the watcher is not touched: that would fail the test
+    monkeypatch.setattr(w, "wait_begin", pytest.fail)
+    funcol.wait_tensor(torch.ones(1))
+    compiling[0] = False
+
+    def boom(*args):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(w, "wait_begin", boom)
+    monkeypatch.setattr(w, "phase", boom)
+    assert funcol.wait_tensor(torch.ones(1)).item() == 1.0
+    assert len(calls) == 2

@@ -1,0 +1,93 @@
+"""``compute_time`` under ``--instrument`` for FSDP2, tensor parallel and pipeline parallel jobs:
+real torchrun (gloo, CPU) runs of ``examples/parallel_plain.py`` (imports nothing of
+trainguard), read back from the real broker.
+
+One rank sleeps in every forward of its model from step ``SLOW_FROM`` on. Every rank's steps
+arrive with step time and a compute time no larger than it, heartbeats show phases, the loss
+comes where the rank has one (pipeline parallel: the last stage), and the slow rank's compute
+time stands clearly above its peers' — for pipeline parallel, above the other rank of its own
+stage (4 ranks: 2 pipelines x 2 stages; ranks 0, 1 run stage 0, ranks 2, 3 stage 1).
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+import pytest
+
+from collector_harness import by_type, watched_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.broker]
+
+STEPS = 30
+SLOW_FROM = 10
+SLOW_SECONDS = 0.05
+#: job -> (ranks, the slow rank, the ranks it is compared with, the ranks that have a loss)
+JOBS = {
+    "fsdp2": (3, 1, (0, 2), (0, 1, 2)),
+    "tp": (3, 1, (0, 2), (0, 1, 2)),
+    "pp": (4, 1, (0,), (2, 3)),  # rank 1 is stage 0 of pipeline 1; rank 0 its stage peer
+}
+
+
+@pytest.fixture(scope="module", params=sorted(JOBS))
+def parallel_job(request, tmp_path_factory, kafka_bootstrap):
+    name = request.param
+    nproc, slow, _, _ = JOBS[name]
+    code, out, events = watched_run(
+        kafka_bootstrap, tmp_path_factory.mktemp(name), f"par-{name}",
+        ["examples/parallel_plain.py", name, "--steps", str(STEPS), "--step-sleep", "0.01"],
+        nproc, instrument=True, extra_env={"FAULT_SLOW": f"{slow}:{SLOW_SECONDS}:{SLOW_FROM}"})
+    assert code == 0, out[-4000:]
+    return name, events
+
+
+def per_rank_steps(events) -> dict[int, list]:
+    steps = defaultdict(list)
+    for e in by_type(events, "step"):
+        steps[e.rank].append(e)
+    return steps
+
+
+def test_every_rank_sends_steps_with_compute_time_phases_and_loss(parallel_job):
+    name, events = parallel_job
+    nproc, _, _, with_loss = JOBS[name]
+    assert not [e for e in events if isinstance(e, Exception)], "invalid events on the topic"
+    steps = per_rank_steps(events)
+    assert set(steps) == set(range(nproc)), sorted(steps)
+    for rank, got in steps.items():
+        assert sorted(e.step for e in got) == list(range(STEPS)), (rank, [e.step for e in got])
+        for e in got:
+            assert e.job == f"par-{name}"
+            assert e.step_time > 0 and e.compute_time is not None, e
+            assert 0 <= e.compute_time <= e.step_time, e
+            assert e.lr is not None
+        losses = [e.loss for e in got if e.loss is not None]
+        if rank in with_loss:
+            assert len(losses) == STEPS, (rank, losses)
+        else:
+            assert not losses, (rank, losses)
+    phases = defaultdict(set)
+    for beat in by_type(events, "heartbeat"):
+        phases[beat.rank].add(beat.phase)
+    assert set(phases) == set(range(nproc))
+    for rank, seen in phases.items():  # heartbeats sample the phase once a second
+        assert seen & {"forward", "backward", "collective", "optimizer"}, (rank, seen)
+    life = by_type(events, "lifecycle")
+    assert {e.rank for e in life if e.event == "start"} == set(range(nproc))
+    assert {e.rank for e in life if e.event == "exit"} == set(range(nproc))
+
+
+def test_the_rank_sleeping_in_its_forward_has_the_highest_compute_time(parallel_job):
+    name, events = parallel_job
+    _, slow, peers, _ = JOBS[name]
+    steps = per_rank_steps(events)
+    medians = {rank: statistics.median(e.compute_time for e in got if e.step > SLOW_FROM)
+               for rank, got in steps.items()}
+    before = {rank: statistics.median(e.compute_time for e in got if 2 <= e.step < SLOW_FROM)
+              for rank, got in steps.items()}
+    print(name, "compute_time medians before", before, "after", medians)
+    # the sleep is counted once per forward (for pp, once per micro-batch: 4 per step)
+    assert medians[slow] > before[slow] + 0.8 * SLOW_SECONDS, (before, medians)
+    for peer in peers:
+        assert medians[slow] > medians[peer] + 0.6 * SLOW_SECONDS, (peer, medians)
