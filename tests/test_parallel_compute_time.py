@@ -15,12 +15,14 @@ from collections import defaultdict
 
 import pytest
 
-from collector_harness import by_type, watched_run
+from collector_harness import by_type, watched_run, write_recording
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
-STEPS = 30
-SLOW_FROM = 10
+STEPS = 36
+# after the straggler detector learned each rank's usual share of the step (as in
+# tests/test_integrations_torchrun.py)
+SLOW_FROM = 12
 SLOW_SECONDS = 0.05
 #: job -> (ranks, the slow rank, the ranks it is compared with, the ranks that have a loss)
 JOBS = {
@@ -34,12 +36,13 @@ JOBS = {
 def parallel_job(request, tmp_path_factory, kafka_bootstrap):
     name = request.param
     nproc, slow, _, _ = JOBS[name]
+    tmp = tmp_path_factory.mktemp(name)
     code, out, events = watched_run(
-        kafka_bootstrap, tmp_path_factory.mktemp(name), f"par-{name}",
+        kafka_bootstrap, tmp, f"par-{name}",
         ["examples/parallel_plain.py", name, "--steps", str(STEPS), "--step-sleep", "0.01"],
         nproc, instrument=True, extra_env={"FAULT_SLOW": f"{slow}:{SLOW_SECONDS}:{SLOW_FROM}"})
     assert code == 0, out[-4000:]
-    return name, events
+    return name, events, write_recording(events, tmp / "recording.jsonl")
 
 
 def per_rank_steps(events) -> dict[int, list]:
@@ -50,7 +53,7 @@ def per_rank_steps(events) -> dict[int, list]:
 
 
 def test_every_rank_sends_steps_with_compute_time_phases_and_loss(parallel_job):
-    name, events = parallel_job
+    name, events, _ = parallel_job
     nproc, _, _, with_loss = JOBS[name]
     assert not [e for e in events if isinstance(e, Exception)], "invalid events on the topic"
     steps = per_rank_steps(events)
@@ -79,7 +82,7 @@ def test_every_rank_sends_steps_with_compute_time_phases_and_loss(parallel_job):
 
 
 def test_the_rank_sleeping_in_its_forward_has_the_highest_compute_time(parallel_job):
-    name, events = parallel_job
+    name, events, _ = parallel_job
     _, slow, peers, _ = JOBS[name]
     steps = per_rank_steps(events)
     medians = {rank: statistics.median(e.compute_time for e in got if e.step > SLOW_FROM)
@@ -91,3 +94,14 @@ def test_the_rank_sleeping_in_its_forward_has_the_highest_compute_time(parallel_
     assert medians[slow] > before[slow] + 0.8 * SLOW_SECONDS, (before, medians)
     for peer in peers:
         assert medians[slow] > medians[peer] + 0.6 * SLOW_SECONDS, (peer, medians)
+
+
+def test_trainguard_analyze_names_the_slow_rank_a_straggler(parallel_job):
+    from trainguard.detectors.offline import analyze_file
+
+    name, _, recording = parallel_job
+    _, slow, _, _ = JOBS[name]
+    stragglers = [i for i in analyze_file(str(recording))["incidents"]
+                  if i["kind"] == "straggler"]
+    print(name, "stragglers", [(i["ranks"], i.get("summary")) for i in stragglers])
+    assert stragglers and {tuple(i["ranks"]) for i in stragglers} == {(slow,)}, stragglers
