@@ -1,7 +1,8 @@
 """The hooks time the waits of DTensor's functional collectives (tensor parallel): the module
 is patched once the script imported it, a wait inside a step is not compute, torch.compile's
-tracing sees the original, and nothing raises into the script. The real tensor parallel job is
-in tests/test_parallel_compute_time.py."""
+tracing sees the original, and nothing raises into the script; a DTensor loss or grad norm is
+read only when that needs no collective. The real FSDP2 / tensor parallel / pipeline parallel
+jobs are in tests/test_parallel_compute_time.py."""
 from __future__ import annotations
 
 import sys
@@ -95,3 +96,23 @@ def test_compiling_sees_the_original_and_a_broken_watcher_never_raises(slow_wait
     monkeypatch.setattr(w, "phase", boom)
     assert funcol.wait_tensor(torch.ones(1)).item() == 1.0
     assert len(calls) == 2
+
+
+def test_a_dtensor_value_is_read_only_when_no_collective_is_needed(tmp_path):
+    """A Partial grad norm (a DTensor) would need an all-reduce to read: it is left out; a
+    replicated one is read."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from trainguard.integrations.watcher import _host_value
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        norm = torch.tensor(3.0)
+        assert _host_value(DTensor.from_local(norm, mesh, [Replicate()])) == 3.0
+        assert _host_value(DTensor.from_local(norm, mesh, [Partial()])) is None
+    finally:
+        dist.destroy_process_group()
