@@ -8,7 +8,7 @@ trainguard.
 every rank its own batches. ``tp``: ``parallelize_module`` with ``ColwiseParallel`` /
 ``RowwiseParallel`` on the blocks' two linears, a 1-D CPU mesh; every rank the same batches.
 ``pp``: ``torch.distributed.pipelining`` — a model cut into 2 stages (``PipelineStage``,
-``ScheduleGPipe``, 4 micro-batches); with 4 ranks, 2 pipelines x 2 stages (Megatron layout:
+``ScheduleGPipe`` or ``--schedule 1f1b``: ``Schedule1F1B``, 4 micro-batches); with 4 ranks, 2 pipelines x 2 stages (Megatron layout:
 ranks 0,1 run stage 0, ranks 2,3 stage 1), each stage's gradients averaged over its 2 pipelines
 with ``dist.all_reduce``. The loss exists on the last stage only.
 
@@ -117,7 +117,7 @@ def tensor_parallel(args, rank, world):
 
 
 def pipeline_parallel(args, rank, world):
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     stages = 2
     if world % stages:
@@ -132,7 +132,8 @@ def pipeline_parallel(args, rank, world):
     micro = 4
     pipe = PipelineStage(model, stage, stages, torch.device("cpu"), group=pipes[replica])
     # every stage gets the loss function: without one a stage runs no backward
-    schedule = ScheduleGPipe(pipe, n_microbatches=micro, loss_fn=nn.functional.mse_loss)
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule](
+        pipe, n_microbatches=micro, loss_fn=nn.functional.mse_loss)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.steps):
         model.step = step
@@ -165,6 +166,7 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=48)  # 4x48 splits over 2, 3, 4 ranks
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--step-sleep", type=float, default=0.0, help="idle seconds between steps")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe", help="pp only")
     p.add_argument("--timeout", type=float, default=300.0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -6,7 +6,8 @@ One rank sleeps in every forward of its model from step ``SLOW_FROM`` on. Every 
 arrive with step time and a compute time no larger than it, heartbeats show phases, the loss
 comes where the rank has one (pipeline parallel: the last stage), and the slow rank's compute
 time stands clearly above its peers' — for pipeline parallel, above the other rank of its own
-stage (4 ranks: 2 pipelines x 2 stages; ranks 0, 1 run stage 0, ranks 2, 3 stage 1).
+stage (4 ranks: 2 pipelines x 2 stages; ranks 0, 1 run stage 0, ranks 2, 3 stage 1; once with
+``ScheduleGPipe``, once with ``Schedule1F1B``).
 ``trainguard analyze`` names it a straggler. The pipeline job is told its layout with
 ``TRAINGUARD_TOPOLOGY`` (``--instrument`` cannot see it before the lifecycle start is sent):
 the start events carry it, and a detector that compares 2 ranks names the slow rank against
@@ -28,25 +29,29 @@ STEPS = 36
 # tests/test_integrations_torchrun.py)
 SLOW_FROM = 12
 SLOW_SECONDS = 0.05
-#: job -> (ranks, the slow rank, the ranks it is compared with, the ranks that have a loss)
+#: job -> (its arguments, ranks, the slow rank, the ranks it is compared with, the ranks
+#: that have a loss). Pipeline parallel: rank 1 runs stage 0 of pipeline 1, rank 0 is its
+#: stage peer, ranks 2 and 3 run the last stage
 JOBS = {
-    "fsdp2": (3, 1, (0, 2), (0, 1, 2)),
-    "tp": (3, 1, (0, 2), (0, 1, 2)),
-    "pp": (4, 1, (0,), (2, 3)),  # rank 1 is stage 0 of pipeline 1; rank 0 its stage peer
+    "fsdp2": (["fsdp2"], 3, 1, (0, 2), (0, 1, 2)),
+    "tp": (["tp"], 3, 1, (0, 2), (0, 1, 2)),
+    "pp-gpipe": (["pp", "--schedule", "gpipe"], 4, 1, (0,), (2, 3)),
+    "pp-1f1b": (["pp", "--schedule", "1f1b"], 4, 1, (0,), (2, 3)),
 }
+PIPELINE_TOPOLOGY = {"tp": 1, "pp": 2, "dp": 2}
 
 
 @pytest.fixture(scope="module", params=sorted(JOBS))
 def parallel_job(request, tmp_path_factory, kafka_bootstrap):
     name = request.param
-    nproc, slow, _, _ = JOBS[name]
+    args, nproc, slow, _, _ = JOBS[name]
     tmp = tmp_path_factory.mktemp(name)
     env = {"FAULT_SLOW": f"{slow}:{SLOW_SECONDS}:{SLOW_FROM}"}
-    if name == "pp":
-        env["TRAINGUARD_TOPOLOGY"] = "pp=2"
+    if args[0] == "pp":
+        env["TRAINGUARD_TOPOLOGY"] = "pp=2"  # dp: what the world size leaves
     code, out, events = watched_run(
         kafka_bootstrap, tmp, f"par-{name}",
-        ["examples/parallel_plain.py", name, "--steps", str(STEPS), "--step-sleep", "0.01"],
+        ["examples/parallel_plain.py", *args, "--steps", str(STEPS), "--step-sleep", "0.01"],
         nproc, instrument=True, extra_env=env)
     assert code == 0, out[-4000:]
     return name, events, write_recording(events, tmp / "recording.jsonl")
@@ -61,7 +66,7 @@ def per_rank_steps(events) -> dict[int, list]:
 
 def test_every_rank_sends_steps_with_compute_time_phases_and_loss(parallel_job):
     name, events, _ = parallel_job
-    nproc, _, _, with_loss = JOBS[name]
+    args, nproc, _, _, with_loss = JOBS[name]
     assert not [e for e in events if isinstance(e, Exception)], "invalid events on the topic"
     steps = per_rank_steps(events)
     assert set(steps) == set(range(nproc)), sorted(steps)
@@ -85,14 +90,14 @@ def test_every_rank_sends_steps_with_compute_time_phases_and_loss(parallel_job):
         assert seen & {"forward", "backward", "collective", "optimizer"}, (rank, seen)
     life = by_type(events, "lifecycle")
     assert {e.rank for e in life if e.event == "start"} == set(range(nproc))
-    topology = {"tp": 1, "pp": 2, "dp": 2} if name == "pp" else None
+    topology = PIPELINE_TOPOLOGY if args[0] == "pp" else None
     assert [e.topology for e in life if e.event == "start"] == [topology] * nproc
     assert {e.rank for e in life if e.event == "exit"} == set(range(nproc))
 
 
 def test_the_rank_sleeping_in_its_forward_has_the_highest_compute_time(parallel_job):
     name, events, _ = parallel_job
-    _, slow, peers, _ = JOBS[name]
+    _, _, slow, peers, _ = JOBS[name]
     steps = per_rank_steps(events)
     medians = {rank: statistics.median(e.compute_time for e in got if e.step > SLOW_FROM)
                for rank, got in steps.items()}
@@ -109,7 +114,7 @@ def test_trainguard_analyze_names_the_slow_rank_a_straggler(parallel_job):
     from trainguard.detectors.offline import analyze_file
 
     name, _, recording = parallel_job
-    _, slow, _, _ = JOBS[name]
+    _, _, slow, _, _ = JOBS[name]
     stragglers = [i for i in analyze_file(str(recording))["incidents"]
                   if i["kind"] == "straggler"]
     print(name, "stragglers", [(i["ranks"], i.get("summary")) for i in stragglers])
@@ -121,7 +126,7 @@ def test_a_pipeline_stage_compares_its_own_ranks(parallel_job):
     from trainguard.detectors.offline import analyze_file
 
     name, _, recording = parallel_job
-    if name != "pp":
+    if JOBS[name][0][0] != "pp":
         pytest.skip("pipeline parallel only")
     # two ranks a stage are below the default straggler_min_ranks (3), and a peer's 10 ms
     # compute wobbles by more than the default 2 ms of excess on this shared CPU (rank 3 at
