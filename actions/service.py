@@ -544,7 +544,8 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
 
     from trainguard.detectors.correlate import Correlator
 
-    book = IncidentBook()  # the worker's incidents; Correlator(): for anomalies without one
+    # the worker's incidents; Correlator(): for anomalies without one
+    book = IncidentBook(wait_s=policy.incidents.wait_s, expect_s=policy.incidents.expect_s)
     pipeline = build_pipeline(policy=policy, state=state, recorder=audit,
                               capturer=capturer, directory=directory, notify=notify,
                               drivers=drivers, correlator=Correlator(), log=log,
