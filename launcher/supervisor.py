@@ -181,7 +181,7 @@ class OrderFeed(threading.Thread):
         self.invalid = 0
 
     def run(self) -> None:
-        from trainguard.actions.service import KafkaSource
+        from trainguard.actions.topic_io import KafkaSource
 
         topic = self.config.topics.orders
         source, warned = None, False
@@ -539,7 +539,7 @@ class _Publisher:
     def __init__(self, config, keys=None):
         from confluent_kafka import Producer
 
-        from trainguard.actions.service import quiet_logger
+        from trainguard.actions.topic_io import quiet_logger
 
         self.config = config
         self.keys = keys
