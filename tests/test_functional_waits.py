@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from fakes import Sink, steps_of
 from trainguard.collectors.api import Collector, CollectorSettings
 
 torch = pytest.importorskip("torch")
@@ -19,16 +20,6 @@ from trainguard.integrations.torch_hooks import _FUNCOL, TorchHooks  # noqa: E40
 from trainguard.integrations.watcher import StepWatcher  # noqa: E402
 
 WAIT = 0.2
-
-
-class Sink:
-    dropped = 0
-
-    def __init__(self):
-        self.records = []
-
-    def produce(self, record, key=None):
-        self.records.append(record)
 
 
 @pytest.fixture
@@ -47,10 +38,6 @@ def slow_waits(monkeypatch):
     hooks = TorchHooks(StepWatcher(lambda: collector, cuda=False))
     yield hooks, sink, calls
     hooks.uninstall()
-
-
-def steps_of(sink):
-    return [r for r in sink.records if type(r) is tuple and r[0] == 1]
 
 
 def test_a_functional_wait_in_a_step_is_not_compute(slow_waits):
