@@ -59,7 +59,8 @@ def test_patched_once_the_script_imports_it(slow_waits, monkeypatch):
     hooks.install()
     assert not hasattr(funcol.wait_tensor, "__wrapped__")
     monkeypatch.setitem(sys.modules, _FUNCOL, funcol)
-    torch.nn.Linear(2, 2)(torch.ones(1, 2))  # the first forward finds it
+    layer = torch.nn.Linear(2, 2)
+    torch.optim.SGD(layer.parameters(), lr=0.1).step()  # the first optimizer step finds it
     assert hasattr(funcol.wait_tensor, "__wrapped__")
     hooks.uninstall()
     assert not hasattr(funcol.wait_tensor, "__wrapped__")

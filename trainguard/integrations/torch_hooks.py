@@ -16,7 +16,7 @@ parameter whose gradient comes last            there to ``backward()``'s return 
                                                its peers (DDP's all-reduce, no comm hook)
 ``torch.distributed.Work.wait``                phase ``collective``, time waiting for peers
 functional collectives' ``wait_tensor(s)``     the same for DTensor / tensor parallel (patched
-                                               once the script imported them)
+                                               from the first optimizer step on)
 ``torch.nn.utils.clip_grad_norm_``,           the grad norm (its return value, or the norm
 ``clip_grads_with_norm_``                      clipped with)
 ``DataLoader`` iterators' ``__next__``         phase ``data``, the start of a step
@@ -179,8 +179,6 @@ class TorchHooks:
     def _discover_pre(self, module, args) -> None:
         self._depth += 1
         if self._depth == 1 and self._on_training_thread():
-            if not self._funcol_patched:
-                _quiet(self._patch_functional_waits)
             self._roots.add(module)
             _quiet(self._root_forward, module, args, None)
 
@@ -323,7 +321,8 @@ class TorchHooks:
         """DTensor (tensor parallel, FSDP2's DTensor ops) waits for its collectives in
         ``wait_tensor``/``wait_tensors`` of the functional collectives module, looked up by
         name when called. Scripts import that module after ``torch``: patched once it is seen
-        (the first forward or optimizer step)."""
+        (at install, else at the first step of each new optimizer; the first step's waits
+        are then compute)."""
         funcol = sys.modules.get(_FUNCOL)
         if funcol is None or self._funcol_patched:
             return
