@@ -119,6 +119,8 @@ def test_trainguard_analyze_names_the_slow_rank_a_straggler(parallel_job):
                   if i["kind"] == "straggler"]
     print(name, "stragglers", [(i["ranks"], i.get("summary")) for i in stragglers])
     assert stragglers and {tuple(i["ranks"]) for i in stragglers} == {(slow,)}, stragglers
+    # 2 ranks a stage are fewer than straggler_min_ranks: compared across the job
+    assert all("than their peers" in i["summary"] for i in stragglers), stragglers
 
 
 def test_a_pipeline_stage_compares_its_own_ranks(parallel_job):
