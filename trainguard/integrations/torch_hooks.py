@@ -159,8 +159,9 @@ class TorchHooks:
             if optimizer not in self._optimizers:
                 self._optimizers.add(optimizer)
                 _quiet(self._watch_gradients, optimizer)
-        if w.in_step:
-            _quiet(w.phase, "optimizer")
+        c = w.collector
+        if w.in_step and c is not None and not c.explicit:
+            c._phase_state = ("optimizer", c.clock())  # StepWatcher.phase, inline
 
     def _optimizer_post(self, optimizer, args, kwargs) -> None:
         w = self.watcher
@@ -269,7 +270,8 @@ class TorchHooks:
             else:
                 outer = True
                 try:
-                    w.backward_begin(_loss_of(tensors))
+                    w.backward_begin(tensors if type(tensors) is _Tensor and tensors.ndim == 0
+                                     else _loss_of(tensors))
                 except Exception as exc:
                     log.debug("trainguard hook backward failed: %s", exc)
             hooks._backward_depth += 1
