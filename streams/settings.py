@@ -52,7 +52,7 @@ class WorkerSettings:
     poll_ms: int = 100               # longest wait for a batch
     snapshot_interval_s: float = 2.0  # rank state snapshot, then offset commit
     job_snapshot_interval_s: float = 5.0  # job state (large for large jobs), then commit
-    snapshot_cpu_share: float = 0.05  # snapshots take at most this share of a core (a
+    snapshot_cpu_share: float = 0.02  # snapshots take at most this share of a core (a
                                       # costly one puts the next off)
     snapshot_max_interval_s: float = 10.0  # longest that puts a snapshot off (what a crash
                                            # re-reads at most)

@@ -67,7 +67,11 @@ def _stage_layout() -> str:
 
 _LAYOUT = None
 _ZDICT_BYTES = None
-_DEFLATE = None      # a compressor primed with the preset dictionary, copied for each blob
+#: compressors primed with the preset dictionary, copied for each blob: for small blobs
+#: (a rank stage's) one with an 8 KiB window and little memory, whose copy costs a third;
+#: any zlib reader reads both
+_DEFLATE: dict = {}
+SMALL_BLOB = 4096
 
 
 def layout() -> str:
@@ -99,10 +103,12 @@ def dump_state(obj, partition: int, touched: float = 0.0, shared: dict | None = 
     """``obj`` behind a header naming its source partition and last input time."""
     data = statecodec.encode(("tg-state", STATE_VERSION, layout(), obj), shared=shared)
     if len(data) > COMPRESS_ABOVE:
-        global _DEFLATE
-        if _DEFLATE is None:
-            _DEFLATE = zlib.compressobj(1, zdict=_zdict())
-        deflate = _DEFLATE.copy()      # the same bytes, without priming the dictionary again
+        small = len(data) <= SMALL_BLOB
+        primed = _DEFLATE.get(small)
+        if primed is None:
+            primed = _DEFLATE[small] = (zlib.compressobj(1, zlib.DEFLATED, 13, 4, zdict=_zdict())
+                                        if small else zlib.compressobj(1, zdict=_zdict()))
+        deflate = primed.copy()
         return (_HEADER.pack(_MAGIC, FORMAT, _ZDICT, partition, touched)
                 + deflate.compress(data) + deflate.flush())
     return _HEADER.pack(_MAGIC, FORMAT, _JSON, partition, touched) + data
