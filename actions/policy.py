@@ -38,7 +38,7 @@ from pathlib import Path
 
 from trainguard.errors import UserError
 
-__all__ = ["Policy", "Limits", "CaptureSettings", "BacklogSettings", "Incident", "Decision",
+__all__ = ["Policy", "Limits", "CaptureSettings", "BacklogSettings", "IncidentSettings", "Incident", "Decision",
            "History", "PolicyError", "decide", "apply_limits", "covering_restart", "restart_over",
            "load_policy", "ladder_kind", "STEPS", "STRENGTH",
            "DEFAULT_LADDER", "JOB_ACTIONS", "DAY_S"]
@@ -149,6 +149,21 @@ class BacklogSettings:
 
 
 @dataclass(kw_only=True, frozen=True)
+class IncidentSettings:
+    """How the service groups anomalies by the worker's ``incident`` events: an anomaly whose
+    incident has not come yet waits for it at most ``wait_s`` after the anomaly arrived; when
+    no incident came within ``expect_s`` (an older worker, ``publish_incidents`` off), the
+    service groups anomalies with its own correlator at once."""
+
+    wait_s: float = 2.0
+    expect_s: float = 3600.0
+
+    def __post_init__(self):
+        for f in fields(self):
+            _positive("incidents", f.name, getattr(self, f.name))
+
+
+@dataclass(kw_only=True, frozen=True)
 class Policy:
     """The whole policy; ``Policy()`` is the documented default."""
 
@@ -168,6 +183,7 @@ class Policy:
     limits: Limits = field(default_factory=Limits)
     capture: CaptureSettings = field(default_factory=CaptureSettings)
     backlog: BacklogSettings = field(default_factory=BacklogSettings)
+    incidents: IncidentSettings = field(default_factory=IncidentSettings)
 
     def __post_init__(self):
         if not isinstance(self.dry_run, bool):
@@ -235,7 +251,7 @@ class Policy:
             raise PolicyError(f"unknown policy key(s) {unknown}; known: {sorted(known)}")
         values = dict(data)
         for name, sub in (("limits", Limits), ("capture", CaptureSettings),
-                          ("backlog", BacklogSettings)):
+                          ("backlog", BacklogSettings), ("incidents", IncidentSettings)):
             if name in values:
                 raw = values[name]
                 if not isinstance(raw, dict):
@@ -255,6 +271,8 @@ class Policy:
         out["limits"] = {f.name: getattr(self.limits, f.name) for f in fields(Limits)}
         out["capture"] = {f.name: getattr(self.capture, f.name) for f in fields(CaptureSettings)}
         out["backlog"] = {f.name: getattr(self.backlog, f.name) for f in fields(BacklogSettings)}
+        out["incidents"] = {f.name: getattr(self.incidents, f.name)
+                            for f in fields(IncidentSettings)}
         out["ladder"] = {k: list(v) for k, v in self.ladder.items()}
         out["require_approval"] = list(self.require_approval)
         return out

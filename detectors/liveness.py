@@ -56,7 +56,11 @@ class CrashDetector(UsesView, Detector):
     - trainguard's own restarts are no crash: ``trainguard run`` announces one with a
       launcher lifecycle ``exit`` (rank null) carrying ``"restart": true`` before it tears the
       job down; every exit (and every rank that vanishes) of that tear-down is folded into it
-      without a finding, and its time is kept in ``own_restarts``.
+      without a finding, and its time is kept in ``own_restarts``. A failure that such a
+      restart answers is decided once its exits settled (``grace_s`` after the restart and
+      its latest exit, or when the ranks start again): the action service may order the
+      restart within the second of a peer's failure, before the other peers' exits are read,
+      and those still count as collateral of the rank that vanished.
 
     >>> d = CrashDetector(grace_s=3.0)
     >>> for r in range(4):           # rank 3 is SIGKILLed after step 160, torchrun stops the rest
@@ -83,6 +87,7 @@ class CrashDetector(UsesView, Detector):
         self._init_view()          # where ranks run
         self._exit: dict = {}      # rank -> time of its exit, until it starts again
         self._wave = None          # the open tear-down, see _open
+        self._answered = None      # a failure our restart answered, until its exits settled
         self.own_restarts: list = []   # times trainguard run announced a restart (last 20)
 
     def update(self, item) -> list[Finding]:
@@ -102,7 +107,9 @@ class CrashDetector(UsesView, Detector):
             wave = self._wave
             if wave is not None and wave["failed"] and not wave["own"] \
                     and not wave["decided"]:
-                found = self._close(ts)         # the failure this restart answers, as it stands
+                found = self._decide_answered(ts)
+                wave["answered"] = ts           # decided once its exits settled (advance)
+                self._answered, self._wave = wave, None
             wave = self._open(ts)               # trainguard run restarting the job
             wave["own"] = True
             self.own_restarts.append(ts)
@@ -126,6 +133,15 @@ class CrashDetector(UsesView, Detector):
         teardown = sig in TEARDOWN_SIGNALS or (not sig and code in TEARDOWN_CODES)
         if rank is None:                             # the launcher itself
             return [] if teardown or self._wave is not None else [self._exited(item)]
+        answered = self._answered
+        if answered is not None and ts < answered["answered"]:
+            # an exit of the failure our restart answers, read after the restart began
+            answered["last"] = max(answered["last"], ts)
+            if teardown:
+                answered["torn"][rank] = sig or TEARDOWN_CODES[code]
+                return []
+            answered["failed"].append(rank)
+            return [self._exited(item)]
         wave = self._open(ts)
         wave["last"] = max(wave["last"], ts)
         if not wave["decided"]:
@@ -142,6 +158,12 @@ class CrashDetector(UsesView, Detector):
         return []
 
     def advance(self, now: float) -> list[Finding]:
+        answered = self._answered
+        found = self._decide_answered(now) if answered is not None and now >= max(
+            answered["answered"], answered["last"]) + self.grace_s else []
+        return found + self._advance_wave(now)
+
+    def _advance_wave(self, now: float) -> list[Finding]:
         wave = self._wave
         if wave is None or wave["decided"] or now < wave["last"] + self.grace_s:
             return []
@@ -152,7 +174,13 @@ class CrashDetector(UsesView, Detector):
     def finish(self, now: float) -> list[Finding]:
         """The input ended: decide a tear-down still within its grace period."""
         wave = self._wave
-        return self._decide(now) if wave is not None and not wave["decided"] else []
+        found = self._decide_answered(now)
+        return found + (self._decide(now) if wave is not None and not wave["decided"] else [])
+
+    def _decide_answered(self, now) -> list[Finding]:
+        """Decide the failure a restart of ours answered (see ``update``), if one waits."""
+        answered, self._answered = self._answered, None
+        return self._decide(now, answered) if answered is not None else []
 
     def _heard(self, rank, item, ts) -> None:
         if ts >= self._last.get(rank, ts):
@@ -176,15 +204,18 @@ class CrashDetector(UsesView, Detector):
         since = wave["start"] - self.vanish_s
         return sorted(r for r, ts in self._last.items() if ts >= since and r not in self._exit)
 
-    def _decide(self, now) -> list[Finding]:
-        wave = self._wave
+    def _decide(self, now, wave=None) -> list[Finding]:
+        wave = wave if wave is not None else self._wave
         wave["decided"] = True
         if wave["own"]:
             return []        # trainguard's own restart: recorded by the supervisor, no alert
         start, torn = wave["start"], wave["torn"]
         pending = self._pending_ranks(wave)
         vanished = [r for r in pending if self._last[r] < start]
-        if not torn and len(vanished) >= len(wave["failed"]):
+        answered = wave.get("answered")
+        stopped_by_us = answered is not None and any(
+            ts >= answered for ts in self._exit.values())     # alive until our restart
+        if not torn and not stopped_by_us and len(vanished) >= len(wave["failed"]):
             vanished = []   # as many silent as failed: hung in the collective, not killed
         running = [r for r in pending if self._last[r] >= start]
         evidence = {"exit_code": None, "signal": None, "teardown_ts": start,

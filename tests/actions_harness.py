@@ -179,7 +179,7 @@ def produce(config, topic: str, *events: ev.Event) -> None:
 def answer_captures(config, stop, ranks=4, stuck=2, node="hostA", jobs=None):
     """A stand-in node agent: answers capture_stacks (of ``jobs``, default all) with rank
     ``stuck`` in load_batch."""
-    from trainguard.actions.service import KafkaSource
+    from trainguard.actions.topic_io import KafkaSource
 
     commands = KafkaSource(config, config.topics.commands, since=time.time() - 5)
     out = producer(config)
@@ -208,7 +208,7 @@ class Collector:
     """Every event of a topic from its beginning; :meth:`wait` polls until ``predicate``."""
 
     def __init__(self, config, topic: str):
-        from trainguard.actions.service import KafkaSource
+        from trainguard.actions.topic_io import KafkaSource
 
         self.source = KafkaSource(config, topic, since=0.0)
         self.events: list[ev.Event] = []

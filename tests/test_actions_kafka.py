@@ -12,7 +12,8 @@ from actions_harness import (PYTHON, Collector, Procs, answer_captures, produce,
                              wait_for, write_child)
 from trainguard import events as ev
 from trainguard.actions.policy import CaptureSettings, Policy
-from trainguard.actions.service import build_service, read_back
+from trainguard.actions.service import build_service
+from trainguard.actions.topic_io import read_back
 from trainguard.actions.state import ServiceState
 
 pytestmark = pytest.mark.broker

@@ -227,7 +227,7 @@ class _Consumer:
 
 
 def test_the_telemetry_watchers_source_skips_empty_messages_and_counts_them():
-    from trainguard.actions.service import KafkaSource
+    from trainguard.actions.topic_io import KafkaSource
 
     life = ev.encode(ev.Lifecycle(job="j1", ts=T0, node="n0", rank=0, event="start", pid=1,
                                   world_size=2))

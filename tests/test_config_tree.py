@@ -311,6 +311,8 @@ max_restarts = 5
 page_cooldown_s = 60
 [policy.ladder]
 nan = ["alert", "rollback"]
+[policy.incidents]
+wait_s = 5
 [driver]
 type = "slurm"
 """)
@@ -325,6 +327,7 @@ type = "slurm"
     assert policy.limits.page_cooldown_s == 60      # the tree where the JSON is silent
     assert policy.ladder["nan"] == ("alert", "rollback") and policy.dry_run
     assert driver == {"type": "slurm"} and alerts == {}
+    assert (policy.incidents.wait_s, policy.incidents.expect_s) == (5, 3600.0)
 
 
 def test_an_unreadable_config_file_is_one_line(tmp_path, capsys):

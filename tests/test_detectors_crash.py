@@ -60,6 +60,64 @@ def test_killed_rank_is_the_crash_when_its_peers_fail_with_code_1_first():
     assert incident["kind"] == "crash" and incident["ranks"] == [5]
 
 
+def announce(ts):
+    """``trainguard run`` saying it restarts the job (the service ordered it)."""
+    return {"k": "life", "job": "j", "rank": None, "node": "n1", "ts": ts, "event": "exit",
+            "exit_code": None, "signal": None, "restart": True}
+
+
+def test_a_restart_ordered_before_the_exits_settled_still_names_the_killed_rank():
+    """Rank 1 is SIGKILLed; its gloo peers fail with code 1. The action service answers the
+    first failure with a restart within the second, before the second peer's exit is read:
+    the failure is decided once its exits settled, so the rank that vanished is named, and
+    the peers are its collateral."""
+    d = CrashDetector(grace_s=3.0)
+    for r in range(3):
+        d.update(step(r, 99.0, 160))
+    assert [a.ranks for a in d.update(life(0, 100.0, code=1, step=160))] == [[0]]
+    assert d.update(announce(100.4)) == []
+    assert [a.ranks for a in d.update(life(2, 100.1, code=1, step=160))] == [[2]]
+    for r in (0, 2):                    # our restart's SIGTERMs find nothing left to stop
+        assert d.update(life(r, 100.5, signal="SIGTERM")) == []
+    assert d.advance(103.0) == []
+    [a] = d.advance(103.5)
+    assert a.ranks == [1] and a.evidence["vanished"] and a.evidence["collateral"] == [0, 2]
+    assert d.advance(110.0) == [] and d.own_restarts == [100.4]
+
+
+def test_a_peer_our_restart_stopped_shows_the_silent_rank_was_killed():
+    """One peer failed (code 1), the other was still alive (in its data loader) when our
+    restart stopped it: the silent rank is the one killed, not a peer hung in a collective."""
+    d = CrashDetector(grace_s=3.0)
+    for r in range(3):
+        d.update(step(r, 99.0, 160))
+    d.update(life(0, 100.0, code=1))
+    d.update(announce(100.4))
+    d.update(life(2, 100.5, signal="SIGTERM"))
+    [a] = d.advance(103.5)
+    assert a.ranks == [1] and a.evidence["collateral"] == [0]
+
+
+def test_two_ranks_one_killed_one_failed_stays_ambiguous():
+    d = CrashDetector(grace_s=3.0)
+    for r in range(2):
+        d.update(step(r, 99.0, 160))
+    d.update(life(0, 100.0, code=1))
+    d.update(announce(100.4))
+    assert d.advance(104.0) == []      # the failed rank's own crash stands
+
+
+def test_the_relaunch_starting_decides_an_answered_failure_at_once():
+    d = CrashDetector(grace_s=3.0)
+    for r in range(3):
+        d.update(step(r, 99.0, 160))
+    d.update(life(0, 100.0, code=1))
+    d.update(life(2, 100.1, code=1))
+    d.update(announce(100.4))
+    [a] = d.update(life(0, 101.0, event="start"))
+    assert a.ranks == [1] and a.evidence["collateral"] == [0, 2]
+
+
 def test_whole_job_stopped_from_outside_is_one_warning_naming_no_rank():
     sim = JobSim(steps=300).stop(200)
     found, engine = run_engine(sim.events())

@@ -220,7 +220,7 @@ def test_a_command_flood_to_a_real_agent_gives_a_bounded_number_of_dumps(kafka_c
 def test_with_a_key_only_signed_audit_records_rebuild_the_ledger(kafka_config):
     """A forged `restart planned` on the audit log would use up a job's restart cap when the
     service reads the log back; with a key it is not read back."""
-    from trainguard.actions.service import read_back
+    from trainguard.actions.topic_io import read_back
     from trainguard.signing import Verifier
 
     now = time.time()

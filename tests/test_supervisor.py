@@ -11,7 +11,8 @@ import pytest
 
 from actions_harness import alive, read_log, wait_for, write_child
 from trainguard import events as ev
-from trainguard.launcher.supervisor import Delivery, Supervisor, descendants
+from trainguard.launcher.order_feed import Delivery
+from trainguard.launcher.supervisor import Supervisor, descendants
 from trainguard.signing import SigningKeys, Verifier, sign
 
 KEYS = SigningKeys.parse("supervisor-test-key-0123456789")

@@ -237,6 +237,10 @@ _MEANINGS = {
     "policy.backlog.max_in_flight": "anomalies under way at once (waiting for stacks costs "
                                     "no thread)",
     "policy.backlog.workers": "threads for blocking calls (alert sinks)",
+    "policy.incidents.wait_s": "an anomaly waits this long at most for the worker's incident "
+                               "that lists it",
+    "policy.incidents.expect_s": "no incident event within this: group anomalies with the "
+                                 "service's own correlator",
 }
 
 
