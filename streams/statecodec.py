@@ -42,6 +42,7 @@ import inspect
 import math
 import pkgutil
 from collections import deque
+from itertools import chain
 
 import orjson
 
@@ -233,18 +234,7 @@ class _Encoder:
         out = ["o", tag]
         d = getattr(obj, "__dict__", None)
         if d is not None:        # the attributes in the order of _attributes(), names first
-            value = self.value
-            append = out.append
-            for name, v in d.items():
-                append(name)
-                t = type(v)
-                if t is float:
-                    append(v if v - v == 0 else value(v))
-                elif t is str or t is bool or v is None or (
-                        t is int and _INT_MIN <= v <= _INT_MAX):
-                    append(v)
-                else:
-                    append(value(v))
+            self._extend(out, chain.from_iterable(d.items()))
         if slots:
             self._extend(out, [x for name in slots if hasattr(obj, name)
                                for x in (name, getattr(obj, name))])
