@@ -342,7 +342,8 @@ class StragglerDetector(UsesView, Detector):
         nodes = whole_nodes(qualifying, self.view.where)
         where = f" (all of machine{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
         worst = max(float(v) for v in mean_ratio.values())
-        peers = "the peers of their pipeline stage" if self.view.stage_size else "their peers"
+        staged = self.view.stage_size >= self.min_ranks  # else compared across the job
+        peers = "the peers of their pipeline stage" if staged else "their peers"
         return Finding(
             kind="straggler", severity="warning", ranks=sorted(qualifying), nodes=nodes,
             step=first[1], onset_ts=first[2], detected_ts=ts, detector=self.PREFIX,

@@ -71,17 +71,7 @@ def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
 
 def torchrun(nproc: int, job_args: list, env: dict, timeout: float = 120) -> tuple[int, str]:
     """Run the example job under ``torch.distributed.run``; returns (exit code, output)."""
-    from trainguard.broker import free_port
-
-    argv = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(free_port()), "--monitor-interval", "0.1",
-            JOB_SCRIPT, *job_args]
-    proc = start(argv, env, timeout)
-    try:
-        out, _ = proc.communicate(timeout=timeout + 5)
-        return proc.returncode, out
-    finally:
-        stop(proc)
+    return torchrun_script([JOB_SCRIPT, *job_args], nproc, env, timeout)
 
 
 def rank_results(out_dir: Path, nproc: int) -> dict[int, dict]:
@@ -125,3 +115,57 @@ def consume(bootstrap: str, topic: str, done=None, timeout: float = 30.0,
 
 def by_type(events: list, kind: str) -> list:
     return [e for e in events if not isinstance(e, Exception) and e.type == kind]
+
+
+def torchrun_script(script: list, nproc: int, env: dict, timeout: float) -> tuple[int, str]:
+    """Run ``script`` (a path under the repository and its arguments) under
+    ``torch.distributed.run``; returns (exit code, output)."""
+    from trainguard.broker import free_port
+
+    argv = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port()), "--monitor-interval", "0.1",
+            str(REPO / script[0]), *script[1:]]
+    proc = start(argv, env, timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout + 5)
+    finally:
+        stop(proc)
+    return proc.returncode, out
+
+
+def watched_run(bootstrap: str, tmp: Path, job: str, script: list, nproc: int, *,
+                instrument: bool, extra_env=None, timeout: float = 240) -> tuple[int, str, list]:
+    """Run a job under torchrun on its own topics of the real broker, watched by
+    ``--instrument``'s environment (``instrument``) or by what the script does itself; returns
+    (exit code, output, the telemetry events read back until every rank's exit arrived)."""
+    from trainguard.config import Config, Topics
+    from trainguard.integrations.instrument import instrument_env
+    from trainguard.topics import TopicPlan, create_topics
+
+    prefix = f"tint{uuid.uuid4().hex[:8]}"
+    config = Config(bootstrap=bootstrap, topics=Topics(prefix=prefix))
+    create_topics(config, TopicPlan(telemetry_partitions=3, other_partitions=1))
+    env = job_env(bootstrap, prefix, tmp / "home", TRAINGUARD_JOB=job,
+                  TRAINGUARD_CHECKPOINT_DIR=str(tmp / "ckpt"), **(extra_env or {}))
+    if instrument:
+        env.update(instrument_env(env))
+    code, out = torchrun_script(script, nproc, env, timeout)
+    if code != 0:
+        return code, out, []
+
+    def complete(events):
+        return len([e for e in by_type(events, "lifecycle") if e.event == "exit"]) >= nproc
+
+    return code, out, consume(bootstrap, config.topics.telemetry, done=complete, timeout=40)
+
+
+def write_recording(events: list, path: Path) -> Path:
+    """The valid events, in event time, as a live ``trainguard record`` would have written
+    them (for ``trainguard analyze``)."""
+    lines = []
+    for e in sorted((e for e in events if not isinstance(e, Exception)), key=lambda e: e.ts):
+        key = e.extra.pop("_key", None)
+        lines.append(ev.encode(e).decode() + "\n")
+        e.extra["_key"] = key
+    path.write_text("".join(lines))
+    return path

@@ -1,4 +1,5 @@
-"""Test stand-ins for the action service's injected event source and clock."""
+"""Test stand-ins for the action service's injected event source and clock, and for a
+collector's producer."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -37,3 +38,20 @@ class ListSource:
         if self.clock is not None:
             self.clock.advance(timeout)
         return None
+
+
+class Sink:
+    """Stands in for a collector's producer: keeps the records it is given."""
+
+    dropped = 0
+
+    def __init__(self):
+        self.records = []
+
+    def produce(self, record, key=None):
+        self.records.append(record)
+
+
+def steps_of(sink):
+    """The step records a collector gave ``sink``."""
+    return [r for r in sink.records if type(r) is tuple and r[0] == 1]

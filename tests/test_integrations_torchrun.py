@@ -17,8 +17,7 @@ from collections import defaultdict
 
 import pytest
 
-from collector_harness import (PYTHON, REPO, by_type, consume, job_env, start, stop,
-                               with_framework)
+from collector_harness import by_type, watched_run, with_framework, write_recording
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
@@ -35,58 +34,22 @@ JOBS = {
 STEPS = {"plain": 40, "hf": 30, "lightning": 40}
 
 
-def run_job(name, bootstrap, prefix, tmp, extra_env=None, timeout=240):
-    from trainguard.broker import free_port
-    from trainguard.integrations.instrument import instrument_env
-
+def run_job(name, bootstrap, tmp, extra_env=None, timeout=240):
     script, instrument = JOBS[name]
-    env = job_env(bootstrap, prefix, tmp / "home", **{
-        "TRAINGUARD_JOB": f"it-{name}", "TRAINGUARD_CHECKPOINT_DIR": str(tmp / "ckpt"),
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-        "FAULT_SLOW": f"{SLOW_RANK}:0.06:{SLOW_FROM}", **(extra_env or {})})
-    if instrument:
-        env.update(instrument_env(env))
-    argv = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
-            "--master-port", str(free_port()), "--monitor-interval", "0.1",
-            str(REPO / script[0]), *script[1:]]
-    proc = start(argv, env, timeout)
-    try:
-        out, _ = proc.communicate(timeout=timeout + 5)
-    finally:
-        stop(proc)
-    return proc.returncode, out
+    return watched_run(bootstrap, tmp, f"it-{name}", script, NPROC, instrument=instrument,
+                       timeout=timeout, extra_env={
+                           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                           "TOKENIZERS_PARALLELISM": "false",
+                           "FAULT_SLOW": f"{SLOW_RANK}:0.06:{SLOW_FROM}", **(extra_env or {})})
 
 
 @pytest.fixture(scope="module", params=[with_framework(n) for n in sorted(JOBS)])
 def watched_job(request, tmp_path_factory, kafka_bootstrap):
-    from trainguard.config import Config, Topics
-    from trainguard.topics import TopicPlan, create_topics
-
-    import uuid
-
     name = request.param
     tmp = tmp_path_factory.mktemp(name)
-    prefix = f"tint{uuid.uuid4().hex[:8]}"
-    config = Config(bootstrap=kafka_bootstrap, topics=Topics(prefix=prefix))
-    create_topics(config, TopicPlan(telemetry_partitions=3, other_partitions=1))
-    code, out = run_job(name, kafka_bootstrap, prefix, tmp)
+    code, out, events = run_job(name, kafka_bootstrap, tmp)
     assert code == 0, out[-4000:]
-
-    def complete(events):
-        exits = [e for e in by_type(events, "lifecycle") if e.event == "exit"]
-        return len(exits) >= NPROC
-
-    events = consume(kafka_bootstrap, config.topics.telemetry, done=complete, timeout=40)
-    recording = tmp / "recording.jsonl"
-    from trainguard.events import encode
-
-    lines = []  # in event time, as a live `trainguard record` would have them
-    for e in sorted((e for e in events if not isinstance(e, Exception)), key=lambda e: e.ts):
-        if not isinstance(e, Exception):
-            key = e.extra.pop("_key", None)
-            lines.append(encode(e).decode() + "\n")
-            e.extra["_key"] = key
-    recording.write_text("".join(lines))
+    recording = write_recording(events, tmp / "recording.jsonl")
     return name, events, recording
 
 

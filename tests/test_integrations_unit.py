@@ -9,25 +9,12 @@ import sys
 
 import pytest
 
+from fakes import Sink, steps_of
 from trainguard.collectors.api import Collector, CollectorSettings
 from trainguard.collectors.compute_timer import CudaComputeTimer, HostComputeTimer
 from trainguard.collectors.resume import requested_resume_step, resume_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class Sink:
-    dropped = 0
-
-    def __init__(self):
-        self.records = []
-
-    def produce(self, record, key=None):
-        self.records.append(record)
-
-
-def steps_of(sink):
-    return [r for r in sink.records if type(r) is tuple and r[0] == 1]
 
 
 # ---------------------------------------------------------------------- compute timers

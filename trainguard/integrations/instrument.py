@@ -15,7 +15,11 @@ gradients, a backward pass, an optimizer step). Children of a watched rank (Data
 started by spawn) are left alone.
 
 The job id is ``TRAINGUARD_JOB`` (set by ``trainguard run``), else ``TRAINGUARD_JOB_ID``, else
-the script's name. If the script calls ``trainguard.init`` itself, it takes the collector over
+the script's name. The job's parallel layout cannot be seen before its first step, when the
+rank's ``lifecycle`` start is long sent: ``TRAINGUARD_TOPOLOGY=pp=2,dp=2`` (``tp``, ``pp``,
+``dp``; a missing ``dp`` is what the world size leaves) gives it (:func:`topology_from_env`),
+so that the straggler detector compares the ranks of a pipeline stage among themselves.
+If the script calls ``trainguard.init`` itself, it takes the collector over
 (same job id) or replaces it (another one), and once it calls ``tg.step`` the hooks stand down.
 """
 from __future__ import annotations
@@ -26,7 +30,7 @@ import logging
 import os
 import sys
 
-__all__ = ["SITE_DIR", "activate", "start", "instrument_env"]
+__all__ = ["SITE_DIR", "activate", "start", "instrument_env", "topology_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,30 @@ def start(environ=None):
         return None
 
 
+def topology_from_env(environ) -> dict | None:
+    """SPEC's ``topology`` from ``TRAINGUARD_TOPOLOGY`` (``tp=..,pp=..,dp=..``, each an int
+    >= 1); None when it is unset, or unreadable (then with one warning: the job runs on).
+
+    >>> topology_from_env({"TRAINGUARD_TOPOLOGY": "pp=2, dp=2"})
+    {'pp': 2, 'dp': 2}
+    >>> topology_from_env({"TRAINGUARD_TOPOLOGY": "pp=two"}) is None
+    True
+    """
+    raw = environ.get("TRAINGUARD_TOPOLOGY", "").strip()
+    if not raw:
+        return None
+    out = {}
+    for part in raw.split(","):
+        name, _, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if name not in ("tp", "pp", "dp") or not value.isdigit() or int(value) < 1:
+            log.warning("trainguard --instrument: TRAINGUARD_TOPOLOGY=%r ignored: want "
+                        "tp=N,pp=N,dp=N with each N >= 1", raw)
+            return None
+        out[name] = int(value)
+    return out
+
+
 def _start_collector(environ):
     from trainguard.collectors.api import init, running
 
@@ -97,7 +125,7 @@ def _start_collector(environ):
     collector = running()
     if collector is not None:  # the script's own trainguard.init came first
         return collector
-    collector = init(job=job_id(environ), environ=environ)
+    collector = init(job=job_id(environ), topology=topology_from_env(environ), environ=environ)
     collector.implicit = True
     os.environ[_MARK] = str(os.getpid())
     return collector

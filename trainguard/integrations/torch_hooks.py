@@ -15,6 +15,8 @@ only on those)                                 integer batch)
 parameter whose gradient comes last            there to ``backward()``'s return it waits for
                                                its peers (DDP's all-reduce, no comm hook)
 ``torch.distributed.Work.wait``                phase ``collective``, time waiting for peers
+functional collectives' ``wait_tensor(s)``     the same for DTensor / tensor parallel (patched
+                                               from the first optimizer step on)
 ``torch.nn.utils.clip_grad_norm_``,           the grad norm (its return value, or the norm
 ``clip_grads_with_norm_``                      clipped with)
 ``DataLoader`` iterators' ``__next__``         phase ``data``, the start of a step
@@ -28,6 +30,7 @@ installed per process (:func:`installed`); ``uninstall`` puts everything back.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 
@@ -38,6 +41,7 @@ __all__ = ["TorchHooks", "installed"]
 log = logging.getLogger(__name__)
 
 _INSTALLED: "TorchHooks | None" = None
+_FUNCOL = "torch.distributed._functional_collectives"
 
 
 def installed() -> "TorchHooks | None":
@@ -74,6 +78,7 @@ class TorchHooks:
         self._grad_handles: list = []
         self._grad_discovering = False
         self._backward_depth = 0
+        self._funcol_patched = False
 
     # ------------------------------------------------------------------ install
     def install(self) -> "TorchHooks":
@@ -103,6 +108,7 @@ class TorchHooks:
                 self._patch(dist.Work, "wait", self._wrap_wait)
         except (ImportError, AttributeError):
             pass
+        self._patch_functional_waits()
         self._handles += [optim_mod.register_optimizer_step_pre_hook(self._optimizer_pre),
                           optim_mod.register_optimizer_step_post_hook(self._optimizer_post)]
         self._discovery = [
@@ -147,6 +153,7 @@ class TorchHooks:
         if optimizer not in self._optimizers:
             self._optimizers.add(optimizer)
             _quiet(self._watch_gradients, optimizer)
+            _quiet(self._patch_functional_waits)
         if self.watcher.in_step:
             self.watcher.phase("optimizer")
 
@@ -309,6 +316,34 @@ class TorchHooks:
                 _quiet(w.restore, previous)
         wait.__wrapped__ = original
         return wait
+
+    def _patch_functional_waits(self) -> None:
+        """DTensor (tensor parallel, FSDP2's DTensor ops) waits for its collectives in
+        ``wait_tensor``/``wait_tensors`` of the functional collectives module, looked up by
+        name when called. Scripts import that module after ``torch``: patched once it is seen
+        (at install, else at the first step of each new optimizer; the first step's waits
+        are then compute)."""
+        funcol = sys.modules.get(_FUNCOL)
+        if funcol is None or self._funcol_patched:
+            return
+        self._funcol_patched = True
+        for name in ("wait_tensor", "wait_tensors"):
+            if callable(getattr(funcol, name, None)):
+                self._patch(funcol, name, self._wrap_functional_wait)
+
+    def _wrap_functional_wait(self, original):
+        timed = self._wrap_wait(original)
+        import torch
+
+        compiling = torch.compiler.is_compiling
+
+        def wait_tensor(*args, **kwargs):
+            if compiling():  # traced by torch.compile: leave the graph as it was
+                return original(*args, **kwargs)
+            return timed(*args, **kwargs)
+        wait_tensor.__wrapped__ = original
+        wait_tensor.__name__ = getattr(original, "__name__", "wait_tensor")
+        return wait_tensor
 
     def _wrap_next(self, original):
         hooks = self

@@ -100,6 +100,8 @@ def _host_value(value):
     if value is None or type(value) is float or type(value) is int:
         return value
     try:
+        if not _local(value):
+            return None
         if value.is_cuda:
             return _Deferred(value.detach().to("cpu", non_blocking=True))
         return float(value.item()) if value.numel() == 1 else None
@@ -111,6 +113,23 @@ def _host_value(value):
         return float(value.item()) if hasattr(value, "item") else float(value)
     except Exception:
         return None
+
+
+def _local(value) -> bool:
+    """Whether reading ``value`` stays on this rank: a DTensor not replicated on every rank
+    (a ``Partial`` grad norm) would be reduced across ranks by ``.item()``, a collective that
+    ranks whose watcher is off would never join.
+
+    >>> _local(2.0)
+    True
+    """
+    placements = getattr(value, "placements", None)
+    if placements is None:
+        return True
+    try:
+        return all(p.is_replicate() for p in placements)
+    except Exception:
+        return False
 
 
 class _Deferred:
