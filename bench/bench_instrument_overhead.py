@@ -20,11 +20,19 @@ The hooks are installed at the start of each block and removed at its end; the f
 ``WARM`` steps of a block (discovery of the top-level modules and of the last gradient) are
 not counted. The collector sends to a stand-in producer that keeps the records (what the
 training thread pays; the background thread's encoding is measured in
-``collector_overhead``). Reported: per mode the median step CPU time, ``<mode>_added_us`` =
-median(mode) - median(plain) (target <= 20 us), ``<mode>_ratio_at_50ms`` = that over 50 ms
-(target <= 0.005), and ``noise_us`` = |median(control) - median(plain)|, below which a
-difference is not resolved. ``python_noop_call_us`` calibrates the machine (the hooks' cost
-is a few dozen Python calls a step, so it scales with it).
+``collector_overhead``).
+
+Which statistic: the other tenants of this machine only ever *add* time to a step (cache and
+core contention, a stolen virtual CPU that the guest still counts), so the low end of each
+mode's step times is where the hooks' own cost shows and the noise least: the figures are the
+10th percentile (``QUANTILE``) of each mode's steps, ``<mode>_added_us`` = q10(mode) -
+q10(plain) (target <= 20 us), ``<mode>_ratio_at_50ms`` = that over 50 ms (target <= 0.005),
+and ``noise_us`` = |q10(control) - q10(plain)|, below which a difference is not resolved
+(``<mode>_added_median_us`` gives the medians' difference too, noisier). Machine-independent:
+``<mode>_python_calls`` = the Python-level calls (``sys.setprofile`` "call" and "c_call"
+events) the mode adds to a step, counted over ``COUNTED`` steps apart from the timing.
+``python_noop_call_us`` calibrates the machine (the hooks' cost is mostly Python calls, so it
+scales with it).
 """
 from __future__ import annotations
 
@@ -35,9 +43,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ROUNDS = 40
+ROUNDS = 60
 BLOCK = 60
 WARM = 5
+QUANTILE = 0.1
+COUNTED = 20
 
 
 class _Sink:
@@ -65,13 +75,15 @@ class _Trainer:
         self.logger = None
 
 
-def _loop(torch, model, opt, loader, steps, around=None):
+def _loop(torch, model, opt, loader, steps, around=None, profile=None):
     """``steps`` training steps; ``around`` (callback mode) gets the marks; returns the
-    per-step seconds."""
+    per-step seconds. ``profile``: set as ``sys.setprofile`` after ``WARM`` steps."""
     times = []
     it = iter(loader)
     clock = time.thread_time
-    for _ in range(steps):
+    for i in range(steps):
+        if profile is not None and i == WARM:
+            sys.setprofile(profile)
         t0 = clock()
         try:
             x, y = next(it)
@@ -90,7 +102,22 @@ def _loop(torch, model, opt, loader, steps, around=None):
         if around:
             around("end", loss)
         times.append(clock() - t0)
+    sys.setprofile(None)
     return times
+
+
+class _CallCounter:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, frame, event, arg):
+        if event == "call" or event == "c_call":
+            self.calls += 1
+
+
+def _quantile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
 def run() -> dict:
@@ -133,7 +160,7 @@ def run() -> dict:
         watcher = StepWatcher(lambda: collector, cuda=False)
         return TorchHooks(watcher, end_steps_on_optimizer=end_on_optimizer).install()
 
-    def hf_block():
+    def hf_block(steps=BLOCK, profile=None):
         hooks = hooks_for(False)
         hf_cb.watch.hooks = hooks
         state, control = _State(), None
@@ -149,12 +176,12 @@ def run() -> dict:
                 state.global_step += 1
                 hf_cb.on_step_end(None, state, control, **kw)
         try:
-            return _loop(torch, model, opt, loader, BLOCK, around)
+            return _loop(torch, model, opt, loader, steps, around, profile)
         finally:
             hf_cb.watch.hooks = None
             hooks.uninstall()
 
-    def lightning_block():
+    def lightning_block(steps=BLOCK, profile=None):
         hooks = hooks_for(False)
         lightning_cb.watch.hooks = hooks
         trainer = _Trainer(opt)
@@ -169,20 +196,22 @@ def run() -> dict:
                 trainer.global_step += 1
                 lightning_cb.on_train_batch_end(trainer, None, {"loss": loss}, None, 0)
         try:
-            return _loop(torch, model, opt, loader, BLOCK, around)
+            return _loop(torch, model, opt, loader, steps, around, profile)
         finally:
             lightning_cb.watch.hooks = None
             hooks.uninstall()
 
-    def instrument_block():
+    def instrument_block(steps=BLOCK, profile=None):
         hooks = hooks_for(True)
         try:
-            return _loop(torch, model, opt, loader, BLOCK)
+            return _loop(torch, model, opt, loader, steps, profile=profile)
         finally:
             hooks.uninstall()
 
-    blocks = {"plain": lambda: _loop(torch, model, opt, loader, BLOCK),
-              "control": lambda: _loop(torch, model, opt, loader, BLOCK),
+    def plain_block(steps=BLOCK, profile=None):
+        return _loop(torch, model, opt, loader, steps, profile=profile)
+
+    blocks = {"plain": plain_block, "control": plain_block,
               "instrument": instrument_block, "hf": hf_block, "lightning": lightning_block}
     _loop(torch, model, opt, loader, BLOCK * 2)  # warm-up
     samples: dict = {m: [] for m in modes}
@@ -191,12 +220,21 @@ def run() -> dict:
         for mode in order:
             samples[mode] += blocks[mode]()[WARM:]
     medians = {m: statistics.median(v) for m, v in samples.items()}
+    low = {m: _quantile(v, QUANTILE) for m, v in samples.items()}
+    calls = {}
+    for mode in modes:
+        counter = _CallCounter()
+        blocks[mode](WARM + COUNTED, counter)
+        calls[mode] = counter.calls / COUNTED
     import timeit
 
     noop = min(timeit.repeat(lambda: None, number=100_000, repeat=5)) / 100_000
     out = {"steps_per_mode": len(samples["plain"]),
-           "plain_step_ms": round(medians["plain"] * 1e3, 4),
-           "noise_us": round(abs(medians["control"] - medians["plain"]) * 1e6, 2),
+           "plain_step_ms": round(low["plain"] * 1e3, 4),
+           "plain_step_median_ms": round(medians["plain"] * 1e3, 4),
+           "noise_us": round(abs(low["control"] - low["plain"]) * 1e6, 2),
+           "noise_median_us": round(abs(medians["control"] - medians["plain"]) * 1e6, 2),
+           "plain_python_calls": calls["plain"],
            "events_sent": sink.records,
            # the speed of this machine: a Python call that does nothing (about 0.05 us on an
            # idle modern core); the added microseconds scale with it
@@ -204,10 +242,12 @@ def run() -> dict:
     for mode in modes:
         if mode in ("plain", "control"):
             continue
-        added = (medians[mode] - medians["plain"]) * 1e6
-        out[f"{mode}_step_ms"] = round(medians[mode] * 1e3, 4)
+        added = (low[mode] - low["plain"]) * 1e6
+        out[f"{mode}_step_ms"] = round(low[mode] * 1e3, 4)
         out[f"{mode}_added_us"] = round(added, 2)
+        out[f"{mode}_added_median_us"] = round((medians[mode] - medians["plain"]) * 1e6, 2)
         out[f"{mode}_ratio_at_50ms"] = round(added / 50_000, 6)
+        out[f"{mode}_python_calls"] = round(calls[mode] - calls["plain"], 1)
     out["target_added_us"] = 20.0
     out["target_ratio_at_50ms"] = 0.005
     return out

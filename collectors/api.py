@@ -282,9 +282,11 @@ class Collector:
                   loss=None, grad_norm=None, tokens=None, loss_scale=None, lr=None,
                   ts: float | None = None) -> None:
         """Queue one ``step`` event measured by an integration (plain numbers or None)."""
-        values = (loss, grad_norm, tokens, loss_scale, lr, None)
-        if all(v is None for v in values):
+        if loss is None and grad_norm is None and tokens is None and loss_scale is None \
+                and lr is None:
             values = None
+        else:
+            values = (loss, grad_norm, tokens, loss_scale, lr, None)
         self.last_step = step
         self.producer.produce((_STEP, self.clock() if ts is None else ts, step, step_time,
                                compute_time, values), self._key)

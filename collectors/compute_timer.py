@@ -45,15 +45,17 @@ class Reading(Protocol):
 
 
 class ComputeTimer(Protocol):
-    """Marks of one rank's steps; ``end()`` gives the step's reading (maybe not ready yet)."""
+    """Marks of one rank's steps; ``end()`` gives the step's reading (maybe not ready yet).
+    ``now``: the caller's reading of the timer's clock at that moment, if it has one (a host
+    timer uses it instead of reading the clock again; a device timer ignores it)."""
 
-    def begin(self) -> None: ...
+    def begin(self, now: float | None = None) -> None: ...
 
     def wait_begin(self) -> None: ...
 
     def wait_end(self) -> None: ...
 
-    def end(self) -> Reading: ...
+    def end(self, now: float | None = None) -> Reading: ...
 
 
 class _Ready:
@@ -80,8 +82,8 @@ class HostComputeTimer:
         self._wait0 = 0.0
         self._blocked = 0.0
 
-    def begin(self) -> None:
-        self._t0 = self.clock()
+    def begin(self, now: float | None = None) -> None:
+        self._t0 = self.clock() if now is None else now
         self._blocked = 0.0
         self._depth = 0
 
@@ -99,8 +101,9 @@ class HostComputeTimer:
             if self._depth == 0:
                 self._blocked += self.clock() - self._wait0
 
-    def end(self) -> Reading:
-        now = self.clock()
+    def end(self, now: float | None = None) -> Reading:
+        if now is None:
+            now = self.clock()
         with self._lock:
             if self._depth:  # still inside a wait (an exception skipped its end)
                 self._blocked += now - self._wait0
@@ -108,7 +111,7 @@ class HostComputeTimer:
             blocked, t0 = self._blocked, self._t0
         if t0 is None:
             return _Ready(None)
-        return _Ready(round(max(0.0, (now - t0) - blocked), 9))
+        return _Ready(max(0.0, (now - t0) - blocked))  # no round(x, 9): a dtoa, microseconds
 
 
 class _CudaReading:
@@ -171,7 +174,7 @@ class CudaComputeTimer:
             for a, b in waits:
                 self._free += (a, b)
 
-    def begin(self) -> None:
+    def begin(self, now: float | None = None) -> None:
         self._first = self._event()
         self._waits = []
         self._depth = 0
@@ -195,7 +198,7 @@ class CudaComputeTimer:
         if outer and opened is not None:
             self._waits.append((opened, self._event()))
 
-    def end(self) -> Reading:
+    def end(self, now: float | None = None) -> Reading:
         if self._first is None:
             return _Ready(None)
         if self._depth and self._open is not None:

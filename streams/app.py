@@ -32,7 +32,7 @@ from trainguard import events as ev
 from .logic import InvalidSummaries
 from .processors import JobProcessor, state_partition
 from .shorten import encode_finding
-from .snapshots import StateError
+from .snapshots import StateError, snapshot_pause
 
 __all__ = ["make_app", "JobRuntime"]
 
@@ -204,13 +204,20 @@ class JobRuntime:
             self.metrics.inc("snapshot_failures")
             return
         now = self.clock()
+        cpu = time.thread_time()
         for key, partition, blob in self.processor.evict(now) + self.processor.snapshot():
             if blob is None:
                 self.table.data.pop(key, None)
             else:
                 self.table.data[key] = blob
             self.table.send_changelog(partition, key, blob)
+        cost = time.thread_time() - cpu
+        s = self.settings
+        self.next_snapshot = now + snapshot_pause(
+            cost, s.job_snapshot_interval_s, cpu_share=s.snapshot_cpu_share,
+            most_s=s.snapshot_max_interval_s)
         self.metrics.inc("snapshots")
+        self.metrics.inc("snapshot_cpu_seconds", cost)
         acks, self.pending = self.pending, []
         for event in acks:
             event.ack()

@@ -55,6 +55,9 @@ COUNTERS = {
     "stage_errors": "Inputs on which a rank or job stage raised (logged, skipped).",
     "snapshots": "State snapshots written (rank and job side).",
     "snapshot_failures": "State snapshots whose flush failed (offsets not committed).",
+    "snapshot_cpu_seconds": "CPU seconds spent encoding state snapshots (rank and job side); "
+                            "each side spaces its snapshots so that this stays within "
+                            "snapshot_cpu_share of a core.",
     "restore_failures": "Snapshots that could not be loaded (state started afresh).",
     "gc_collections": "Scheduled garbage collections (one every gc_interval_s, 30 s).",
     "config_overrides_applied": "Per-job overrides read from the config topic and applied.",

@@ -11,7 +11,9 @@ its own consumer group; the job side stays a Faust agent and table.
 
 Records are decoded, aligned in event time across partitions
 (:class:`~trainguard.streams.logic.EventTimeAligner`) and applied to the stages without
-awaiting anything. Every ``snapshot_interval_s`` the changed stages go to the compacted
+awaiting anything. Every ``snapshot_interval_s`` (longer while snapshots cost more than
+``snapshot_cpu_share`` of a core, at most ``snapshot_max_interval_s``: :func:`~trainguard.
+streams.snapshots.snapshot_pause`) the changed stages go to the compacted
 ``<app>-rank-state`` topic (in the partition of their telemetry), the producer is flushed
 and only then are the offsets of the applied records committed. A committed offset never
 passes the snapshot, and a restarted worker restores the snapshot, re-reads from the
@@ -28,7 +30,7 @@ from mode import Service
 
 from trainguard.streams.logic import EventTimeAligner
 from trainguard.streams.processors import RankOutput, RankProcessor, state_partition
-from trainguard.streams.snapshots import StateError
+from trainguard.streams.snapshots import StateError, snapshot_pause
 
 __all__ = ["RankService"]
 
@@ -292,10 +294,16 @@ class RankService(Service):
         for topic, value, key, partition in retry:
             self._produce(topic, value, key, partition if partition >= 0 else None)
         now = self.clock()
-        self._next_snapshot = now + self.settings.snapshot_interval_s
+        cpu = time.thread_time()
         for key, partition, blob in self.processor.evict(now) + self.processor.snapshot():
             self._produce(self.topics.rank_state, blob, key, partition % self.state_partitions)
+        cost = time.thread_time() - cpu
+        s = self.settings
+        self._next_snapshot = now + snapshot_pause(
+            cost, s.snapshot_interval_s, cpu_share=s.snapshot_cpu_share,
+            most_s=s.snapshot_max_interval_s)
         self.metrics.inc("snapshots")
+        self.metrics.inc("snapshot_cpu_seconds", cost)
         return dict(self.positions)
 
     def _commit(self, offsets: dict, undelivered: int, why: str) -> bool:

@@ -52,6 +52,10 @@ class WorkerSettings:
     poll_ms: int = 100               # longest wait for a batch
     snapshot_interval_s: float = 2.0  # rank state snapshot, then offset commit
     job_snapshot_interval_s: float = 5.0  # job state (large for large jobs), then commit
+    snapshot_cpu_share: float = 0.02  # snapshots take at most this share of a core (a
+                                      # costly one puts the next off)
+    snapshot_max_interval_s: float = 10.0  # longest that puts a snapshot off (what a crash
+                                           # re-reads at most)
     advance_interval_s: float = 1.0   # JobStage.advance(wall clock)
     session_timeout_s: float = 10.0   # consumer group session (a killed worker's partitions
                                       # move after this long)
@@ -85,8 +89,10 @@ class WorkerSettings:
         for name in ("batch_max", "poll_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if not 0 < self.snapshot_cpu_share <= 1:
+            raise ValueError("snapshot_cpu_share must be above 0 and at most 1")
         for name in ("snapshot_interval_s", "job_snapshot_interval_s", "advance_interval_s",
-                     "session_timeout_s",
+                     "session_timeout_s", "snapshot_max_interval_s",
                      "grace_s", "idle_ttl_s", "align_hold_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")

@@ -42,6 +42,7 @@ import inspect
 import math
 import pkgutil
 from collections import deque
+from itertools import chain
 
 import orjson
 
@@ -66,14 +67,26 @@ class Allowlist:
 
     def __init__(self, classes=()):
         self.classes: dict = {}
+        self._layouts: dict = {}    # class -> (tag, slot attribute names), once checked
         for cls in classes:
             self.add(cls)
 
     def add(self, cls) -> None:
         self.classes[class_tag(cls)] = cls
+        self._layouts.clear()
 
     def __contains__(self, cls) -> bool:
         return self.classes.get(class_tag(cls)) is cls
+
+    def layout(self, cls) -> tuple | None:
+        """``(tag, slot names)`` of an allowed class, None for any other."""
+        known = self._layouts.get(cls)
+        if known is None and cls in self:
+            slots = tuple(name for klass in cls.__mro__
+                          for name in getattr(klass, "__slots__", ())
+                          if name not in ("__dict__", "__weakref__"))
+            known = self._layouts[cls] = (class_tag(cls), slots)
+        return known
 
     def get(self, tag: str):
         cls = self.classes.get(tag) if type(tag) is str else None
@@ -199,6 +212,8 @@ class _Encoder:
             elif t is str or t is bool or v is None or (
                     t is int and _INT_MIN <= v <= _INT_MAX):
                 append(v)
+            elif t is tuple:           # e.g. the rows of a detector's window
+                append(self._extend(["t"], v))
             else:
                 append(value(v))
         return out
@@ -211,11 +226,19 @@ class _Encoder:
         ref = self._seen(obj)
         if ref is not None:
             return ref
-        if t not in self.allowlist:
+        layout = self.allowlist.layout(t)
+        if layout is None:
             raise StateError(f"cannot encode a {t.__module__}.{t.__qualname__} (not a plain "
                              "value, and its class is not allowed in a snapshot)")
-        return self._extend(["o", class_tag(t)],
-                            [x for name_attr in _attributes(obj) for x in name_attr])
+        tag, slots = layout
+        out = ["o", tag]
+        d = getattr(obj, "__dict__", None)
+        if d is not None:        # the attributes in the order of _attributes(), names first
+            self._extend(out, chain.from_iterable(d.items()))
+        if slots:
+            self._extend(out, [x for name in slots if hasattr(obj, name)
+                               for x in (name, getattr(obj, name))])
+        return out
 
     def _numpy(self, obj):
         import numpy as np

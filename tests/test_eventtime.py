@@ -105,3 +105,25 @@ def test_clock_skew_between_machines_within_the_tolerance_passes():
 def test_bad_limits_are_refused():
     with pytest.raises(ValueError):
         EventTimeLimits(future_s=0)
+
+
+def test_the_online_fast_path_decides_as_the_full_check():
+    """With the broker's timestamp (the worker) as without it: every event, in range or
+    not, gets the reason the full check would give, and the filters end in the same state."""
+    import random
+
+    rnd = random.Random(7)
+    fast, full = EventTimeFilter(), EventTimeFilter()
+    for i in range(4000):
+        ts = 1_764_000_000.0 + i * 0.1 + rnd.choice([0, 0, 0, 400, -4000, -90000, 1e9])
+        step = rnd.choice([i // 8, i // 8, None, 10 ** 13, i // 8 + 200_000])
+        broker = rnd.choice([None, 1_764_000_000.0 + i * 0.1, 1_764_000_000.0 + i * 0.1 + 1e6])
+        e = (ev.Step(job="j", ts=ts, node="n", rank=0, step=step, step_time=1.0)
+             if step is not None else
+             ev.Heartbeat(job="j", ts=ts, node="n", rank=0, pid=1, step=0, phase="forward",
+                          phase_since=ts))
+        expected = full._check(e, ts, getattr(e, "step", None), full.jobs.get("j"), broker)
+        assert fast.check(e, broker) == expected, i
+    assert fast.rejected == full.rejected > 0
+    assert {k: getattr(fast.jobs["j"], k) for k in fast.jobs["j"].__slots__} == \
+        {k: getattr(full.jobs["j"], k) for k in full.jobs["j"].__slots__}

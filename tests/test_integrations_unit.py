@@ -185,7 +185,8 @@ def test_a_failing_watcher_never_raises_into_the_loop(watched, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
     for name in ("begin", "backward_begin", "backward_end", "note_grad_norm", "phase",
-                 "grad_ready", "wait_begin", "end", "abandon", "add_tokens"):
+                 "grad_ready", "wait_begin", "end", "abandon", "add_tokens", "fetch", "fetched",
+                 "forward", "backward_done", "_start"):
         monkeypatch.setattr(hooks.watcher, name, broken)
     model, _ = train(torch, 3)
     assert model(torch.randn(1, 4)).shape == (1, 1)

@@ -4,6 +4,9 @@ commits and the compacted state topic persist across a "restart"."""
 from __future__ import annotations
 
 import math
+import time
+
+import pytest
 
 from trainguard import events as ev
 from trainguard.detectors import RankStage
@@ -141,8 +144,9 @@ class FakeConsumer:
         pass
 
 
-def _service(broker, now):
-    settings = WorkerSettings(prefix="t", worker_id="w", snapshot_interval_s=3600.0)
+def _service(broker, now, **settings):
+    settings = WorkerSettings(prefix="t", worker_id="w",
+                              **{"snapshot_interval_s": 3600.0, **settings})
     svc = RankService(kafka={"bootstrap.servers": "fake:1"}, settings=settings, topics=TOPICS,
                       processor=RankProcessor(RankStage), metrics=Metrics(),
                       state_partitions=PARTITIONS, clock=lambda: now[0],
@@ -223,3 +227,18 @@ def test_revoke_checkpoints_and_forgets_the_partitions():
     assert {p for (g, p) in broker.committed} == {0, 1, 2, 3}
     assert svc.assignment == {2, 3} and all(s.partition in (2, 3)
                                             for s in svc.processor.state.slots.values())
+
+
+def test_a_costly_snapshot_puts_the_next_off_but_never_past_the_limit(monkeypatch):
+    broker, now = Broker(), [100.0]
+    _load(broker, steps=5)
+    svc = _service(broker, now, snapshot_interval_s=2.0)
+    _drain(svc, now, rounds=3)
+    at = now[0]
+    for cost, pause in ((0.01, 2.0), (0.1, 5.0), (3.0, 10.0)):   # share 2%, at most 10 s
+        cpu = iter([50.0, 50.0 + cost])
+        monkeypatch.setattr(time, "thread_time", lambda: next(cpu))
+        svc._write_snapshot()
+        assert svc._next_snapshot == pytest.approx(at + pause)
+    monkeypatch.undo()
+    assert svc.metrics.counters["snapshot_cpu_seconds"] == pytest.approx(3.11)

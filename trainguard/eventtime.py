@@ -86,13 +86,16 @@ class EventTimeFilter:
         self.rejected = 0
         lim = self.limits
         self._fast = (lim.past_s, lim.future_s, lim.step_jump, lim.max_step)
+        self._broker_past, self._future = lim.broker_past_s, lim.future_s
 
     def check(self, event, broker_ts: float | None = None) -> str | None:
         ts = event.ts
         step = getattr(event, "step", None)
         job = self.jobs.get(event.job)
-        if job is not None and broker_ts is None and not job.streak:
-            # the common case, offline: well within every limit (what _check would accept)
+        if job is not None and not job.streak and (
+                broker_ts is None
+                or broker_ts - self._broker_past <= ts <= broker_ts + self._future):
+            # the common case: well within every limit (what _check would accept)
             past, future, jump, max_step = self._fast
             newest = job.newest
             if newest - past <= ts <= newest + future:

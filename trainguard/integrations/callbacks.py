@@ -76,21 +76,38 @@ class CallbackWatch:
             log.debug("trainguard: stopping the watch failed: %s", exc)
 
     # the marks, each safe to call at any time
-    def call(self, name: str, *args, **kwargs):
-        watcher = self.watcher
-        if watcher is None or not watcher.active:
+    def call(self, name: str, *args):
+        hooks = self.hooks
+        if hooks is None:
+            return None
+        watcher = hooks.watcher
+        if not watcher.active:
             return None
         try:
-            return getattr(watcher, name)(*args, **kwargs)
+            return getattr(watcher, name)(*args)
         except Exception as exc:
             log.debug("trainguard: %s failed: %s", name, exc)
             return None
 
-    def end_step(self, step: int, **values) -> None:
-        if self.hooks is None or not self.hooks.watcher.active:
+    def begin(self, phase: str) -> None:
+        """A step begins (if none has yet) in ``phase``."""
+        hooks = self.hooks
+        if hooks is None or not hooks.watcher.active:
             return
         try:
-            self.hooks.end_step(step=step, **values)
+            watcher = hooks.watcher
+            if not watcher.in_step:
+                watcher.begin()
+            watcher.phase(phase)
+        except Exception as exc:
+            log.debug("trainguard: begin failed: %s", exc)
+
+    def end_step(self, step: int, **values) -> None:
+        hooks = self.hooks
+        if hooks is None or not hooks.watcher.active:
+            return
+        try:
+            hooks.end_step(step=step, **values)
         except Exception as exc:
             log.debug("trainguard: step end failed: %s", exc)
 

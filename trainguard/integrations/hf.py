@@ -61,8 +61,7 @@ class TrainguardCallback(TrainerCallback):
 
     # -- the step ---------------------------------------------------------------------------
     def on_step_begin(self, args, state, control, **kwargs):
-        self.watch.call("begin")
-        self.watch.call("phase", "forward")
+        self.watch.begin("forward")
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.watch.call("phase", "optimizer")

@@ -72,9 +72,8 @@ class TrainguardCallback(Callback):
 
     # -- the step ---------------------------------------------------------------------------
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.watch.call("begin")
+        self.watch.begin("forward")
         self.watch.call("add_tokens", _tokens(batch))
-        self.watch.call("phase", "forward")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.watch.call("phase", "optimizer")

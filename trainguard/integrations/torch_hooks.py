@@ -24,7 +24,9 @@ functional collectives' ``wait_tensor(s)``     the same for DTensor / tensor par
 ============================================  ================================================
 
 Every hook is wrapped so that nothing it does can raise into the training script; the wrapped
-function's own result and exceptions pass through unchanged. One :class:`TorchHooks` is
+function's own result and exceptions pass through unchanged. The hooks run inside every step,
+so each is one call into the watcher with the common case inline (see the "Overhead" section
+of docs/INTEGRATIONS.md for what a step costs). One :class:`TorchHooks` is
 installed per process (:func:`installed`); ``uninstall`` puts everything back.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ import logging
 import sys
 import threading
 import weakref
+from threading import get_ident
 
 from .watcher import StepWatcher, count_tokens
 
@@ -41,6 +44,7 @@ __all__ = ["TorchHooks", "installed"]
 log = logging.getLogger(__name__)
 
 _INSTALLED: "TorchHooks | None" = None
+_Tensor = None  # torch.Tensor, set by install
 _FUNCOL = "torch.distributed._functional_collectives"
 
 
@@ -71,7 +75,9 @@ class TorchHooks:
         self._depth = 0
         self._root_handles: list = []
         self._optimizers: "weakref.WeakSet" = weakref.WeakSet()
+        self._last_optimizer = _dead  # weakref of the optimizer that stepped last
         self._primary = None
+        self._grad_enabled = None  # torch.is_grad_enabled, at install
         self._calibrated = False
         self._grad_params: dict[int, object] = {}
         self._grad_order: list[int] = []
@@ -82,14 +88,17 @@ class TorchHooks:
 
     # ------------------------------------------------------------------ install
     def install(self) -> "TorchHooks":
-        global _INSTALLED
+        global _INSTALLED, _Tensor
         if _INSTALLED is not None:
             raise RuntimeError("trainguard: torch hooks are installed already")
         import torch
+
+        _Tensor = torch.Tensor
         import torch.nn.modules.module as module_mod
         import torch.optim.optimizer as optim_mod
         import torch.utils.data.dataloader as loader_mod
 
+        self._grad_enabled = torch.is_grad_enabled
         self._patch(torch.autograd, "backward", self._wrap_backward)
         import torch.nn.utils as nn_utils
         import torch.nn.utils.clip_grad as clip_mod
@@ -138,7 +147,7 @@ class TorchHooks:
 
     def _on_training_thread(self) -> bool:
         w = self.watcher
-        return w.active and threading.get_ident() == w.thread_id
+        return w.active and get_ident() == w.thread_id
 
     # ------------------------------------------------------------------ steps
     def end_step(self, **values) -> None:
@@ -148,17 +157,22 @@ class TorchHooks:
             self._finish_discovery()
 
     def _optimizer_pre(self, optimizer, args, kwargs) -> None:
-        if not self._on_training_thread():
+        w = self.watcher
+        if get_ident() != w.thread_id or not w.active:
             return
-        if optimizer not in self._optimizers:
-            self._optimizers.add(optimizer)
-            _quiet(self._watch_gradients, optimizer)
-            _quiet(self._patch_functional_waits)
-        if self.watcher.in_step:
-            self.watcher.phase("optimizer")
+        if self._last_optimizer() is not optimizer:
+            self._last_optimizer = weakref.ref(optimizer)
+            if optimizer not in self._optimizers:
+                self._optimizers.add(optimizer)
+                _quiet(self._watch_gradients, optimizer)
+                _quiet(self._patch_functional_waits)
+        c = w.collector
+        if w.in_step and c is not None and not c.explicit:
+            c._phase_state = ("optimizer", c.clock())  # StepWatcher.phase, inline
 
     def _optimizer_post(self, optimizer, args, kwargs) -> None:
-        if not self.end_steps_on_optimizer or not self._on_training_thread():
+        w = self.watcher
+        if not self.end_steps_on_optimizer or get_ident() != w.thread_id or not w.active:
             return
         if self._primary is None:
             self._primary = weakref.ref(optimizer)
@@ -170,8 +184,10 @@ class TorchHooks:
                 done = _optimizer_steps(optimizer)
                 if done is not None and done >= 1:
                     self.watcher.next_step = done - 1
-            lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-            self.end_step(lr=lr)
+            groups = optimizer.param_groups
+            w.end(lr=groups[0].get("lr") if groups else None)
+            if self._discovery:
+                self._finish_discovery()
         except Exception as exc:
             log.debug("trainguard: step end failed: %s", exc)
 
@@ -194,22 +210,16 @@ class TorchHooks:
                 self._root_pre, with_kwargs=True))
 
     def _root_pre(self, module, args, kwargs):
-        if self._on_training_thread():
-            _quiet(self._root_forward, module, args, kwargs)
+        w = self.watcher
+        if get_ident() == w.thread_id and w.active:
+            try:
+                w.forward(args, kwargs, module.training and self._grad_enabled())
+            except Exception as exc:
+                log.debug("trainguard hook forward failed: %s", exc)
         return None
 
     def _root_forward(self, module, args, kwargs) -> None:
-        import torch
-
-        w = self.watcher
-        if torch.is_grad_enabled() and module.training:
-            w.begin()
-            if w.in_step:
-                w.add_tokens(count_tokens(args, kwargs))
-                w.phase("forward")
-        else:
-            w.abandon()
-            w.phase("eval")
+        self.watcher.forward(args, kwargs, module.training and self._grad_enabled())
 
     # ------------------------------------------------------------------ backward
     def _watch_gradients(self, optimizer) -> None:
@@ -252,40 +262,50 @@ class TorchHooks:
             self._grad_handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
 
     def _grad_ready(self, param) -> None:
-        _quiet(self.watcher.grad_ready)
+        try:
+            self.watcher.grad_ready()
+        except Exception as exc:
+            log.debug("trainguard hook grad_ready failed: %s", exc)
 
     def _wrap_backward(self, original):
         hooks = self
+        w = self.watcher
 
         def backward(tensors, *args, **kwargs):
-            outer = hooks._backward_depth == 0 and hooks._on_training_thread()
-            if outer:
-                _quiet(hooks.watcher.backward_begin, _loss_of(tensors))
+            if hooks._backward_depth or get_ident() != w.thread_id or not w.active:
+                outer = False
+            else:
+                outer = True
+                try:
+                    w.backward_begin(tensors if type(tensors) is _Tensor and tensors.ndim == 0
+                                     else _loss_of(tensors))
+                except Exception as exc:
+                    log.debug("trainguard hook backward failed: %s", exc)
             hooks._backward_depth += 1
             try:
                 return original(tensors, *args, **kwargs)
             finally:
                 hooks._backward_depth -= 1
                 if outer:
-                    _quiet(hooks._after_backward)
+                    try:
+                        w.backward_done()
+                        if hooks._grad_discovering:
+                            hooks._settle_gradients()
+                    except Exception as exc:
+                        log.debug("trainguard hook backward failed: %s", exc)
         backward.__wrapped__ = original
         return backward
-
-    def _after_backward(self) -> None:
-        self.watcher.backward_end()
-        if self._grad_discovering:
-            self._settle_gradients()
-        if self.watcher.in_step:
-            self.watcher.phase("step")
 
     # ------------------------------------------------------------------ the rest
     def _wrap_clip(self, original):
         hooks = self
 
+        w = self.watcher
+
         def clip_grad_norm_(*args, **kwargs):
             norm = original(*args, **kwargs)
-            if hooks._on_training_thread():
-                _quiet(hooks.watcher.note_grad_norm, norm)
+            if w.in_step and get_ident() == w.thread_id:
+                w._grad_norm = norm  # note_grad_norm, inline
             return norm
         clip_grad_norm_.__wrapped__ = original
         return clip_grad_norm_
@@ -348,19 +368,26 @@ class TorchHooks:
     def _wrap_next(self, original):
         hooks = self
 
+        w = self.watcher
+
         def __next__(iterator):
-            if not hooks._on_training_thread():
+            if get_ident() != w.thread_id or not w.active:
                 return original(iterator)
-            w = hooks.watcher
-            _quiet(w.begin)
-            previous = _quiet(w.phase, "data")
+            try:
+                previous = w.fetch()
+            except Exception as exc:
+                log.debug("trainguard hook fetch failed: %s", exc)
+                previous = None
             try:
                 batch = original(iterator)
             except StopIteration:
                 _quiet(w.abandon)
                 _quiet(w.restore, previous)
                 raise
-            _quiet(w.phase, "step") if w.in_step else _quiet(w.restore, previous)
+            try:
+                w.fetched(previous)
+            except Exception as exc:
+                log.debug("trainguard hook fetch failed: %s", exc)
             return batch
         __next__.__wrapped__ = original
         return __next__
@@ -381,10 +408,16 @@ class TorchHooks:
 
 
 def _loss_of(tensors):
+    if type(tensors) is _Tensor:  # loss.backward(): the common case
+        return tensors if tensors.ndim == 0 or tensors.numel() == 1 else None
     if isinstance(tensors, (list, tuple)):
         tensors = tensors[0] if len(tensors) == 1 else None
     if tensors is not None and hasattr(tensors, "numel") and tensors.numel() == 1:
         return tensors
+    return None
+
+
+def _dead():
     return None
 
 

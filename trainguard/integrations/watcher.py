@@ -28,7 +28,7 @@ step is counted twice.
 >>> w.begin(); w.backward_begin(2.5); w.grad_ready(); w.backward_end(); w.end(lr=0.1)  # 1 s waits
 >>> _, _, step, step_time, compute, values = c.producer.records[-1]
 >>> step, step_time, compute, values[0], values[4]
-(0, 4.0, 3.0, 2.5, 0.1)
+(0, 3.0, 2.0, 2.5, 0.1)
 """
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ __all__ = ["StepWatcher", "job_id", "count_tokens"]
 
 log = logging.getLogger(__name__)
 
+_Tensor = None  # torch.Tensor, once a watcher is built (torch is imported by then)
+_TOKEN_DTYPES: frozenset = frozenset()  # the integer dtypes of a batch of token ids
 _BAD_JOB_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -100,11 +102,11 @@ def _host_value(value):
     if value is None or type(value) is float or type(value) is int:
         return value
     try:
-        if not _local(value):
+        if type(value) is not _Tensor and not _local(value):  # a plain tensor is local
             return None
         if value.is_cuda:
             return _Deferred(value.detach().to("cpu", non_blocking=True))
-        return float(value.item()) if value.numel() == 1 else None
+        return float(value.item()) if value.ndim == 0 or value.numel() == 1 else None
     except AttributeError:  # not a tensor: a NumPy scalar, a Decimal...
         pass
     except Exception:
@@ -145,10 +147,6 @@ class _Deferred:
             return float(self.tensor.item())
         except Exception:
             return None
-
-
-def _resolve(value):
-    return value.get() if type(value) is _Deferred else value
 
 
 class StepWatcher:
@@ -196,6 +194,13 @@ class StepWatcher:
             return None
         return c
 
+    def _live(self):
+        """:meth:`live`, with the common case (a collector already running) inline."""
+        c = self.collector
+        if c is None or not self.active or c.explicit or c.closed:
+            return self.live() if self.active else None
+        return c
+
     def stand_down(self) -> None:
         self.active = False
         self.in_step = False
@@ -203,34 +208,84 @@ class StepWatcher:
 
     def phase(self, name: str):
         """Show ``name`` in heartbeats; returns the previous phase (for :meth:`restore`)."""
-        c = self.collector
-        if c is None or c.explicit or c.closed or not self.active:  # else live() is c
-            c = self.live() if self.active else None
-            if c is None:
-                return None
-        return c.set_phase(name)
+        c = self._live()
+        if c is None:
+            return None
+        # the collector's set_phase, inline: the hooks call this several times a step
+        previous = c._phase_state
+        c._phase_state = (name, c.clock())
+        return previous
 
     def restore(self, previous) -> None:
         c = self.collector
         if previous is not None and c is not None and self.active:
-            c.restore_phase(previous)
+            c._phase_state = previous
 
     # -- the step ----------------------------------------------------------------------------
     def begin(self) -> None:
         """The step's work starts (first data fetch, forward or backward after the last step)."""
         if self.in_step or not self.active or self.live() is None:
             return
-        if self.timer is None:
+        self._start()
+
+    def _start(self) -> None:
+        timer = self.timer
+        if timer is None:
+            _know_torch()
             if self.cuda is None:
                 self.cuda = _cuda_in_use()
-            self.timer = make_compute_timer(self.cuda, clock=self.clock)
+            timer = self.timer = make_compute_timer(self.cuda, clock=self.clock)
         self.in_step = True
         self.saw_backward = False
         self._waiting_ready = False
         self._loss = self._grad_norm = None
         self._tokens = None
-        self._t0 = self.clock()
-        self.timer.begin()
+        self._t0 = now = self.clock()
+        timer.begin(now)
+
+    def fetch(self):
+        """A data fetch starts: a step begins, heartbeats show ``data``; returns the previous
+        phase for :meth:`fetched`."""
+        c = self.collector
+        if c is None or not self.active or c.explicit or c.closed:
+            c = self._live()
+            if c is None:
+                return None
+        if not self.in_step:
+            self._start()
+        previous = c._phase_state
+        c._phase_state = ("data", c.clock())
+        return previous
+
+    def fetched(self, previous) -> None:
+        """The fetch returned a batch: the step goes on (or an eval loop's fetch is over)."""
+        c = self.collector
+        if previous is not None and c is not None and self.active:
+            c._phase_state = ("step", c.clock()) if self.in_step else previous
+
+    def forward(self, args, kwargs, training: bool) -> None:
+        """A top-level module is called: with gradients (``training``), the step's forward;
+        else an evaluation."""
+        c = self.collector
+        if c is None or not self.active or c.explicit or c.closed:
+            c = self._live()
+            if c is None:
+                return
+        if not training:
+            if self.in_step and not self.saw_backward:
+                self.in_step = False
+            c._phase_state = ("eval", c.clock())
+            return
+        if not self.in_step:
+            self._start()
+        if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:  # one tensor: inline
+            x = args[0]
+            n = x.numel() if x.dtype in _TOKEN_DTYPES and x.dim() >= 2 else None
+        else:
+            n = count_tokens(args, kwargs)
+        if n is not None:
+            self._tokens = (self._tokens or 0) + n
+        c._phase_state = ("forward", c.clock())
 
     def abandon(self) -> None:
         """What began was not a training step (an eval loop fetched data): forget it."""
@@ -242,13 +297,28 @@ class StepWatcher:
             self._tokens = (self._tokens or 0) + n
 
     def backward_begin(self, loss) -> None:
-        self.begin()
+        """``backward`` is called on ``loss`` (kept as is: read at the step's end, when the
+        graph is freed anyway, so no ``detach`` copy here)."""
+        c = self.collector
+        if c is None or not self.active or c.explicit or c.closed:
+            c = self._live()
+            if c is None:
+                return
         if not self.in_step:
-            return
+            self._start()
         self.saw_backward = True
         if loss is not None:
-            self._loss = loss.detach() if hasattr(loss, "detach") else loss
-        self.phase("backward")
+            self._loss = loss
+        c._phase_state = ("backward", c.clock())
+
+    def backward_done(self) -> None:
+        """``backward`` returned: the wait for peers is over, the step goes on."""
+        if self._waiting_ready:
+            self._waiting_ready = False
+            self.timer.wait_end()
+        c = self.collector
+        if self.in_step and c is not None and self.active:
+            c._phase_state = ("step", c.clock())
 
     def grad_ready(self) -> None:
         """The last gradient of this backward pass is computed; from here the rank waits."""
@@ -281,28 +351,40 @@ class StepWatcher:
             tokens: int | None = None) -> None:
         """The step is over (optimizer stepped, or the framework says so); ``step`` is its
         number (default: one more than the last)."""
-        c = self.live() if self.active else None
-        if c is None:
-            return
+        c = self.collector
+        if c is None or not self.active or c.explicit or c.closed:
+            c = self._live()
+            if c is None:
+                return
         if not self.in_step:  # no mark seen since the last step: it began when that one ended
-            self.begin()
+            self._start()
         now = self.clock()
-        self.backward_end()
+        if self._waiting_ready:
+            self._waiting_ready = False
+            self.timer.wait_end()
         if step is None:
             step = self.next_step
         self.next_step = step + 1
-        record = [step, c.clock(), now - self._t0,
-                  _host_value(self._loss if loss is None else loss),
-                  _host_value(self._grad_norm if grad_norm is None else grad_norm),
-                  self._tokens if tokens is None else tokens, _host_value(lr)]
-        reading = self.timer.end()
+        if loss is None:
+            loss = self._loss
+        if grad_norm is None:
+            grad_norm = self._grad_norm
+        wall = c.clock()
+        record = (step, wall, now - self._t0, _host_value(loss), _host_value(grad_norm),
+                  self._tokens if tokens is None else tokens,
+                  lr if type(lr) is float else _host_value(lr))
+        reading = self.timer.end(now)
         self.in_step = False
         self._loss = self._grad_norm = None
-        self._pending.append((record, reading))
-        if len(self._pending) > self.max_pending:  # the device never caught up: drop the oldest
-            self._pending.popleft()
-        self.drain(c)
-        c.set_phase("idle")
+        pending = self._pending
+        if not pending and reading.ready():  # the host timer's case: nothing to queue
+            self._emit(c, record, reading)
+        else:
+            pending.append((record, reading))
+            if len(pending) > self.max_pending:  # the device never caught up: drop the oldest
+                pending.popleft()
+            self.drain(c)
+        c._phase_state = ("idle", wall)
 
     def drain(self, c, block: bool = False) -> None:
         """Send the pending steps whose readings are ready, in order."""
@@ -312,20 +394,40 @@ class StepWatcher:
             if not block and not reading.ready():
                 return
             pending.popleft()
-            step, ts, step_time, loss, grad_norm, tokens, lr = record
-            compute = reading.value()
-            if c.settings.world_size == 1:  # nobody to wait for, as in the explicit API
-                compute = step_time
-            elif compute is not None and compute > step_time:  # the clocks differ by a hair
-                compute = step_time
-            c.emit_step(step, step_time, compute, loss=_resolve(loss),
-                        grad_norm=_resolve(grad_norm), tokens=tokens, lr=_resolve(lr), ts=ts)
+            self._emit(c, record, reading)
+
+    def _emit(self, c, record, reading) -> None:
+        step, ts, step_time, loss, grad_norm, tokens, lr = record
+        compute = reading.value()
+        if c.settings.world_size == 1:  # nobody to wait for, as in the explicit API
+            compute = step_time
+        elif compute is not None and compute > step_time:  # the clocks differ by a hair
+            compute = step_time
+        if type(loss) is _Deferred:
+            loss = loss.get()
+        if type(grad_norm) is _Deferred:
+            grad_norm = grad_norm.get()
+        if type(lr) is _Deferred:
+            lr = lr.get()
+        c.emit_step(step, step_time, compute, loss=loss, grad_norm=grad_norm, tokens=tokens,
+                    lr=lr, ts=ts)
 
     def flush(self) -> None:
         """Send what is pending, waiting for the device if need be (at close)."""
         c = self.collector
         if c is not None and self.active and not c.explicit:
             self.drain(c, block=True)
+
+
+def _know_torch() -> None:
+    """The torch types :meth:`StepWatcher.forward` checks inline (torch is imported by the first
+    step of a watched loop)."""
+    global _Tensor, _TOKEN_DTYPES
+    torch = sys.modules.get("torch")
+    if torch is not None and _Tensor is None:
+        _TOKEN_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8,
+                                   torch.uint8))
+        _Tensor = torch.Tensor
 
 
 def _cuda_in_use() -> bool:
