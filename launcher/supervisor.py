@@ -54,6 +54,7 @@ import re
 import signal
 import subprocess
 import time
+from functools import lru_cache
 from pathlib import Path
 
 from trainguard import events as ev
@@ -340,7 +341,7 @@ class Supervisor:
             Path(self.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         cmd = with_exclusions(self.cmd, self.excluded) or self.cmd
         self.proc = subprocess.Popen(cmd, env=self._env(resume), start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_die_with_parent())
         self.incarnation += 1
         self.launched_ts = self.clock()
         self.active_excluded = set(self.excluded)
@@ -417,16 +418,26 @@ class Supervisor:
                                     "incarnation": self.incarnation}))
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL (Linux
-    ``PR_SET_PDEATHSIG``), so a killed supervisor does not leave the job running unwatched;
-    torchrun passes the SIGTERM on to its workers."""
+@lru_cache(maxsize=1)
+def _die_with_parent():
+    """What the child runs before exec: SIGTERM it when the supervisor dies, even by SIGKILL
+    (Linux ``PR_SET_PDEATHSIG``), so a killed supervisor does not leave the job running
+    unwatched; torchrun passes the SIGTERM on to its workers. ``prctl`` is looked up here, in
+    the parent: between fork and exec a child of a threaded process must not import or
+    ``dlopen`` (another thread may have held the loader's lock at the fork). None where
+    there is no ``prctl``."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+    term = int(signal.SIGTERM)
+
+    def set_pdeathsig() -> None:
+        prctl(1, term)  # PR_SET_PDEATHSIG = 1
+
+    return set_pdeathsig
 
 
 def _killpg(pgid: int, sig: int) -> None:

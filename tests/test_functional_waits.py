@@ -86,21 +86,32 @@ def test_compiling_sees_the_original_and_a_broken_watcher_never_raises(slow_wait
     assert len(calls) == 2
 
 
+_DTENSOR_CHECK = """
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from trainguard.integrations.watcher import _host_value
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+norm = torch.tensor(3.0)
+print(_host_value(DTensor.from_local(norm, mesh, [Replicate()])),
+      _host_value(DTensor.from_local(norm, mesh, [Partial()])))
+dist.destroy_process_group()
+"""
+
+
 def test_a_dtensor_value_is_read_only_when_no_collective_is_needed(tmp_path):
     """A Partial grad norm (a DTensor) would need an all-reduce to read: it is left out; a
-    replicated one is read."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    replicated one is read. In a process of its own: DTensor keeps the process group in a
+    thread-local cache that a later fork of the test process (the supervisor tests) would
+    tear down in the child, and hang there."""
+    import subprocess
+    import sys
 
-    from trainguard.integrations.watcher import _host_value
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        norm = torch.tensor(3.0)
-        assert _host_value(DTensor.from_local(norm, mesh, [Replicate()])) == 3.0
-        assert _host_value(DTensor.from_local(norm, mesh, [Partial()])) is None
-    finally:
-        dist.destroy_process_group()
+    out = subprocess.run([sys.executable, "-c", _DTENSOR_CHECK, str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["3.0", "None"], out.stdout
