@@ -395,3 +395,31 @@ def test_the_job_side_publishes_each_incident_after_the_anomalies_that_changed_i
     assert last.kind == "nan" and set(last.anomalies) == {a.id for a in anomalies}
     assert last.anomaly_count == len(anomalies)
     assert ev.decode(ev.encode(last)) == last
+
+
+def test_fifty_thousand_one_message_jobs_stay_within_the_caps_and_come_back():
+    """Issue 14.5 without Kafka (bench/run.py worker_memory does 100,000 through the broker):
+    each job id speaks once; live stages never pass the caps, the rest are kept as snapshots
+    of about a kilobyte, and a job that speaks again gets its stage back."""
+    jobs_cap, ranks_cap, n = 200, 2000, 50_000
+    config = DetectorConfig()        # one for all stages, as the worker builds them
+    ranks = RankProcessor(lambda: RankStage(config), max_live=ranks_cap)
+    jobs = JobProcessor(lambda: JobStage(config), max_live=jobs_cap)
+    for first in range(0, n, 1000):
+        batch = records([step(f"one-{i:05d}", 0, 1, ts=T0 + i * 1e-3)
+                         for i in range(first, first + 1000)])
+        out = ranks.process(batch, now=T0 + first * 1e-3)
+        for key, value in out.messages():
+            jobs.apply(value, 0, T0 + first * 1e-3)
+        jobs.snapshot(), ranks.snapshot()
+        assert len(jobs) <= jobs_cap and len(ranks) <= ranks_cap
+    assert jobs.applied == n and jobs.state.evictions == n - jobs_cap
+    kept = jobs.state.saved
+    assert len(kept) == n - jobs_cap
+    assert sum(map(len, kept.values())) / len(kept) < 4096
+    out = ranks.process(records([step("one-00007", 0, 2, ts=T0 + 60)], start=10 ** 6),
+                        now=T0 + 60)
+    [(key, value)] = out.messages()
+    jobs.apply(value, 0, T0 + 60)
+    assert b"one-00007" not in kept and jobs.state.restore_failures == 0
+    assert jobs.state.slots[b"one-00007"].stage.job == "one-00007"
