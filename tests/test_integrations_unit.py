@@ -3,6 +3,7 @@ the watcher, the hooks on a real one-process training loop, explicit calls winni
 never raising, and the ``--instrument`` environment in a fresh interpreter."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -192,6 +193,67 @@ def test_a_failing_watcher_never_raises_into_the_loop(watched, monkeypatch):
     assert model(torch.randn(1, 4)).shape == (1, 1)
 
 
+def test_dcp_and_safetensors_saves_run_in_the_checkpoint_phase(watched, tmp_path,
+                                                               monkeypatch):
+    torch, hooks, collector, sink = watched
+    import torch.distributed.checkpoint as dcp
+    import safetensors.torch as st
+
+    hooks.watcher.live()
+    phases = []
+    phase = hooks.watcher.phase
+    monkeypatch.setattr(hooks.watcher, "phase", lambda name: phases.append(name) or phase(name))
+    st.save_file({"w": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
+    dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(tmp_path / "dcp"))
+    assert phases.count("checkpoint") >= 2 and (tmp_path / "dcp" / ".metadata").exists()
+    hooks.uninstall()
+    assert {f.__module__ for f in (st.save_file, dcp.save, dcp.async_save)} == {
+        "safetensors.torch", "torch.distributed.checkpoint.state_dict_saver"}
+
+
+def test_in_phase_runs_a_framework_save_in_the_checkpoint_phase(watched):
+    torch, hooks, collector, sink = watched
+    from trainguard.integrations.callbacks import CallbackWatch, in_phase
+
+    watch = CallbackWatch()
+    watch.start()
+    seen = []
+    in_phase(watch, "checkpoint", lambda: seen.append(collector.phase_now[0]))()
+    assert seen == ["checkpoint"] and collector.phase_now[0] != "checkpoint"
+
+
+def test_the_hf_callback_puts_the_trainers_checkpoint_save_in_that_phase(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from trainguard.integrations.hf import TrainguardCallback
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = transformers.Trainer(model=model, args=args, callbacks=[TrainguardCallback()])
+    assert getattr(trainer._save_checkpoint, "_trainguard", False)
+    assert getattr(trainer.train, "_trainguard", False)
+
+
+BOUND_AT_IMPORT = r'''
+import json, torch
+from trainguard.integrations.torch_hooks import TorchHooks
+from trainguard.integrations.watcher import StepWatcher
+TorchHooks(StepWatcher(lambda: None, cuda=False)).install()
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import save, async_save
+print(json.dumps([f.__module__ for f in (save_file, save, async_save)]))
+'''
+
+
+def test_writers_imported_after_the_hooks_are_bound_patched():
+    """transformers binds ``from safetensors.torch import save_file`` at its import."""
+    out = subprocess.run([sys.executable, "-c", BOUND_AT_IMPORT], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert set(json.loads(out.stdout.strip().splitlines()[-1])) == {
+        "trainguard.integrations.torch_hooks"}
+
+
 def test_uninstall_restores_torch(watched):
     torch, hooks, _, _ = watched
     patched = (torch.autograd.backward, torch.nn.utils.clip_grad_norm_, torch.save,
@@ -230,8 +292,6 @@ def run_instrumented(tmp_path, code, **env):
     out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True,
                          text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    import json
-
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -18,7 +18,7 @@ from trainguard.collectors.resume import requested_resume_step, resume_requested
 from .torch_hooks import TorchHooks, installed
 from .watcher import StepWatcher, job_id
 
-__all__ = ["CallbackWatch", "checkpoint_to_resume", "steps_in", "resuming"]
+__all__ = ["CallbackWatch", "checkpoint_to_resume", "steps_in", "resuming", "in_phase"]
 
 log = logging.getLogger(__name__)
 
@@ -164,5 +164,19 @@ def resuming(original, choose, applies=lambda: True):
         if chosen is not None and chosen != given:
             log.warning("trainguard: resuming from %s", chosen)
         return original(chosen, *args, **kwargs)
+    wrapper._trainguard = True
+    return wrapper
+
+
+def in_phase(watch: CallbackWatch, phase: str, original):
+    """``original`` run in ``phase`` (Hugging Face's ``Trainer._save_checkpoint`` in
+    ``checkpoint``: the framework has no callback before a save)."""
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        previous = watch.call("phase", phase)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            watch.call("restore", previous)
     wrapper._trainguard = True
     return wrapper

@@ -21,7 +21,7 @@ import sys
 
 from transformers import Trainer, TrainerCallback
 
-from .callbacks import CallbackWatch, checkpoint_to_resume, resuming, steps_in
+from .callbacks import CallbackWatch, checkpoint_to_resume, in_phase, resuming, steps_in
 
 __all__ = ["TrainguardCallback", "resume_checkpoint"]
 
@@ -45,11 +45,15 @@ class TrainguardCallback(TrainerCallback):
 
     # -- set-up -------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
-        if self.resume:
-            trainer = _calling_trainer()
-            if trainer is not None and not getattr(trainer, "_trainguard_resume", False):
-                trainer.train = _resuming(trainer, trainer.train)
-                trainer._trainguard_resume = True
+        trainer = _calling_trainer()
+        if trainer is None:
+            return
+        if self.resume and not getattr(trainer, "_trainguard_resume", False):
+            trainer.train = _resuming(trainer, trainer.train)
+            trainer._trainguard_resume = True
+        save = getattr(trainer, "_save_checkpoint", None)  # weights go through safetensors,
+        if callable(save) and not getattr(save, "_trainguard", False):  # bound at its import
+            trainer._save_checkpoint = in_phase(self.watch, "checkpoint", save)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.watch.start(run_name=getattr(args, "run_name", None),

@@ -24,11 +24,11 @@ If the script calls ``trainguard.init`` itself, it takes the collector over
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import logging
 import os
 import sys
+
+from .import_hooks import AfterImport
 
 __all__ = ["SITE_DIR", "activate", "start", "instrument_env", "topology_from_env"]
 
@@ -65,7 +65,7 @@ def activate(environ=None) -> bool:
         if "torch" in sys.modules:
             start(environ)
         else:
-            sys.meta_path.insert(0, _AfterImport("torch", lambda: start(environ)))
+            sys.meta_path.insert(0, AfterImport("torch", lambda: start(environ)))
         return True
     except Exception as exc:
         log.warning("trainguard --instrument: not watching this process: %s", exc)
@@ -139,30 +139,6 @@ def _alive(pid: str) -> bool:
         return False
     except PermissionError:
         return True
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``then()`` right after module ``name`` has been imported (a one-shot finder)."""
-
-    def __init__(self, name: str, then):
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        original, then = loader.exec_module, self.then
-
-        def exec_module(module):
-            original(module)
-            then()
-        loader.exec_module = exec_module
-        return spec
 
 
 if __name__ == "__main__":  # `python -m trainguard.integrations.instrument`: the PYTHONPATH entry

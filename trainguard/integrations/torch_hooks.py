@@ -20,7 +20,9 @@ functional collectives' ``wait_tensor(s)``     the same for DTensor / tensor par
 ``torch.nn.utils.clip_grad_norm_``,           the grad norm (its return value, or the norm
 ``clip_grads_with_norm_``                      clipped with)
 ``DataLoader`` iterators' ``__next__``         phase ``data``, the start of a step
-``torch.save``                                 phase ``checkpoint``
+``torch.save``; DCP's ``save``,                phase ``checkpoint``
+``async_save``; ``safetensors.torch``'s        (:mod:`.checkpoint_writers`)
+``save_file``, ``save_model``
 ============================================  ================================================
 
 Every hook is wrapped so that nothing it does can raise into the training script; the wrapped
@@ -37,6 +39,7 @@ import threading
 import weakref
 from threading import get_ident
 
+from .checkpoint_writers import WriterPatches
 from .watcher import StepWatcher, count_tokens
 
 __all__ = ["TorchHooks", "installed"]
@@ -85,6 +88,7 @@ class TorchHooks:
         self._grad_discovering = False
         self._backward_depth = 0
         self._funcol_patched = False
+        self._writers = WriterPatches(self._set, self._checkpoint_phase)
 
     # ------------------------------------------------------------------ install
     def install(self) -> "TorchHooks":
@@ -109,7 +113,8 @@ class TorchHooks:
         if hasattr(nn_utils, "clip_grads_with_norm_"):  # norm computed apart (accelerate)
             self._patch(nn_utils, "clip_grads_with_norm_", self._wrap_clip_with_norm)
         self._patch(loader_mod._BaseDataLoaderIter, "__next__", self._wrap_next)
-        self._patch(torch, "save", self._wrap_save)
+        self._patch(torch, "save", self._checkpoint_phase)
+        self._writers.install()
         try:
             import torch.distributed as dist
 
@@ -128,6 +133,7 @@ class TorchHooks:
 
     def uninstall(self) -> None:
         global _INSTALLED
+        self._writers.uninstall()
         for owner, name, original in reversed(self._patched):
             setattr(owner, name, original)
         self._patched.clear()
@@ -166,6 +172,7 @@ class TorchHooks:
                 self._optimizers.add(optimizer)
                 _quiet(self._watch_gradients, optimizer)
                 _quiet(self._patch_functional_waits)
+                _quiet(self._writers.patch_imported)  # one that was mid-import at install
         c = w.collector
         if w.in_step and c is not None and not c.explicit:
             c._phase_state = ("optimizer", c.clock())  # StepWatcher.phase, inline
@@ -392,7 +399,8 @@ class TorchHooks:
         __next__.__wrapped__ = original
         return __next__
 
-    def _wrap_save(self, original):
+    def _checkpoint_phase(self, original):
+        """``original`` run in phase ``checkpoint`` (on the training thread)."""
         hooks = self
 
         def save(*args, **kwargs):
