@@ -110,7 +110,8 @@ class HangDetector(UsesView, Detector):
         self._moved_ts = None          # latest start of a step phase on any rank
         self._paused_since_progress = False
         self._hb: dict = {}            # rank -> [ts, phase, phase_since, step, first step in it]
-        self._ended: dict = {}         # rank -> [phase, phase_since] of its last allowed phase
+        self._ended: dict = {}         # rank -> [phase, phase_since, end] of its last allowed
+                                       # phase
         self._exited: set = set()
         self._init_view()              # where ranks run, when each was last heard
         self._finished = False
@@ -201,11 +202,15 @@ class HangDetector(UsesView, Detector):
         since = item.get("phase_since")
         since = ts if type(since) not in (int, float) or since > ts else since
         step = item.get("step")
+        ended = self._ended.get(rank)
+        if ended is not None and ended[1] == since and ended[0] == phase and ts < ended[2]:
+            return         # sent before what ended that phase, reordered in transit: stale
         prev = self._hb.get(rank)
         if prev is not None and prev[1] != phase and is_allowed_phase(prev[1]):
             self._end_phase(rank, prev, since if since >= prev[2] else ts)
         if is_allowed_phase(phase):
-            if self._ended.get(rank) == [phase, since]:
+            ended = self._ended.get(rank)
+            if ended is not None and ended[0] == phase and ended[1] == since:
                 if phase != "init" and phase not in self._not_pauses:
                     self._not_pauses.append(phase)     # back after a step: it wraps steps
                 first_step = None
@@ -227,7 +232,7 @@ class HangDetector(UsesView, Detector):
 
     def _end_phase(self, rank, prev, end) -> None:
         """``prev`` (a heartbeat entry in an allowed phase) ended at ``end``."""
-        self._ended[rank] = [prev[1], prev[2]]
+        self._ended[rank] = [prev[1], prev[2], end]
         if prev[1] not in self._not_pauses:
             self._learn_phase(prev[1], end - prev[2])
             if self._phase_end_ts is None or end > self._phase_end_ts:

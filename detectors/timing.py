@@ -354,16 +354,30 @@ class StragglerDetector(UsesView, Detector):
                       "rank_nodes": rank_nodes(qualifying, self.view.where)})
 
 
+#: standard errors of the recent median above the baseline that confirm a throughput drop
+NOISE_Z = 3.0
+#: the spread of log step times (sigma) up to which the Page-Hinkley test takes the log step
+#: time as it is; a noisier job's deviations are scaled down to this noise
+NOISE_REF = 0.15
+#: sigma / (median absolute deviation) of a normal distribution, and the standard error of
+#: a median of n samples over sigma / sqrt(n)
+_SIGMA_PER_MAD, _MEDIAN_SE = 1.4826, 1.2533
+
+
 class ThroughputDetector(Detector):
     """The whole job slower than its own recent past, while no rank stands out.
 
     The job's step time of a step is the median of its ranks' ``step_time``. After ``warmup``
     steps, a Page-Hinkley test (:class:`PageHinkleyUp`) watches its logarithm, each step clipped at ``clip`` x
-    the baseline so a periodic slow step (GC, preconditioner, eval) cannot trip it. A drift is
+    the baseline so a periodic slow step (GC, preconditioner, eval) cannot trip it, and, in a
+    job whose log step times spread more than :data:`NOISE_REF`, scaled to that spread. A drift is
     confirmed when the median of the last ``window`` steps is at least ``ratio`` x the protected
-    baseline (median of ``baseline_window`` steps before) and no rank stood out (peer ratio
-    >= ``standout_ratio``) in half of those steps; that is a straggler's business. After a
-    report, the new level is learned as the baseline.
+    baseline (median of ``baseline_window`` steps before), and above it by more than
+    :data:`NOISE_Z` standard errors of such a median (from the job's own spread of step times:
+    a job of variable-length batches whose steps vary by 60% has medians of 20 steps that
+    wander by 17%), and no rank stood out (peer ratio >= ``standout_ratio``) in half of
+    those steps; that is a straggler's business. After a report, the new level is learned as
+    the baseline.
 
     >>> d = ThroughputDetector(warmup=5)
     >>> found = []
@@ -394,6 +408,8 @@ class ThroughputDetector(Detector):
     def _reset(self, seen: int):
         self._seen = seen
         self._baseline = stats.RollingQuantile(q=0.5, window_size=self.baseline_window)
+        # the median absolute deviation of the baseline's steps from it: the job's own noise
+        self._spread = stats.RollingQuantile(q=0.5, window_size=self.baseline_window)
         self._recent = deque(maxlen=self.window)       # (log step time, step, ts, standouts)
         self._ph = PageHinkleyUp(min_instances=self.window, delta=self.delta,
                                  threshold=self.threshold)
@@ -423,19 +439,28 @@ class ThroughputDetector(Detector):
         if self._learned < self.window:
             self._learned += 1
             self._baseline.update(y)
+            self._spread.update(abs(y - self._baseline.get()))
             return []
         base = self._baseline.get()
         clipped = min(y, base + math.log(self.clip))
-        drifted = self._ph.update(clipped - base)
+        sigma = _SIGMA_PER_MAD * (self._spread.get() or 0.0)
+        # a noisier job than NOISE_REF moves the test in units of its own noise
+        drifted = self._ph.update((clipped - base) * min(1.0, NOISE_REF / sigma)
+                                  if sigma > 0 else clipped - base)
         recent = sorted([h[0] for h in self._recent])
         recent_median = recent[len(recent) // 2]
         if not drifted:
             if recent_median - base < math.log(self.ratio):
                 self._baseline.update(y)
+                self._spread.update(abs(y - base))
             return []
         ratio = math.exp(recent_median - base)
         if ratio < self.ratio:
             return []
+        standard_error = _MEDIAN_SE * sigma * math.sqrt(1 / len(self._recent)
+                                                        + 1 / self.baseline_window)
+        if recent_median - base < NOISE_Z * standard_error:
+            return []                # the job's own noise: its medians wander this much
         counts: dict = {}
         for h in self._recent:
             for r in h[3]:
