@@ -8,6 +8,11 @@
 - a checkpoint heartbeat reordered in transit behind the step that ended the checkpoint does
   not make the checkpoint phase "a phase that wraps steps" (after which every later
   checkpoint was a hang 20 s in);
+- a step that takes twice as long because it carries twice the tokens (a sequence-length
+  curriculum) is no ``throughput_drop``; the same step time with the same tokens still is;
+- (recall, found on the way) a sudden job-wide slowdown of 2x or more (NCCL falling back to
+  sockets) is a ``throughput_drop``: the test fired before the recent median moved, started
+  afresh on the new level and never fired again;
 - a machine whose clock runs 11 s behind the others' is not silent while steps are long (its
   ranks' summaries come every 5 s, stamped 8 s in the past).
 """
@@ -133,3 +138,33 @@ def test_a_machine_whose_clock_runs_behind_is_not_silent():
 def test_a_machine_that_stops_is_silent_as_before():
     assert silent_findings(behind_s=0.0, stops_at=1100.0) == [([2, 3], 1110.0)]
     assert silent_findings(behind_s=11.0, stops_at=1100.0) == [([2, 3], 1110.0)]
+
+
+def token_run(tokens_after, factor=2.0, at=200, steps=320):
+    d = ThroughputDetector()
+    out = []
+    for s in range(steps):
+        t = 0.5 * (factor if s >= at else 1.0) * (1.0 + 0.01 * ((s * 7) % 5))
+        n = 4096 if s < at else tokens_after
+        out += d.update(make_jobstep(s, float(s), step_time=[t] * 8, compute_time=[t * 0.8] * 8,
+                                     tokens=[n] * 8))
+    return [(f.evidence["detected_step"], f.evidence["per_token"]) for f in out]
+
+
+def test_twice_the_time_for_twice_the_tokens_is_no_throughput_drop():
+    assert token_run(tokens_after=8192) == []
+
+
+def test_twice_the_time_for_the_same_tokens_still_is():
+    assert [(s - 200 <= 25, per_token) for s, per_token in token_run(4096)] == [(True, True)]
+
+
+def test_a_sudden_job_wide_slowdown_of_two_or_more_is_found():
+    for factor in (2.0, 3.0, 8.0):
+        d = ThroughputDetector()
+        out = []
+        for s in range(320):
+            t = 0.5 * (factor if s >= 200 else 1.0)
+            out += d.update(make_jobstep(s, float(s), step_time=[t] * 8,
+                                         compute_time=[t * 0.8] * 8))
+        assert [f.evidence["detected_step"] - 200 <= 20 for f in out] == [True], factor
