@@ -110,8 +110,7 @@ class HangDetector(UsesView, Detector):
         self._moved_ts = None          # latest start of a step phase on any rank
         self._paused_since_progress = False
         self._hb: dict = {}            # rank -> [ts, phase, phase_since, step, first step in it]
-        self._ended: dict = {}         # rank -> [phase, phase_since, end] of its last allowed
-                                       # phase
+        self._ended: dict = {}         # rank -> [phase, phase_since] of its last allowed phase
         self._exited: set = set()
         self._init_view()              # where ranks run, when each was last heard
         self._finished = False
@@ -202,15 +201,16 @@ class HangDetector(UsesView, Detector):
         since = item.get("phase_since")
         since = ts if type(since) not in (int, float) or since > ts else since
         step = item.get("step")
-        ended = self._ended.get(rank)
-        if ended is not None and ended[1] == since and ended[0] == phase and ts < ended[2]:
-            return         # sent before what ended that phase, reordered in transit: stale
         prev = self._hb.get(rank)
+        if prev is not None and ts < prev[0]:
+            # older than what the rank told since: delivered twice or reordered in transit
+            # (at-least-once delivery). Taken, it would end the rank's phase before it began,
+            # and the phase's next heartbeat would make it "one that wraps steps" for good
+            return
         if prev is not None and prev[1] != phase and is_allowed_phase(prev[1]):
             self._end_phase(rank, prev, since if since >= prev[2] else ts)
         if is_allowed_phase(phase):
-            ended = self._ended.get(rank)
-            if ended is not None and ended[0] == phase and ended[1] == since:
+            if self._ended.get(rank) == [phase, since]:
                 if phase != "init" and phase not in self._not_pauses:
                     self._not_pauses.append(phase)     # back after a step: it wraps steps
                 first_step = None
@@ -232,7 +232,7 @@ class HangDetector(UsesView, Detector):
 
     def _end_phase(self, rank, prev, end) -> None:
         """``prev`` (a heartbeat entry in an allowed phase) ended at ``end``."""
-        self._ended[rank] = [prev[1], prev[2], end]
+        self._ended[rank] = [prev[1], prev[2]]
         if prev[1] not in self._not_pauses:
             self._learn_phase(prev[1], end - prev[2])
             if self._phase_end_ts is None or end > self._phase_end_ts:

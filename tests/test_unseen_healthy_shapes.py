@@ -69,6 +69,10 @@ SHAPES = {
                                                  skew_s=2.0, steps=150, step_s=0.5, seed=k),
     "bursty-pp2": lambda k: Shape(name="burstpp", world=32, tp=2, pp=2, burst_s=3.0,
                                   delay_s=1.0, steps=150, step_s=0.3, seed=k),
+    "at-least-once-delivery": lambda k: Shape(name="again", again=0.05, amp=True, steps=150,
+                                              step_s=0.3, seed=k,
+                                              pauses={60: ("checkpoint", 60.0),
+                                                      100: ("eval", 40.0)}),
     # large worlds, few steps
     "world-512": lambda k: Shape(name="w512", world=512, steps=25, step_s=2.0, sigma=0.2,
                                  rank_sigma=0.05, seed=k),

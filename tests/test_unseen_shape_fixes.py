@@ -5,9 +5,10 @@
   trained, or a search that goes nowhere, still is;
 - a job whose step times vary by 60% from step to step (variable-length batches) is no
   ``throughput_drop``; a real drop of such a job is still found, and a quiet job's as before;
-- a checkpoint heartbeat reordered in transit behind the step that ended the checkpoint does
-  not make the checkpoint phase "a phase that wraps steps" (after which every later
-  checkpoint was a hang 20 s in);
+- a heartbeat delivered twice or reordered in transit (a checkpoint heartbeat behind the step
+  that ended the checkpoint, an idle heartbeat from before it inside it) does not make the
+  checkpoint phase "a phase that wraps steps" (after which every later checkpoint was a hang
+  20 s in);
 - a step that takes twice as long because it carries twice the tokens (a sequence-length
   curriculum) is no ``throughput_drop``; the same step time with the same tokens still is;
 - (recall, found on the way) a sudden job-wide slowdown of 2x or more (NCCL falling back to
@@ -168,3 +169,17 @@ def test_a_sudden_job_wide_slowdown_of_two_or_more_is_found():
             out += d.update(make_jobstep(s, float(s), step_time=[t] * 8,
                                          compute_time=[t * 0.8] * 8))
         assert [f.evidence["detected_step"] - 200 <= 20 for f in out] == [True], factor
+
+
+def test_an_old_heartbeat_delivered_again_inside_a_checkpoint_leaves_it_a_pause():
+    d = HangDetector()
+    for s in range(60):
+        d.update({"k": "step", "rank": 0, "ts": 0.5 * s, "step": s})
+    idle = {"k": "hb", "rank": 0, "ts": 29.0, "step": 58, "phase": "idle", "phase_since": 29.0}
+    d.update(idle)
+    d.update({"k": "hb", "rank": 0, "ts": 30.0, "step": 59, "phase": "checkpoint",
+              "phase_since": 29.6})
+    d.update(idle)                          # at-least-once delivery: the idle one again
+    d.update({"k": "hb", "rank": 0, "ts": 35.0, "step": 59, "phase": "checkpoint",
+              "phase_since": 29.6})
+    assert d.advance(29.6 + 300.0) == [] and d.deadline() >= 29.6 + 1800.0

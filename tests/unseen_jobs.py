@@ -9,7 +9,8 @@ which is the order ``analyze`` reads a recording in. What differs from tests/sce
   over the job, with gradient accumulation (many micro-batches) or a collector that shows
   only ``step`` and ``idle`` (no ``tg.phase``);
 - whole machines steadily slower from step 0 (heterogeneous hardware);
-- clock skew per machine, bursty collectors (events late and out of order), late joiners;
+- clock skew per machine, bursty collectors (events late and out of order), events
+  delivered twice (at-least-once), late joiners;
 - step numbers that start high or skip (logged every N steps);
 - loss curves with warm-up, plateaus and sudden drops, epoch bumps, and fp16 loss scaling
   (a skipped step with an infinite gradient norm, the scale halved; a start-up search from
@@ -55,6 +56,8 @@ class Shape:
     skew_s: float = 0.0              # machine clock offsets, uniform in +-skew_s
     burst_s: float = 0.0             # collectors flush every burst_s (0: at once)
     delay_s: float = 0.0             # extra random delivery delay, up to this
+    again: float = 0.0               # share of events delivered a second time (at-least-once)
+    again_s: float = 3.0             # ... up to this much later
     join_late_s: float = 0.0         # machines start up to this late
     init_s: float = 8.0              # `init` until the first step begins
     first_step_s: float = 0.0        # extra time of step 0 (compile), in `forward`
@@ -274,5 +277,7 @@ class _Job:
             at = max(at, last[node])             # one producer per machine keeps order
             last[node] = at
             arrivals.append((at, true_ts, seq, event))
+            if s.again and rng.random() < s.again:  # a retry: the same event once more
+                arrivals.append((at + rng.uniform(0, s.again_s), true_ts, seq, event))
         arrivals.sort(key=lambda x: x[:3])
         return [x[3] for x in arrivals]
