@@ -99,6 +99,8 @@ SHAPES = {
         20: ("eval", 15.0), 50: ("eval", 240.0), 80: ("eval", 900.0), 100: ("eval", 5.0)}),
     "checkpoints-90s": lambda k: Shape(name="ckpt", steps=150, step_s=0.5, seed=k,
                                        pauses=ckpt(30, 90.0, 150)),
+    "rank0-checkpoint-others-blocked-in-forward": lambda k: Shape(
+        name="r0ck", steps=80, step_s=0.5, seed=k, pauses={40: ("checkpoint", 150.0, "forward")}),
     "init-20min": lambda k: Shape(name="init20", init_s=1200.0, first_step_s=120.0, steps=60,
                                   step_s=1.0, seed=k),
     "plain-phases-lognormal-0.6-30s": lambda k: Shape(name="plain30", step_s=30.0, sigma=0.6,

@@ -63,7 +63,8 @@ class Shape:
     first_step_s: float = 0.0        # extra time of step 0 (compile), in `forward`
     start_step: int = 0
     stride: int = 1                  # step numbers reported (every stride-th step)
-    pauses: dict = field(default_factory=dict)   # after step index -> (phase, seconds)
+    pauses: dict = field(default_factory=dict)   # after step index -> (phase, seconds[,
+                                                 # the phase of ranks other than 0])
     loss: str = "decay"              # decay, plateau_drop, epoch_bumps
     epoch_steps: int = 50
     bump: float = 0.06
@@ -183,9 +184,10 @@ class _Job:
             for r in range(s.world):
                 self.span(r, end, t, "idle", number)
             if pause and not inner:
-                phase, secs = pause
+                phase, secs = pause[:2]
+                others = pause[2] if len(pause) > 2 else phase   # rank 0 alone, the rest wait
                 for r in range(s.world):
-                    self.span(r, t, t + secs, phase, number)
+                    self.span(r, t, t + secs, phase if r == 0 else others, number)
                 t += secs
         for r in range(s.world):
             node = s.node_of(r)
