@@ -168,7 +168,8 @@ def fmt_ranks(ranks) -> str:
 
 
 def make_jobstep(step: int, ts: float, *, loss=None, grad_norm=None, compute_time=None,
-                 step_time=None, loss_scale=None, nodes=None, job: str = "j") -> dict:
+                 step_time=None, loss_scale=None, tokens=None, nodes=None,
+                 job: str = "j") -> dict:
     """A ``jobstep`` item (one closed step of all ranks) from per-rank lists, for examples.
 
     >>> js = make_jobstep(5, 10.0, loss=[2.0, float("nan")], nodes=["n1", "n1"])
@@ -176,7 +177,7 @@ def make_jobstep(step: int, ts: float, *, loss=None, grad_norm=None, compute_tim
     (5, [0, 1], 'NaN')
     """
     columns = {"loss": loss, "grad_norm": grad_norm, "compute_time": compute_time,
-               "step_time": step_time, "loss_scale": loss_scale}
+               "step_time": step_time, "loss_scale": loss_scale, "tokens": tokens}
     size = max(len(v) for v in columns.values() if v is not None)
     ranks = {}
     for r in range(size):

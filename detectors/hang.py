@@ -202,6 +202,11 @@ class HangDetector(UsesView, Detector):
         since = ts if type(since) not in (int, float) or since > ts else since
         step = item.get("step")
         prev = self._hb.get(rank)
+        if prev is not None and ts < prev[0]:
+            # older than what the rank told since: delivered twice or reordered in transit
+            # (at-least-once delivery). Taken, it would end the rank's phase before it began,
+            # and the phase's next heartbeat would make it "one that wraps steps" for good
+            return
         if prev is not None and prev[1] != phase and is_allowed_phase(prev[1]):
             self._end_phase(rank, prev, since if since >= prev[2] else ts)
         if is_allowed_phase(phase):

@@ -285,7 +285,10 @@ class SilentDetector(UsesView, Detector):
     """A rank, or a whole machine, that stops sending anything while the rest go on.
 
     A rank is silent after ``timeout_s`` without any summary from it while some other rank
-    was heard within ``timeout_s``. When every known rank of a machine is silent and that
+    was heard within ``timeout_s``. "Heard" is on the job's clock (the newest event time of any
+    rank or machine) when its summary came, not the rank's own time stamp: a machine whose
+    clock runs seconds behind the others', or whose collector sends in bursts, is not quiet
+    for that. When every known rank of a machine is silent and that
     machine's GPU samples stopped too (or it never sent any), the machine is named. Ranks that
     exited are not silent. A rank is reported again only after it was heard from again.
 
@@ -306,7 +309,9 @@ class SilentDetector(UsesView, Detector):
     def __init__(self, timeout_s: float = 15.0):
         self.timeout_s = timeout_s
         self._init_view()          # where ranks run, when each was last heard
-        self._gpu_seen: dict = {}  # node -> last gpu sample ts
+        self._gpu_seen: dict = {}  # node -> job clock at its last gpu sample
+        self._clock = None         # the newest event time of the job
+        self._heard: dict = {}     # rank -> job clock when it was last heard from
         self._exited: set = set()
         self._reported: set = set()
         self._next = None
@@ -318,10 +323,15 @@ class SilentDetector(UsesView, Detector):
             rank = item.get("rank")
             ts = item.get("ts")
             k = item.get("k")
+            if ts is not None:
+                clock = self._clock
+                if clock is None or ts > clock:
+                    self._clock = clock = ts
             if rank is None or ts is None or k not in ("step", "hb", "life"):
                 if k == "gpu" and item.get("node") and ts is not None:
-                    self._gpu_sample(item["node"], ts)    # a NodeStage's gpu summary
+                    self._gpu_sample(item["node"], clock)    # a NodeStage's gpu summary
                 return []
+            self._heard[rank] = clock
             if k == "life":
                 if item.get("event") == "exit":
                     self._exited.add(rank)
@@ -330,7 +340,9 @@ class SilentDetector(UsesView, Detector):
             if rank in self._reported:
                 self._reported.discard(rank)
         elif getattr(item, "TYPE", "") == "gpu" and item.node:
-            self._gpu_sample(item.node, item.ts)
+            if self._clock is None or item.ts > self._clock:
+                self._clock = item.ts
+            self._gpu_sample(item.node, self._clock)
         return []
 
     def _gpu_sample(self, node, ts) -> None:
@@ -344,7 +356,7 @@ class SilentDetector(UsesView, Detector):
         self._next = now + min(1.0, self.timeout_s / 10)
         limit = now - self.timeout_s
         quiet, pending, alive = [], set(), False
-        for rank, ts in self.view.last_seen.items():
+        for rank, ts in self._heard.items():
             if rank in self._exited:
                 continue
             if ts > limit:
@@ -360,7 +372,7 @@ class SilentDetector(UsesView, Detector):
             by_node.setdefault(self.view.where.get(rank), []).append(rank)
         findings = []
         for node, ranks in sorted(by_node.items(), key=lambda kv: str(kv[0])):
-            oldest = min(self.view.last_seen[r] for r in ranks)
+            oldest = min(self._heard[r] for r in ranks)
             if node is not None and now - oldest < self.timeout_s * 1.5 and any(
                     self.view.where.get(r) == node for r in pending):
                 continue   # more ranks of this machine are going quiet: wait for them

@@ -128,7 +128,7 @@ class RankStage:
             return [{"k": "step", "job": event.job, "rank": event.rank, "node": event.node,
                      "ts": event.ts, "step": event.step, "step_time": event.step_time,
                      "compute_time": event.compute_time, "loss": loss,
-                     "grad_norm": grad_norm, "loss_scale": loss_scale,
+                     "grad_norm": grad_norm, "loss_scale": loss_scale, "tokens": event.tokens,
                      "samples": extra.get("samples") if extra else None}]
         if kind == "heartbeat":
             phase = event.phase

@@ -354,16 +354,33 @@ class StragglerDetector(UsesView, Detector):
                       "rank_nodes": rank_nodes(qualifying, self.view.where)})
 
 
+#: standard errors of the recent median above the baseline that confirm a throughput drop
+NOISE_Z = 3.0
+#: the spread of log step times (sigma) up to which the Page-Hinkley test takes the log step
+#: time as it is; a noisier job's deviations are scaled down to this noise
+NOISE_REF = 0.15
+#: sigma / (median absolute deviation) of a normal distribution, and the standard error of
+#: a median of n samples over sigma / sqrt(n)
+_SIGMA_PER_MAD, _MEDIAN_SE = 1.4826, 1.2533
+
+
 class ThroughputDetector(Detector):
     """The whole job slower than its own recent past, while no rank stands out.
 
-    The job's step time of a step is the median of its ranks' ``step_time``. After ``warmup``
+    The job's step time of a step is the median of its ranks' ``step_time``; in a job whose
+    ranks all report ``tokens`` (decided on its first step), of their ``step_time / tokens``:
+    a step that takes twice as long because it carries twice the tokens (a curriculum of
+    growing sequence length, variable-length batches) is no slower. After ``warmup``
     steps, a Page-Hinkley test (:class:`PageHinkleyUp`) watches its logarithm, each step clipped at ``clip`` x
-    the baseline so a periodic slow step (GC, preconditioner, eval) cannot trip it. A drift is
+    the baseline so a periodic slow step (GC, preconditioner, eval) cannot trip it, and, in a
+    job whose log step times spread more than :data:`NOISE_REF`, scaled to that spread. A drift is
     confirmed when the median of the last ``window`` steps is at least ``ratio`` x the protected
-    baseline (median of ``baseline_window`` steps before) and no rank stood out (peer ratio
-    >= ``standout_ratio``) in half of those steps; that is a straggler's business. After a
-    report, the new level is learned as the baseline.
+    baseline (median of ``baseline_window`` steps before), and above it by more than
+    :data:`NOISE_Z` standard errors of such a median (from the job's own spread of step times:
+    a job of variable-length batches whose steps vary by 60% has medians of 20 steps that
+    wander by 17%), and no rank stood out (peer ratio >= ``standout_ratio``) in half of
+    those steps; that is a straggler's business. After a report, the new level is learned as
+    the baseline.
 
     >>> d = ThroughputDetector(warmup=5)
     >>> found = []
@@ -389,28 +406,45 @@ class ThroughputDetector(Detector):
         self.delta = delta
         self.threshold = threshold
         self.standout_ratio = standout_ratio
+        self._per_token = None     # the job reports tokens: judged per token (first step)
         self._reset(0)
 
     def _reset(self, seen: int):
         self._seen = seen
         self._baseline = stats.RollingQuantile(q=0.5, window_size=self.baseline_window)
+        # the median absolute deviation of the baseline's steps from it: the job's own noise
+        self._spread = stats.RollingQuantile(q=0.5, window_size=self.baseline_window)
         self._recent = deque(maxlen=self.window)       # (log step time, step, ts, standouts)
         self._ph = PageHinkleyUp(min_instances=self.window, delta=self.delta,
                                  threshold=self.threshold)
         self._learned = 0
+        self._confirming = 0    # steps left to confirm a drift the test found too early
 
     def update(self, item) -> list[Finding]:
         if type(item) is not dict or item.get("k") != "jobstep":
             return []
-        times = []
+        times, counted = [], True
         for rec in item["ranks"].values():
             t = rec.get("step_time")
             if type(t) is not float:          # a float is the common case: no num() call
                 t = num(t)
             if t is not None and t > 0 and t - t == 0:
-                times.append(t)
+                n = rec.get("tokens")
+                if type(n) is int and n > 0:
+                    times.append((t, n))
+                else:
+                    times.append((t, 1))
+                    counted = False
         if not times:
             return []
+        if self._per_token is None:
+            self._per_token = counted
+        if self._per_token:
+            if not counted:
+                return []     # a step without tokens in a job that reports them: no measure
+            times = [t / n for t, n in times]
+        else:
+            times = [t for t, _ in times]
         self._seen += 1
         if self._seen <= self.warmup:
             return []
@@ -423,24 +457,42 @@ class ThroughputDetector(Detector):
         if self._learned < self.window:
             self._learned += 1
             self._baseline.update(y)
+            self._spread.update(abs(y - self._baseline.get()))
             return []
         base = self._baseline.get()
         clipped = min(y, base + math.log(self.clip))
-        drifted = self._ph.update(clipped - base)
+        sigma = _SIGMA_PER_MAD * (self._spread.get() or 0.0)
+        # a noisier job than NOISE_REF moves the test in units of its own noise
+        fresh = drifted = self._ph.update((clipped - base) * min(1.0, NOISE_REF / sigma)
+                                          if sigma > 0 else clipped - base)
+        if fresh:
+            self._confirming = self.window
+        elif self._confirming:
+            # the test starts afresh after a drift and takes the new level as its mean: a
+            # sudden big drop (2x in one step) fires it before the recent median moved, and
+            # only a confirmation over the next steps finds it
+            self._confirming -= 1
+            drifted = True
         recent = sorted([h[0] for h in self._recent])
         recent_median = recent[len(recent) // 2]
         if not drifted:
             if recent_median - base < math.log(self.ratio):
                 self._baseline.update(y)
+                self._spread.update(abs(y - base))
             return []
         ratio = math.exp(recent_median - base)
         if ratio < self.ratio:
             return []
+        standard_error = _MEDIAN_SE * sigma * math.sqrt(1 / len(self._recent)
+                                                        + 1 / self.baseline_window)
+        if recent_median - base < NOISE_Z * standard_error:
+            return []                # the job's own noise: its medians wander this much
         counts: dict = {}
         for h in self._recent:
             for r in h[3]:
                 counts[r] = counts.get(r, 0) + 1
         if any(c * 2 >= len(self._recent) for c in counts.values()):
+            self._confirming = 0          # ranks stand out: a straggler's business
             return []
         cut = base + math.log(self.ratio) / 2
         first = next((h for h in self._recent if h[0] >= cut), self._recent[0])
@@ -448,7 +500,9 @@ class ThroughputDetector(Detector):
         return [Finding(
             kind="throughput_drop", severity="warning", ranks=[], nodes=[], step=first[1],
             onset_ts=first[2], detected_ts=item["ts"], detector=self.PREFIX,
-            summary=(f"the job's step time rose to {math.exp(recent_median):.3g}s from "
-                     f"{math.exp(base):.3g}s ({ratio:.2f}x) with no rank standing out"),
+            summary=(f"the job's step time{' per token' if self._per_token else ''} rose to "
+                     f"{math.exp(recent_median):.3g}s from {math.exp(base):.3g}s ({ratio:.2f}x) "
+                     f"with no rank standing out"),
             evidence={"step_time": math.exp(recent_median), "baseline": math.exp(base),
-                      "ratio": ratio, "detected_step": item["step"]})]
+                      "ratio": ratio, "detected_step": item["step"],
+                      "per_token": bool(self._per_token)})]

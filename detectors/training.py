@@ -27,7 +27,11 @@ class NanDetector(Detector):
     A gradient norm is global (all-reduced), so a non-finite one on every rank blames none:
     the finding is then job-wide (``ranks == []``). With a dynamic loss scaler (``loss_scale``
     reported) a non-finite gradient norm with finite losses is the scaler's routine overflow
-    skip, reported only after ``scaler_patience`` such steps in a row. One finding per episode;
+    skip, reported only after ``scaler_patience`` such steps in a row. Before the job's first
+    finite gradient norm since it (re)started, such steps are the scaler's start-up search (a
+    scale of 2^32 halved until gradients fit: dozens of skipped steps with Megatron's
+    hysteresis) and are not counted while the scale still falls, at least every
+    ``SEARCH_HOLD`` steps, and is at least 1. One finding per episode;
     a step with every value finite ends it. A late record (a ``jobstep`` with ``"late"``: one
     rank's record that came after its step was closed) is checked for a non-finite loss only;
     its rank's episode lasts until that rank reports a finite loss again.
@@ -37,13 +41,26 @@ class NanDetector(Detector):
     >>> [f.ranks for f in d.update(make_jobstep(3, 30.0, loss=[2.0] * 4, grad_norm=gn))]
     [[]]
     >>> scaled = NanDetector(scaler_patience=2)
+    >>> scaled.update(make_jobstep(0, 0, loss=[2.0] * 4, grad_norm=[1.0] * 4,
+    ...                            loss_scale=[1024.0] * 4))
+    []
     >>> [len(scaled.update(make_jobstep(s, s, loss=[2.0] * 4, grad_norm=gn,
-    ...                                 loss_scale=[1024.0] * 4))) for s in range(3)]
+    ...                                 loss_scale=[1024.0] * 4))) for s in range(1, 4)]
     [0, 1, 0]
+
+    A scaler searching down from 2^32 at the start (Megatron: two overflows per halving):
+
+    >>> search = NanDetector(scaler_patience=2)
+    >>> sum(len(search.update(make_jobstep(s, s, loss=[9.0] * 4, grad_norm=gn,
+    ...                                    loss_scale=[2.0 ** (32 - s // 2)] * 4)))
+    ...     for s in range(36))
+    0
     """
 
     PREFIX = "nan"
-    CONSUMES = ("jobstep", "late")
+    CONSUMES = ("jobstep", "late", "life")
+    #: steps the scale may stay put during the start-up search (hysteresis 2, plus one)
+    SEARCH_HOLD = 3
 
     def __init__(self, scaler_patience: int = 8):
         self.scaler_patience = scaler_patience
@@ -51,13 +68,20 @@ class NanDetector(Detector):
         self._grad_streak = 0
         self._grad_onset = None
         self._late_ranks: set = set()   # reported from late records, no finite loss since
+        self._searching = True          # no finite gradient norm since the job (re)started
+        self._search_scale = None       # the lowest loss scale of the search so far ...
+        self._search_hold = 0           # ... and the steps since it last fell
 
     def update(self, item) -> list[Finding]:
-        if type(item) is not dict or item.get("k") != "jobstep":
+        if type(item) is not dict:
+            return []
+        if item.get("k") != "jobstep":
+            if item.get("k") == "life" and item.get("event") == "start":
+                self._searching, self._search_scale = True, None   # a fresh scaler, maybe
             return []
         if "late" in item:
             return self._late(item)
-        bad_loss, bad_grad, scaled, seen_grad = [], [], False, 0
+        bad_loss, bad_grad, scaled, seen_grad, top_scale = [], [], False, 0, 0.0
         first_ts = math.inf
         late_ranks = self._late_ranks
         for rank, rec in item["ranks"].items():
@@ -76,11 +100,18 @@ class NanDetector(Detector):
                 if grad - grad != 0:
                     bad_grad.append(rank)
                     first_ts = min(first_ts, rec["ts"])
-            if rec.get("loss_scale") is not None:
+            scale = rec.get("loss_scale")
+            if scale is not None:
                 scaled = True
+                if type(scale) is not float:
+                    scale = num(scale)
+                if scale is not None and scale - scale == 0 and scale > top_scale:
+                    top_scale = scale
         if not bad_loss and not bad_grad:
             self._active = False
             self._grad_streak = 0
+            if seen_grad:
+                self._searching = False
             return []
         if not bad_grad and late_ranks.issuperset(bad_loss):
             return []                    # the ranks already reported from late records
@@ -95,6 +126,8 @@ class NanDetector(Detector):
             summary = f"loss became non-finite on {who} at step {step}"
             onset = first_ts
         else:
+            if scaled and self._searching and self._still_searching(top_scale):
+                return []
             if scaled:
                 self._grad_streak += 1
                 if self._grad_streak == 1:
@@ -115,6 +148,21 @@ class NanDetector(Detector):
                         evidence={"nonfinite_loss_ranks": sorted(bad_loss),
                                   "nonfinite_grad_norm_ranks": sorted(bad_grad),
                                   "ranks_reporting": reporting, "loss_scaled": scaled})]
+
+    def _still_searching(self, scale: float) -> bool:
+        """The scaler's start-up search goes on: its scale (at least 1) fell within the last
+        ``SEARCH_HOLD`` steps."""
+        if scale < 1.0:
+            self._searching = False
+            return False
+        if self._search_scale is None or scale < self._search_scale:
+            self._search_scale, self._search_hold = scale, 0
+            return True
+        self._search_hold += 1
+        if self._search_hold < self.SEARCH_HOLD:
+            return True
+        self._searching = False
+        return False
 
     def _late(self, item) -> list[Finding]:
         """A late record's own non-finite loss, once per episode of that rank: the on-time
