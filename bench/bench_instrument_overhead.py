@@ -120,7 +120,10 @@ def _quantile(values, q):
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-def run() -> dict:
+def setup(data_steps: int = BLOCK * 8):
+    """``(torch, model, opt, loader, blocks, modes)``: the loop's model, optimizer and data, and
+    ``blocks[mode](steps, profile=None)`` that runs ``steps`` steps in that mode (the hooks
+    installed for the block and removed after it), for the modes this machine has."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -134,7 +137,7 @@ def run() -> dict:
                                 torch.nn.Linear(32, 16), torch.nn.GELU(),
                                 torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = torch.utils.data.TensorDataset(torch.randn(BLOCK * 8, 16), torch.randn(BLOCK * 8, 1))
+    data = torch.utils.data.TensorDataset(torch.randn(data_steps, 16), torch.randn(data_steps, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=8)
     sink = _Sink()
     collector = Collector(CollectorSettings(job="bench", rank=0, world_size=2), sink)
@@ -213,6 +216,11 @@ def run() -> dict:
 
     blocks = {"plain": plain_block, "control": plain_block,
               "instrument": instrument_block, "hf": hf_block, "lightning": lightning_block}
+    return torch, model, opt, loader, blocks, modes, sink
+
+
+def run() -> dict:
+    torch, model, opt, loader, blocks, modes, sink = setup()
     _loop(torch, model, opt, loader, BLOCK * 2)  # warm-up
     samples: dict = {m: [] for m in modes}
     for turn in range(ROUNDS):
