@@ -323,10 +323,7 @@ class SilentDetector(UsesView, Detector):
             rank = item.get("rank")
             ts = item.get("ts")
             k = item.get("k")
-            if ts is not None:
-                clock = self._clock
-                if clock is None or ts > clock:
-                    self._clock = clock = ts
+            clock = self._tick(ts) if ts is not None else None
             if rank is None or ts is None or k not in ("step", "hb", "life"):
                 if k == "gpu" and item.get("node") and ts is not None:
                     self._gpu_sample(item["node"], clock)    # a NodeStage's gpu summary
@@ -340,10 +337,15 @@ class SilentDetector(UsesView, Detector):
             if rank in self._reported:
                 self._reported.discard(rank)
         elif getattr(item, "TYPE", "") == "gpu" and item.node:
-            if self._clock is None or item.ts > self._clock:
-                self._clock = item.ts
-            self._gpu_sample(item.node, self._clock)
+            self._gpu_sample(item.node, self._tick(item.ts))
         return []
+
+    def _tick(self, ts: float) -> float:
+        """The job's clock, moved on to ``ts`` when that is newer."""
+        clock = self._clock
+        if clock is None or ts > clock:
+            self._clock = clock = ts
+        return clock
 
     def _gpu_sample(self, node, ts) -> None:
         prev = self._gpu_seen.get(node)

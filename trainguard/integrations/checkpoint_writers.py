@@ -34,7 +34,7 @@ class WriterPatches:
     def __init__(self, patch: Callable, wrap: Callable):
         self._patch = patch
         self._wrap = wrap
-        self._wrapped: dict = {}       # id(original) -> wrapper (one function, several names)
+        self._wrapped: dict = {}       # original -> wrapper (one function, several names)
         self._finders: list = []
 
     def install(self) -> None:
@@ -60,9 +60,9 @@ class WriterPatches:
                 continue
             for name in names:
                 fn = getattr(module, name, None)
-                if not callable(fn) or any(fn is w for w in self._wrapped.values()):
+                if not callable(fn) or fn in self._wrapped.values():   # patched already
                     continue
-                wrapper = self._wrapped.get(id(fn))
+                wrapper = self._wrapped.get(fn)
                 if wrapper is None:
-                    wrapper = self._wrapped[id(fn)] = self._wrap(fn)
+                    wrapper = self._wrapped[fn] = self._wrap(fn)
                 self._patch(module, name, wrapper)
