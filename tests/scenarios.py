@@ -466,6 +466,8 @@ class _Run:
                     while i + 1 < len(segs) and segs[i + 1][0] <= ts:
                         i += 1
                     phase, since, step = self._phase(segs[i], r, ts)
+                    if step is not None and step < 0:
+                        step = None           # before any step is done, as a collector sends
                     if phase is not None:
                         self.emit(ev.Heartbeat(job=sc.job, ts=ts, node=sc.node_of(r), rank=r,
                                                pid=1000 + r, step=step, phase=phase,
