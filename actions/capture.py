@@ -149,7 +149,7 @@ class JobInfo:
 
 class JobDirectory:
     """Learns each job's world size, topology and rank-to-machine map from ``lifecycle``
-    starts, heartbeats and ``stack`` events, when ``trainguard run`` launched it, and which
+    starts, heartbeats and ``stack`` events, when it was (re)launched, and which
     restart orders it acked ``already_satisfied`` (:meth:`note_satisfied`, from the order
     desk). Thread-safe: fed by other threads than the one reading it.
 
@@ -164,6 +164,7 @@ class JobDirectory:
     def __init__(self):
         self._jobs: dict[str, JobInfo] = {}
         self._launches: dict[str, list] = {}
+        self._rank_runs: dict[str, tuple] = {}   # job -> (rank -> last start ts, this run's)
         self._satisfied: dict[str, list] = {}
         self._lock = threading.Lock()
 
@@ -175,10 +176,11 @@ class JobDirectory:
             del self._satisfied[job][:-100]
 
     def observe(self, event: ev.Event) -> None:
-        if isinstance(event, ev.Lifecycle) and event.event == "start" and event.rank is None:
-            with self._lock:  # a launch of the whole job by `trainguard run`
-                self._launches.setdefault(event.job, []).append(event.ts)
-                del self._launches[event.job][:-100]
+        if isinstance(event, ev.Lifecycle) and event.event == "start":
+            with self._lock:
+                if event.rank is None or self._rank_run_began(event):
+                    self._launches.setdefault(event.job, []).append(event.ts)
+                    del self._launches[event.job][:-100]
         if event.node is None:
             return
         with self._lock:
@@ -191,8 +193,25 @@ class JobDirectory:
                                                              ev.Stack, ev.Step)):
                 info.rank_to_node[event.rank] = event.node
 
+    def _rank_run_began(self, start: ev.Lifecycle) -> bool:
+        """Whether a rank's ``start`` is the first of a new run: that rank had already
+        started in the current one, earlier (a job relaunched without ``trainguard run``:
+        by Slurm, Kubernetes or torchrun itself). A redelivered or late start is not."""
+        run = self._rank_runs.setdefault(start.job, ({}, set()))
+        started, current = run
+        if start.ts <= started.get(start.rank, float("-inf")):
+            return False
+        started[start.rank] = start.ts
+        if start.rank in current:
+            current.clear()
+            current.add(start.rank)
+            return True
+        current.add(start.rank)
+        return False
+
     def launches(self, job: str) -> list[float]:
-        """When ``trainguard run`` (re)launched the job, oldest first."""
+        """When the job was (re)launched, oldest first: by ``trainguard run``, or the first
+        rank start of each run after the first."""
         with self._lock:
             return sorted(self._launches.get(job, []))
 

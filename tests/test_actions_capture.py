@@ -97,3 +97,27 @@ def test_directory_learns_from_lifecycle_and_stacks():
     assert (info.world_size, info.rank_to_node, info.expected_ranks()) == (2, {0: "n1", 1: "n2"},
                                                                             {0, 1})
     assert d.info("other").world_size is None
+
+
+def test_directory_sees_a_relaunch_without_trainguard_run_in_its_ranks_starts():
+    """Slurm requeue, Kubernetes or torchrun itself relaunch the job without a job-level
+    start: the first rank start of each later run is the launch; redelivered and late starts
+    are not."""
+    d = JobDirectory()
+
+    def start(rank, ts):
+        d.observe(ev.Lifecycle(job="j1", ts=ts, node="n1", rank=rank, event="start", pid=9,
+                               world_size=4))
+
+    for rank in range(4):
+        start(rank, 10.0 + rank)
+    start(2, 12.0)                       # redelivered
+    assert d.launches("j1") == []
+    start(3, 60.0)                       # the second run: rank 3 first
+    for rank in range(3):
+        start(rank, 61.0)
+    start(1, 11.0)                       # a late copy of the first run's
+    assert d.launches("j1") == [60.0]
+    for rank in range(4):
+        start(rank, 90.0 + rank)
+    assert d.launches("j1") == [60.0, 90.0]

@@ -101,6 +101,24 @@ def test_exits_caused_by_our_own_restart_join_its_incident():
     assert [r.status for r in rec.events if r.incident == "inc-c9"] == ["planned", "done"]
 
 
+def test_a_crash_after_the_ranks_started_again_is_new_without_trainguard_run():
+    """Under Slurm requeue no ``trainguard run`` announces the relaunch: the new run's rank
+    starts end the restart, so a crash 4 s later (within ``restart_settle_s``) is restarted,
+    not taken for the teardown (it was, and the job stayed down)."""
+    directory = JobDirectory()
+    p, rec, _ = pipe(directory=directory, policy=Policy(limits=Limits(restart_settle_s=60)))
+    for rank in (0, 1):
+        directory.observe(ev.Lifecycle(job="j1", ts=T0 - 100, node="n1", rank=rank,
+                                       event="start", pid=1, world_size=2))
+    p.process(anomaly(kind="hang", id="h1", ranks=[], nodes=[]), now=T0 + 2)
+    for rank in (0, 1):
+        directory.observe(ev.Lifecycle(job="j1", ts=T0 + 6, node="n2", rank=rank,
+                                       event="start", pid=2, world_size=2))
+    p.process(anomaly(id="c1", onset=T0 + 10, detected=T0 + 10.5), now=T0 + 11)
+    assert [(r.action, r.status) for r in rec.events if r.incident == "c1"][:1] == [
+        ("restart", "planned")]
+
+
 def test_a_problem_beginning_during_another_restart_is_expected():
     p, rec, _ = pipe()
     p.process(anomaly(kind="hang", id="h1", ranks=[], nodes=[]), now=T0 + 2)

@@ -71,7 +71,9 @@ def test_xid_drains_the_node_and_the_job_resumes_off_it(slurm, kafka_config, tmp
                      TRAINGUARD_CHAOS=job_env["TRAINGUARD_CHAOS"],
                      TRAINGUARD_CHAOS_LOG=job_env["TRAINGUARD_CHAOS_LOG"])
         try:
-            d.start(policy={"limits": {"restart_settle_s": 10.0}, "driver": driver},
+            # No `trainguard run` here: the requeued ranks' starts must end the restart (the
+            # crash comes ~10 s after it, well inside the 60 s settle).
+            d.start(policy={"limits": {"restart_settle_s": 60.0}, "driver": driver},
                     agent=False)
             mark("services up")
             slurm.run("scontrol", "release", first_id)
