@@ -147,11 +147,21 @@ class JobInfo:
         return set(range(self.world_size)) if self.world_size else None
 
 
+@dataclass
+class _JobRecord:
+    info: JobInfo = field(default_factory=JobInfo)
+    launches: list = field(default_factory=list)
+    satisfied: list = field(default_factory=list)
+    rank_started: dict = field(default_factory=dict)   # rank -> its last start's ts
+    this_run: set = field(default_factory=set)         # ranks started in the current run
+
+
 class JobDirectory:
     """Learns each job's world size, topology and rank-to-machine map from ``lifecycle``
     starts, heartbeats and ``stack`` events, when it was (re)launched, and which
     restart orders it acked ``already_satisfied`` (:meth:`note_satisfied`, from the order
-    desk). Thread-safe: fed by other threads than the one reading it.
+    desk). At most ``max_jobs`` jobs, the least recently heard forgotten first.
+    Thread-safe: fed by other threads than the one reading it.
 
     >>> d = JobDirectory()
     >>> d.observe(ev.Lifecycle(job="j1", ts=1.0, node="n3", rank=5, event="start", pid=9,
@@ -161,30 +171,39 @@ class JobDirectory:
     (8, {5: 'n3'})
     """
 
-    def __init__(self):
-        self._jobs: dict[str, JobInfo] = {}
-        self._launches: dict[str, list] = {}
-        self._rank_runs: dict[str, tuple] = {}   # job -> (rank -> last start ts, this run's)
-        self._satisfied: dict[str, list] = {}
+    def __init__(self, max_jobs: int = 10_000):
+        self.max_jobs = max_jobs
+        self._jobs: OrderedDict = OrderedDict()   # job -> _JobRecord
         self._lock = threading.Lock()
+
+    def _record(self, job: str) -> _JobRecord:
+        record = self._jobs.get(job)
+        if record is None:
+            record = self._jobs[job] = _JobRecord()
+            while len(self._jobs) > self.max_jobs:
+                self._jobs.popitem(last=False)
+        else:
+            self._jobs.move_to_end(job)
+        return record
 
     def note_satisfied(self, job: str, incident: str) -> None:
         """``trainguard run`` acked the restart of ``incident`` ``already_satisfied``: it had
         relaunched the job on its own after the incident began."""
         with self._lock:
-            self._satisfied.setdefault(job, []).append(incident)
-            del self._satisfied[job][:-100]
+            satisfied = self._record(job).satisfied
+            satisfied.append(incident)
+            del satisfied[:-100]
 
     def observe(self, event: ev.Event) -> None:
-        if isinstance(event, ev.Lifecycle) and event.event == "start":
-            with self._lock:
-                if event.rank is None or self._rank_run_began(event):
-                    self._launches.setdefault(event.job, []).append(event.ts)
-                    del self._launches[event.job][:-100]
-        if event.node is None:
-            return
         with self._lock:
-            info = self._jobs.setdefault(event.job, JobInfo())
+            record = self._record(event.job)
+            if isinstance(event, ev.Lifecycle) and event.event == "start" and (
+                    event.rank is None or _rank_run_began(record, event)):
+                record.launches.append(event.ts)
+                del record.launches[:-100]
+            if event.node is None:
+                return
+            info = record.info
             if isinstance(event, ev.Lifecycle) and event.event == "start" \
                     and event.rank is not None:  # not the supervisor's guess for the job
                 info.world_size = event.world_size or info.world_size
@@ -193,38 +212,39 @@ class JobDirectory:
                                                              ev.Stack, ev.Step)):
                 info.rank_to_node[event.rank] = event.node
 
-    def _rank_run_began(self, start: ev.Lifecycle) -> bool:
-        """Whether a rank's ``start`` is the first of a new run: that rank had already
-        started in the current one, earlier (a job relaunched without ``trainguard run``:
-        by Slurm, Kubernetes or torchrun itself). A redelivered or late start is not."""
-        run = self._rank_runs.setdefault(start.job, ({}, set()))
-        started, current = run
-        if start.ts <= started.get(start.rank, float("-inf")):
-            return False
-        started[start.rank] = start.ts
-        if start.rank in current:
-            current.clear()
-            current.add(start.rank)
-            return True
-        current.add(start.rank)
-        return False
-
     def launches(self, job: str) -> list[float]:
         """When the job was (re)launched, oldest first: by ``trainguard run``, or the first
         rank start of each run after the first."""
         with self._lock:
-            return sorted(self._launches.get(job, []))
+            record = self._jobs.get(job)
+            return sorted(record.launches) if record else []
 
     def satisfied(self, job: str) -> frozenset:
         """Incidents whose restart ``trainguard run`` acked ``already_satisfied``."""
         with self._lock:
-            return frozenset(self._satisfied.get(job, ()))
+            record = self._jobs.get(job)
+            return frozenset(record.satisfied) if record else frozenset()
 
     def info(self, job: str) -> JobInfo:
         with self._lock:
-            known = self._jobs.get(job) or JobInfo()
+            record = self._jobs.get(job)
+            known = record.info if record else JobInfo()
             return JobInfo(world_size=known.world_size, topology=known.topology,
                            rank_to_node=dict(known.rank_to_node))
+
+
+def _rank_run_began(record: _JobRecord, start: ev.Lifecycle) -> bool:
+    """Whether a rank's ``start`` is the first of a new run: that rank had already started in
+    the current one, earlier (a job relaunched without ``trainguard run``: by Slurm,
+    Kubernetes or torchrun itself). A redelivered or late start is not."""
+    if start.ts <= record.rank_started.get(start.rank, float("-inf")):
+        return False
+    record.rank_started[start.rank] = start.ts
+    began = start.rank in record.this_run
+    if began:
+        record.this_run.clear()
+    record.this_run.add(start.rank)
+    return began
 
 
 def main_signature(stack: ev.Stack) -> tuple | None:

@@ -99,6 +99,18 @@ def test_directory_learns_from_lifecycle_and_stacks():
     assert d.info("other").world_size is None
 
 
+def test_directory_keeps_at_most_max_jobs_the_least_recently_heard_forgotten():
+    d = JobDirectory(max_jobs=3)
+    for job in ("a", "b", "c"):
+        d.observe(ev.Lifecycle(job=job, ts=1.0, node="n1", rank=0, event="start", pid=1,
+                               world_size=2))
+    d.observe(ev.Lifecycle(job="a", ts=2.0, node="n1", rank=1, event="start", pid=2,
+                           world_size=2))                                  # a heard again
+    d.observe(ev.Lifecycle(job="d", ts=2.0, node="n1", rank=0, event="start", pid=3))
+    assert [d.info(job).world_size for job in "abcd"] == [2, None, 2, None]
+    assert d.info("a").rank_to_node == {0: "n1", 1: "n1"}
+
+
 def test_directory_sees_a_relaunch_without_trainguard_run_in_its_ranks_starts():
     """Slurm requeue, Kubernetes or torchrun itself relaunch the job without a job-level
     start: the first rank start of each later run is the launch; redelivered and late starts
