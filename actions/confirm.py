@@ -52,30 +52,40 @@ class JobProgress:
     """Per job, the recent advances of its highest step (``(step, ts)``, the last ``keep``)
     and when each rank was last heard from (``step``, ``heartbeat``, ``lifecycle``), from the
     telemetry the action service watches. Thread-safe: fed by one thread, read by others.
-    At most ``max_jobs`` jobs, the least recently heard forgotten first."""
+    At most ``max_jobs`` jobs, the least recently heard forgotten first.
 
-    def __init__(self, max_jobs: int = 10_000, keep: int = 256):
+    A rank whose newer step has a lower number went back (a resume from a checkpoint): the
+    advances start again from there, and steps stamped before it are not advances. So the
+    steps of an earlier run never count as progress past a hang of the resumed one, and one
+    made-up step far ahead is forgotten at its rank's next real step. With a ``clock``, an
+    event stamped more than ``ahead_s`` after it is ignored (it would hide the real ones)."""
+
+    def __init__(self, max_jobs: int = 10_000, keep: int = 256,
+                 clock: Callable[[], float] | None = None, ahead_s: float = 300.0):
         self.max_jobs = max_jobs
         self.keep = keep
-        self._jobs: OrderedDict = OrderedDict()  # job -> [advances deque, {rank: ts}]
+        self.clock = clock
+        self.ahead_s = ahead_s
+        self._jobs: OrderedDict = OrderedDict()  # job -> _Progress
         self._lock = threading.Lock()
 
     def observe(self, event: ev.Event) -> None:
         if not isinstance(event, (ev.Step, ev.Heartbeat, ev.Lifecycle)):
             return
+        if self.clock is not None and event.ts > self.clock() + self.ahead_s:
+            return
         with self._lock:
             entry = self._jobs.get(event.job)
             if entry is None:
-                entry = self._jobs[event.job] = [deque(maxlen=self.keep), {}]
+                entry = self._jobs[event.job] = _Progress(deque(maxlen=self.keep))
                 while len(self._jobs) > self.max_jobs:
                     self._jobs.popitem(last=False)
             else:
                 self._jobs.move_to_end(event.job)
-            advances, heard = entry
-            if event.rank is not None and event.ts > heard.get(event.rank, -math.inf):
-                heard[event.rank] = event.ts
-            if isinstance(event, ev.Step) and (not advances or event.step > advances[-1][0]):
-                advances.append((event.step, event.ts))
+            if event.rank is not None and event.ts > entry.heard.get(event.rank, -math.inf):
+                entry.heard[event.rank] = event.ts
+            if isinstance(event, ev.Step):
+                entry.step(event)
 
     def progress_after(self, job: str, step: int | None, since_ts: float
                        ) -> tuple[int, float] | None:
@@ -83,7 +93,7 @@ class JobProgress:
         ``since_ts``), as ``(step, ts)``; None when the job made none."""
         with self._lock:
             entry = self._jobs.get(job)
-            advances = list(entry[0]) if entry else []
+            advances = list(entry.advances) if entry else []
         for number, ts in advances:
             if (number > step) if step is not None else ts >= since_ts:
                 return number, ts
@@ -93,8 +103,33 @@ class JobProgress:
         """``{rank: last ts}`` of the ``ranks`` heard from after ``ts``."""
         with self._lock:
             entry = self._jobs.get(job)
-            heard = dict(entry[1]) if entry else {}
+            heard = dict(entry.heard) if entry else {}
         return {r: heard[r] for r in ranks if heard.get(r, -math.inf) > ts}
+
+
+class _Progress:
+    """One job's advances, its ranks' last heard times and their last steps."""
+
+    __slots__ = ("advances", "heard", "last_step", "since_ts")
+
+    def __init__(self, advances: deque):
+        self.advances = advances
+        self.heard: dict = {}       # rank -> ts
+        self.last_step: dict = {}   # rank -> (step, ts) of its newest step
+        self.since_ts = -math.inf   # when the current run went back, if it did
+
+    def step(self, event: ev.Step) -> None:
+        last = self.last_step.get(event.rank)
+        if last is not None and event.ts <= last[1]:
+            return                  # redelivered, or older than the rank's newest
+        self.last_step[event.rank] = (event.step, event.ts)
+        if last is not None and event.step < last[0]:
+            self.advances.clear()   # the rank went back: a resume from a checkpoint
+            self.since_ts = event.ts
+        elif event.ts < self.since_ts:
+            return                  # a step of the run before the resume, arriving late
+        if not self.advances or event.step > self.advances[-1][0]:
+            self.advances.append((event.step, event.ts))
 
 
 def false_alarm_of(action) -> dict | None:

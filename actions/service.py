@@ -348,7 +348,7 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
                      log=log)
     for action in earlier_actions:
         desk.seed(action)
-    progress = JobProgress()  # steps and heartbeats: is a stalled job still stalled?
+    progress = JobProgress(clock=time.time)  # steps, heartbeats: is a stalled job stalled?
     watchers = [
         _DirectoryWatcher(KafkaSource(config, topics.telemetry, since=since,
                                       want=(b'"lifecycle"', b'"step"', b'"heartbeat"')),

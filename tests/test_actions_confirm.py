@@ -192,3 +192,52 @@ def test_false_alarm_markers_that_are_not_are_ignored(targets):
     record = ev.Action(job="j1", ts=1.0, incident="i", action="none", status="rate_limited",
                        reason="false_alarm: hand-made", targets=targets)
     assert false_alarm_of(record) is None
+
+
+def resumed(progress, ranks=(0, 1)):
+    """A run that reached step 45, and the run resumed from its step-20 checkpoint that
+    stepped to 40 (stamped so that the hang of ``hang()`` follows its step 40)."""
+    for n in range(30, 46):
+        for rank in ranks:
+            progress.observe(step(n, T0 - 300 + n, rank=rank))
+    for n in range(21, 41):
+        for rank in ranks:
+            progress.observe(step(n, T0 - 40 + n, rank=rank))
+
+
+def test_a_hang_of_a_resumed_run_at_a_step_the_run_before_passed_is_restarted():
+    """The steps 41-45 of the run before the resume are not progress past step 40 (they
+    were: the resumed run's real hang got a false alarm, and no restart)."""
+    pipe, rec, progress, _ = world()
+    resumed(progress)
+    progress.observe(step(44, T0 - 256, rank=1))     # a late, redelivered one of the old run
+    pipe.process(hang(), now=T0 + 46)
+    assert summary(rec) == [("capture_stacks", "done"), ("restart", "planned"),
+                            ("alert", "done")]
+
+
+def test_a_resumed_run_that_moves_on_after_a_long_checkpoint_is_a_false_alarm():
+    pipe, rec, progress, _ = world()
+    resumed(progress)
+    for n, ts in [(41, T0 + 52), (42, T0 + 53)]:
+        progress.observe(step(n, ts))
+    pipe.process(hang(), now=T0 + 46)
+    assert summary(rec) == [("none", "rate_limited")]
+    assert rec.events[0].targets["false_alarm"]["resumed_step"] == 41
+
+
+def test_one_made_up_step_far_ahead_is_forgotten_at_its_ranks_next_real_step():
+    progress = JobProgress()
+    for n in range(38, 41):
+        progress.observe(step(n, T0 - 40 + n))
+    progress.observe(step(900_000, T0 + 1))          # poisoned, not implausible enough
+    progress.observe(step(41, T0 + 52))
+    assert progress.progress_after("j1", 40, since_ts=T0) == (41, T0 + 52)
+
+
+def test_with_a_clock_steps_stamped_far_ahead_are_not_taken():
+    clock = FakeClock(T0)
+    progress = JobProgress(clock=clock, ahead_s=300)
+    progress.observe(step(10, T0 + 3600))            # would hide every real step after it
+    progress.observe(step(41, T0 + 1))
+    assert progress.progress_after("j1", 40, since_ts=T0) == (41, T0 + 1)
