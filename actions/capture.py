@@ -160,8 +160,9 @@ class JobDirectory:
     """Learns each job's world size, topology and rank-to-machine map from ``lifecycle``
     starts, heartbeats and ``stack`` events, when it was (re)launched, and which
     restart orders it acked ``already_satisfied`` (:meth:`note_satisfied`, from the order
-    desk). At most ``max_jobs`` jobs, the least recently heard forgotten first.
-    Thread-safe: fed by other threads than the one reading it.
+    desk). At most ``max_jobs`` jobs, the least recently heard forgotten first. With a
+    ``clock``, a start stamped more than ``ahead_s`` after it is no launch (it would hide the
+    real ones). Thread-safe: fed by other threads than the one reading it.
 
     >>> d = JobDirectory()
     >>> d.observe(ev.Lifecycle(job="j1", ts=1.0, node="n3", rank=5, event="start", pid=9,
@@ -171,8 +172,11 @@ class JobDirectory:
     (8, {5: 'n3'})
     """
 
-    def __init__(self, max_jobs: int = 10_000):
+    def __init__(self, max_jobs: int = 10_000, clock: Callable[[], float] | None = None,
+                 ahead_s: float = 300.0):
         self.max_jobs = max_jobs
+        self.clock = clock
+        self.ahead_s = ahead_s
         self._jobs: OrderedDict = OrderedDict()   # job -> _JobRecord
         self._lock = threading.Lock()
 
@@ -198,6 +202,7 @@ class JobDirectory:
         with self._lock:
             record = self._record(event.job)
             if isinstance(event, ev.Lifecycle) and event.event == "start" and (
+                    self.clock is None or event.ts <= self.clock() + self.ahead_s) and (
                     event.rank is None or _rank_run_began(record, event)):
                 record.launches.append(event.ts)
                 del record.launches[:-100]

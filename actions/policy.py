@@ -504,10 +504,11 @@ def decide(policy: Policy, incident: Incident, history: History,
 def restart_over(ordered_ts: float, launches=(), settle_s: float = 120.0,
                  satisfied: bool = False) -> float:
     """When a restart ordered at ``ordered_ts`` is over: the next launch after it (by
-    ``trainguard run``, or the new run's first rank start), at most ``settle_s`` later. Until then, ranks exiting "by signal" are our own
-    doing; a problem beginning later is a new one. A restart that ``trainguard run``
-    answered ``already_satisfied`` (it had relaunched the job on its own after the incident
-    began) tore nothing down: it was over when it was ordered.
+    ``trainguard run``, or the new run's first rank start), at most ``settle_s`` later.
+    Until then, ranks exiting "by signal" are our own doing; a problem beginning later is a
+    new one. A restart that ``trainguard run`` answered ``already_satisfied`` (it had
+    relaunched the job on its own after the incident began) tore nothing down: it was over
+    when it was ordered.
 
     >>> restart_over(100.0, launches=[50.0, 104.5]), restart_over(100.0, settle_s=30)
     (104.5, 130.0)

@@ -335,7 +335,7 @@ def build_service(config, policy: Policy, state: ServiceState, *, sinks=(), stop
 
     producer = Producer(config.kafka(**PRODUCER_SETTINGS), logger=quiet_logger())
     topics = config.topics
-    directory = JobDirectory()
+    directory = JobDirectory(clock=time.time)
     stop = stop or threading.Event()
     started = time.time()
     since = started - LIFECYCLE_LOOKBACK_S

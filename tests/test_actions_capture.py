@@ -133,3 +133,16 @@ def test_directory_sees_a_relaunch_without_trainguard_run_in_its_ranks_starts():
     for rank in range(4):
         start(rank, 90.0 + rank)
     assert d.launches("j1") == [60.0, 90.0]
+
+
+def test_directory_with_a_clock_takes_no_launch_from_a_start_stamped_far_ahead():
+    d = JobDirectory(clock=lambda: 1000.0, ahead_s=300)
+
+    def start(ts):
+        d.observe(ev.Lifecycle(job="j1", ts=ts, node="n1", rank=0, event="start", pid=9))
+
+    start(900.0)
+    start(99_999.0)           # made up: had it counted, no real relaunch would after it
+    start(990.0)
+    assert d.launches("j1") == [990.0]
+
