@@ -1,7 +1,8 @@
 """``compute_time`` on any backend: the rank's own working time in a step, measured from marks.
 
 A :class:`ComputeTimer` gets four marks from the training side
-(:mod:`trainguard.integrations`): ``begin()`` when the step's work starts, ``wait_begin()`` /
+(:mod:`trainguard.integrations`): ``begin()`` when the step's work starts (for the
+integrations, where the step before ended: data loading counts), ``wait_begin()`` /
 ``wait_end()`` around every stretch where this rank waits for its peers, and ``end()`` when the
 step is over. ``end()`` returns a :class:`Reading`; its ``value()`` is
 

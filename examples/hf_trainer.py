@@ -7,8 +7,8 @@ watched by trainguard with one line: ``callbacks=[TrainguardCallback()]``.
 Batches of random token ids are a function of (index, rank). Checkpoints ``checkpoint-N`` go
 to ``--output-dir`` (default ``$TRAINGUARD_CHECKPOINT_DIR``, else ``./hf-out``) every
 ``--save-steps``; a relaunch by ``trainguard run`` resumes from the one trainguard names,
-without a line of code. Faults for tests as in plain_ddp.py (``FAULT_SLOW``, ``FAULT_HANG``,
-``FAULT_KILL``).
+without a line of code. Faults for tests as in plain_ddp.py (``FAULT_SLOW``,
+``FAULT_SLOW_DATA``, ``FAULT_HANG``, ``FAULT_KILL``).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
                           TrainingArguments)
 
-from plain_ddp import fault
+from plain_ddp import fault, loader_delay
 from trainguard.integrations.hf import TrainguardCallback
 
 
@@ -30,6 +30,7 @@ class Tokens(torch.utils.data.Dataset):
     def __init__(self, n: int, context: int, vocab: int, rank: int, batch: int, ckpt: Path):
         self.n, self.context, self.vocab, self.rank = n, context, vocab, rank
         self.batch, self.ckpt, self.hang, self.calls = batch, ckpt, fault("FAULT_HANG"), 0
+        self.delay = loader_delay(rank) / batch  # per sample: the batch's delay in all
 
     def __len__(self):
         return self.n
@@ -43,6 +44,8 @@ class Tokens(torch.utils.data.Dataset):
                 print(f"[hf] rank {self.rank} hangs in its data loader", flush=True)
                 while True:
                     time.sleep(0.1)
+        if self.delay:
+            time.sleep(self.delay)
         g = torch.Generator().manual_seed(i * 31 + self.rank)
         ids = torch.randint(self.vocab, (self.context,), generator=g)
         return {"input_ids": ids, "labels": ids.clone()}

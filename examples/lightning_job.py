@@ -7,7 +7,8 @@ trainguard with one line: ``callbacks=[TrainguardCallback()]``.
 Checkpoints ``step=N.ckpt`` go to ``--checkpoint-dir`` (default
 ``$TRAINGUARD_CHECKPOINT_DIR``, else ``./pl-ckpt``) every ``--save-steps``; a relaunch by
 ``trainguard run`` resumes from the one trainguard names, with no ``ckpt_path`` in the script.
-Faults for tests as in plain_ddp.py (``FAULT_SLOW``, ``FAULT_HANG``, ``FAULT_KILL``).
+Faults for tests as in plain_ddp.py (``FAULT_SLOW``, ``FAULT_SLOW_DATA``, ``FAULT_HANG``,
+``FAULT_KILL``).
 """
 from __future__ import annotations
 

@@ -3,15 +3,17 @@
     trainguard run --job plain --instrument --checkpoint-dir ckpt -- \
         torchrun --nproc-per-node 2 examples/plain_ddp.py --steps 100
 
-It trains a small MLP regressor on random data over gloo, fetching batches from a DataLoader,
-clipping gradients, and saving ``ckpt_<step>.pt`` every ``--checkpoint-every`` steps into
+It trains a small MLP regressor on random data over gloo, fetching batches from a DataLoader
+(``--loader python``: straight from the dataset, a loader no torch hook sees), clipping
+gradients, and saving ``ckpt_<step>.pt`` every ``--checkpoint-every`` steps into
 ``--checkpoint-dir`` (default ``$TRAINGUARD_CHECKPOINT_DIR``, else ``./checkpoints``); every
 start resumes from the newest checkpoint there. ``trainguard run --instrument`` watches it as
 it is.
 
 Faults for tests, each once per checkpoint folder (a marker file):
 ``FAULT_SLOW=RANK:SECONDS[:STEP]`` (that rank sleeps in every forward pass from the STEP-th
-on), ``FAULT_HANG=RANK:STEP`` (that rank hangs fetching
+on), ``FAULT_SLOW_DATA=RANK:SECONDS`` (that rank's data loader takes SECONDS longer for
+every batch; RANK ``*``: every rank's), ``FAULT_HANG=RANK:STEP`` (that rank hangs fetching
 the batch of that step), ``FAULT_KILL=RANK:STEP`` (that rank SIGKILLs itself at that step).
 """
 from __future__ import annotations
@@ -40,12 +42,18 @@ def fault(name: str):
     return int(rank), float(value), int(start[0]) if start else 0
 
 
+def loader_delay(rank: int) -> float:
+    """Seconds this rank's data loader sleeps per batch, from ``FAULT_SLOW_DATA``."""
+    who, _, seconds = os.environ.get("FAULT_SLOW_DATA", "").partition(":")
+    return float(seconds) if seconds and who in ("*", str(rank)) else 0.0
+
+
 class Batches(Dataset):
     """Batch ``i`` of a rank is a function of (seed, i, rank): the same after a restart."""
 
     def __init__(self, rank: int, start: int, steps: int, batch: int, width: int, ckpt: Path):
         self.rank, self.start, self.steps, self.batch, self.width = rank, start, steps, batch, width
-        self.hang, self.ckpt = fault("FAULT_HANG"), ckpt
+        self.hang, self.ckpt, self.delay = fault("FAULT_HANG"), ckpt, loader_delay(rank)
 
     def __len__(self):
         return self.steps - self.start
@@ -60,6 +68,8 @@ class Batches(Dataset):
                       flush=True)
                 while True:
                     time.sleep(0.1)
+        if self.delay:
+            time.sleep(self.delay)  # a slow loader: disk, decoding, augmentation
         g = torch.Generator().manual_seed(step * 4099 + self.rank)
         x = torch.randn(self.batch, self.width, generator=g)
         return x, x.sum(dim=1, keepdim=True).tanh()
@@ -86,6 +96,7 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--loader", choices=("dataloader", "python"), default="dataloader")
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--checkpoint-dir", default=os.environ.get("TRAINGUARD_CHECKPOINT_DIR")
                    or "checkpoints")
@@ -117,8 +128,9 @@ def main(argv=None):
     if rank == 0:
         print(f"[plain] {world} ranks, starting at step {start}", flush=True)
     ddp = DDP(model)
-    loader = DataLoader(Batches(rank, start, args.steps, args.batch, args.width, ckpt),
-                        batch_size=None, shuffle=False)
+    data = Batches(rank, start, args.steps, args.batch, args.width, ckpt)
+    loader = (DataLoader(data, batch_size=None, shuffle=False) if args.loader == "dataloader"
+              else (data[i] for i in range(len(data))))
     kill = fault("FAULT_KILL")
     for step, (x, y) in enumerate(loader, start=start):
         if kill and kill[0] == rank and step == int(kill[1]):

@@ -119,6 +119,61 @@ def test_hf_resume_checkpoint_lists_checkpoint_folders(tmp_path):
     assert resume_checkpoint(tmp_path, True, {}) == str(tmp_path / "checkpoint-30")
 
 
+# ---------------------------------------------------------------------- the watcher's steps
+class Ticks:
+    """A clock the test moves."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def two_rank_watcher():
+    from trainguard.integrations.watcher import StepWatcher
+
+    sink, clock = Sink(), Ticks()
+    collector = Collector(CollectorSettings(job="unit", rank=1, world_size=2), sink)
+    return StepWatcher(lambda: collector, clock=clock, cuda=False), clock, sink
+
+
+def test_time_between_steps_is_the_next_steps_work_and_waits_are_not():
+    watcher, clock, sink = two_rank_watcher()
+    watcher.forward((), {}, True)
+    clock.now = 1.0
+    watcher.end()                   # step 0: 1 s, from its first mark
+    clock.now = 1.3                 # 0.3 s in a loader no hook sees
+    watcher.forward((), {}, True)
+    clock.now = 1.4
+    watcher.wait_begin()            # then 0.5 s waiting for peers
+    clock.now = 1.9
+    watcher.wait_end()
+    clock.now = 2.0
+    watcher.end()
+    clock.now = 2.2
+    watcher.wait_begin()            # a barrier between steps: a wait too
+    clock.now = 2.6
+    watcher.wait_end()
+    watcher.end()
+    got = [(step, round(step_time, 6), round(compute, 6))
+           for _, _, step, step_time, compute, _ in steps_of(sink)]
+    assert got == [(0, 1.0, 1.0), (1, 1.0, 0.5), (2, 0.6, 0.2)]
+
+
+def test_a_framework_run_starts_its_first_step_at_its_first_mark():
+    watcher, clock, sink = two_rank_watcher()
+    watcher.forward((), {}, True)
+    clock.now = 1.0
+    watcher.end()
+    clock.now = 50.0                # the script does something else, then trains again
+    watcher.stop_clock()
+    watcher.fetch()
+    clock.now = 51.0
+    watcher.end()
+    assert [round(r[3], 6) for r in steps_of(sink)] == [1.0, 1.0]
+
+
 # ---------------------------------------------------------------------- hooks on a real loop
 @pytest.fixture
 def watched():

@@ -49,6 +49,7 @@ class CallbackWatch:
             hooks.end_steps_on_optimizer = False
             hooks.watcher.thread_id = threading.get_ident()
             hooks.watcher.next_step = first_step
+            hooks.watcher.stop_clock()  # the run's first step starts at its first mark
             self.hooks = hooks
             hooks.watcher.live()
         except Exception as exc:

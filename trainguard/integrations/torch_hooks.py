@@ -15,6 +15,7 @@ only on those)                                 integer batch)
 parameter whose gradient comes last            there to ``backward()``'s return it waits for
                                                its peers (DDP's all-reduce, no comm hook)
 ``torch.distributed.Work.wait``                phase ``collective``, time waiting for peers
+                                               (also between steps: it is no step's work)
 functional collectives' ``wait_tensor(s)``     the same for DTensor / tensor parallel (patched
                                                from the first optimizer step on)
 ``torch.nn.utils.clip_grad_norm_``,           the grad norm (its return value, or the norm
@@ -331,7 +332,7 @@ class TorchHooks:
         hooks = self
 
         def wait(work, *args, **kwargs):
-            if not (hooks.watcher.in_step and hooks._on_training_thread()):
+            if not (hooks.watcher.clocked and hooks._on_training_thread()):
                 return original(work, *args, **kwargs)
             w = hooks.watcher
             previous = _quiet(w.phase, "collective")

@@ -8,6 +8,12 @@ heartbeat's phase on the rank's :class:`~trainguard.collectors.api.Collector` an
 :class:`~trainguard.collectors.compute_timer.ComputeTimer`), loss, grad norm, learning rate and
 tokens.
 
+Steps are contiguous: a step runs from the end of the one before (the first from its first
+mark) to its own end, so what a rank does between two optimizer steps (loading and
+preprocessing data, logging, an evaluation) is its work in the next step. ``compute_time`` is
+that time less the time blocked waiting for peers (``wait_begin``/``wait_end``, also between
+steps): a rank slowed by its data loader makes its peers wait, and stands out.
+
 Nothing here forces a device synchronization: a CUDA loss or grad norm is copied to the host
 without blocking and the step's event is sent once the GPU is past the step (usually during the
 next step); values on the CPU are read at once. No method raises: the hooks call them inside the
@@ -29,6 +35,9 @@ step is counted twice.
 >>> _, _, step, step_time, compute, values = c.producer.records[-1]
 >>> step, step_time, compute, values[0], values[4]
 (0, 3.0, 2.0, 2.5, 0.1)
+>>> _ = next(ticks); w.forward((), {}, True); w.end()  # 1 s loading data before the forward
+>>> c.producer.records[-1][2:5]
+(1, 2.0, 2.0)
 """
 from __future__ import annotations
 
@@ -167,6 +176,7 @@ class StepWatcher:
         self.timer = None
         self.in_step = False
         self.saw_backward = False
+        self.clocked = False  # the current step's clock runs (from its first mark or the last end)
         self._t0 = 0.0
         self._waiting_ready = False
         self._loss = self._grad_norm = self._lr = None
@@ -204,7 +214,13 @@ class StepWatcher:
     def stand_down(self) -> None:
         self.active = False
         self.in_step = False
+        self.clocked = False
         self._pending.clear()
+
+    def stop_clock(self) -> None:
+        """What comes before the next mark is no step's (a framework starts a new run)."""
+        if not self.in_step:
+            self.clocked = False
 
     def phase(self, name: str):
         """Show ``name`` in heartbeats; returns the previous phase (for :meth:`restore`)."""
@@ -229,18 +245,23 @@ class StepWatcher:
         self._start()
 
     def _start(self) -> None:
+        self.in_step = True
+        self.saw_backward = False
+        self._waiting_ready = False
+        self._loss = self._grad_norm = None
+        self._tokens = None
+        if not self.clocked:
+            self._start_clock(self.clock())
+
+    def _start_clock(self, now: float) -> None:
         timer = self.timer
         if timer is None:
             _know_torch()
             if self.cuda is None:
                 self.cuda = _cuda_in_use()
             timer = self.timer = make_compute_timer(self.cuda, clock=self.clock)
-        self.in_step = True
-        self.saw_backward = False
-        self._waiting_ready = False
-        self._loss = self._grad_norm = None
-        self._tokens = None
-        self._t0 = now = self.clock()
+        self._t0 = now
+        self.clocked = True
         timer.begin(now)
 
     def fetch(self):
@@ -332,11 +353,11 @@ class StepWatcher:
             self.timer.wait_end()
 
     def wait_begin(self) -> None:
-        if self.in_step:
+        if self.clocked:
             self.timer.wait_begin()
 
     def wait_end(self) -> None:
-        if self.in_step:
+        if self.clocked:
             self.timer.wait_end()
 
     def note_grad_norm(self, value) -> None:
@@ -375,6 +396,7 @@ class StepWatcher:
                   lr if type(lr) is float else _host_value(lr))
         reading = self.timer.end(now)
         self.in_step = False
+        self._start_clock(now)  # the next step's time runs from here
         self._loss = self._grad_norm = None
         pending = self._pending
         if not pending and reading.ready():  # the host timer's case: nothing to queue
