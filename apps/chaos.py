@@ -65,6 +65,7 @@ __all__ = ["ChaosError", "ChaosInjectedError", "Fault", "Chaos", "parse", "load"
 RANK_KINDS = ("nan", "loss_spike", "straggler", "hang", "crash", "error")
 KINDS = RANK_KINDS + ("xid",)
 SIGNALS = ("KILL", "SEGV", "ABRT", "TERM", "INT")
+HANG_PHASES = (None, "data", "checkpoint")
 # The driver's text for common Xids (NVIDIA's Xid catalog).
 XID_MESSAGES = {
     13: "Graphics Exception: Shader Program Header 0 Error",
@@ -83,7 +84,7 @@ XID_MESSAGES = {
 }
 # Keys each kind accepts besides kind/step/rank.
 _KEYS = {"nan": (), "loss_spike": ("factor",), "straggler": ("factor", "delay"),
-         "hang": ("seconds",), "crash": ("signal",), "error": (),
+         "hang": ("seconds", "phase"), "crash": ("signal",), "error": (),
          "xid": ("node", "xid", "bus", "msg", "kmsg")}
 
 
@@ -120,6 +121,8 @@ class Fault:
     bus: str | None = None
     msg: str | None = None
     kmsg: str | None = None
+    phase: str | None = None           # hang: "data" (None) or "checkpoint"
+    launch: int | None = None          # only in this launch (TRAINGUARD_RESTART_COUNT; 0: first)
     id: str = ""
 
     def __post_init__(self):
@@ -138,6 +141,10 @@ class Fault:
                 raise ChaosError(f"{k}: {name} must be a finite number >= 0, not {value!r}")
         if self.factor is not None and k == "straggler" and self.factor < 1:
             raise ChaosError(f"straggler: factor must be >= 1 (1.5 = 50% slower), not {self.factor}")
+        if self.phase not in HANG_PHASES:
+            raise ChaosError(f"hang: phase must be one of {', '.join(HANG_PHASES[1:])}")
+        if self.launch is not None and self.launch < 0:
+            raise ChaosError(f"{k}: launch must be >= 0 (0 is the first launch)")
         if self.signal is not None and self.signal not in SIGNALS:
             raise ChaosError(f"crash: signal must be one of {', '.join(SIGNALS)}")
 
@@ -202,7 +209,7 @@ def _fault(obj: dict, index: int) -> Fault:
     kind = str(obj.get("kind", "")).strip()
     if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r}; use one of {', '.join(KINDS)}")
-    allowed = {"kind", "step", "rank", "ranks"} | set(_KEYS[kind])
+    allowed = {"kind", "step", "rank", "ranks", "launch"} | set(_KEYS[kind])
     unknown = sorted(set(obj) - allowed)
     if unknown:
         raise ValueError(f"{kind} takes no {unknown[0]!r}; it takes "
@@ -213,6 +220,8 @@ def _fault(obj: dict, index: int) -> Fault:
     rank_value = obj.get("rank", obj.get("ranks"))
     ranks = () if rank_value is None else _ranks(rank_value)
     args: dict[str, Any] = {}
+    if "launch" in obj:
+        args["launch"] = _int(obj["launch"], f"launch must be an integer, not {obj['launch']!r}")
     for key in _KEYS[kind]:
         if key not in obj:
             continue
@@ -330,7 +339,8 @@ class Chaos:
                  state_dir: str | os.PathLike | None = None, log_path: str | os.PathLike | None = None,
                  kmsg_path: str | os.PathLike | None = None, clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], None] = time.sleep, kill: Callable[[int, int], None] = os.kill,
-                 monotonic: Callable[[], float] = time.monotonic, quiet: bool = False):
+                 monotonic: Callable[[], float] = time.monotonic, quiet: bool = False,
+                 launch: int = 0):
         self.faults = faults
         self.rank = rank
         self.node = node
@@ -343,7 +353,9 @@ class Chaos:
         self.kill = kill
         self.monotonic = monotonic
         self.quiet = quiet
-        self.mine = [f for f in faults if f.targets(rank, node, local_rank)]
+        self.launch = launch
+        self.mine = [f for f in faults if f.targets(rank, node, local_rank)
+                     and f.launch in (None, launch)]
         self.fired: list[dict] = []          # records of the injections of this process
         self._prior: set[str] | None = None  # state files present when this process began
         self._active: set[str] = set()
@@ -358,8 +370,17 @@ class Chaos:
     def in_data(self, step: int) -> None:
         """Hang faults: block here, in data loading."""
         for f in self._due("hang", step):
-            self._fire(f, step)
-            _chaos_hang_in_data_loading(f.seconds, self.sleep)
+            if f.phase in (None, "data"):
+                self._fire(f, step)
+                _chaos_hang_in_data_loading(f.seconds, self.sleep)
+
+    def in_checkpoint(self, step: int) -> None:
+        """Hang faults with ``phase=checkpoint``: block here, in the checkpoint after ``step``
+        (a stuck write: a dead mount, a lost storage server)."""
+        for f in self._due("hang", step):
+            if f.phase == "checkpoint":
+                self._fire(f, step)
+                _chaos_hang_in_data_loading(f.seconds, self.sleep)
 
     def before_forward(self, step: int) -> None:
         """Straggler faults: sleep so this rank's step takes longer."""
@@ -486,6 +507,10 @@ def from_env(rank: int | None = None, *, node: str | None = None, local_rank: in
     (True, ['crash@step=9,rank=3'])
     >>> bool(from_env(environ={}))
     False
+    >>> later = {"TRAINGUARD_CHAOS": "hang@step=6,rank=1,launch=1", "RANK": "1"}
+    >>> bool(from_env(environ=later)), bool(from_env(environ={**later,
+    ...                                                     "TRAINGUARD_RESTART_COUNT": "1"}))
+    (False, True)
     """
     env = os.environ if environ is None else environ
     text, path = env.get("TRAINGUARD_CHAOS", "").strip(), env.get("TRAINGUARD_CHAOS_FILE", "").strip()
@@ -504,7 +529,16 @@ def from_env(rank: int | None = None, *, node: str | None = None, local_rank: in
                  node=node or env.get("TRAINGUARD_NODE") or node_name(env),
                  local_rank=int(env.get("LOCAL_RANK", 0)) if local_rank is None else local_rank,
                  state_dir=state or None, log_path=env.get("TRAINGUARD_CHAOS_LOG") or None,
-                 kmsg_path=kmsg)
+                 kmsg_path=kmsg, launch=_launch(env))
+
+
+def _launch(env: Mapping[str, str]) -> int:
+    """Which launch of the job this is: ``trainguard run``'s restart count, else torchrun's."""
+    for name in ("TRAINGUARD_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def _main(argv: list[str]) -> int:

@@ -15,6 +15,12 @@ Per detector: false incidents on the healthy set and the real healthy traces, re
 faults, exact localization, median and worst latency per kind (seconds; steps for
 straggler, spike and NaN), and the issue's targets. ``beats_baseline`` compares every line
 (per kind: found, then exactly localized, then the worst latency, in that order).
+
+``blind_windows`` (issue 19, bench/blind_windows.py): hangs in steps 1-10 and after a
+restart, ranks stuck in a checkpoint their peers left (trainguard beside the hang detector of
+the commit before the issue and beside the rule page); data-loader stragglers in real
+torchrun jobs (tests/data/recordings/loader-*, made by bench/record_loader_jobs.py); the
+library's gradient-led spikes.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 
+import blind_windows  # noqa: E402
 from baseline_rules import baseline_incidents  # noqa: E402
 from real_traces import alibaba_job, loss_curve_job  # noqa: E402
 from scenario_library import FAULTS, HEALTHY  # noqa: E402
@@ -103,6 +110,7 @@ def run() -> dict:
                        "fault_cases": sum(len(r["truth"]) for _, r in cases),
                        "events": sum(len(r["events"]) for _, r in cases)},
            "targets": TARGETS}
+    all_results = {}
     for name, detect in DETECTORS.items():
         t0 = time.process_time()
         results, false_healthy, false_faults, false_list = [], 0, 0, []
@@ -119,6 +127,7 @@ def run() -> dict:
             s = score(detect(events), truth, ends)
             real_results += [{**r, "case": case} for r in s["results"]]
             real_false += [f"{case}: {f['kind']} {f['ranks']}" for f in s["false_incidents"]]
+        all_results[name] = results
         summary = _summary(results, false_healthy, len(HEALTHY))
         summary["false_incidents_in_fault_recordings"] = false_faults
         summary["false_incident_examples"] = false_list[:12]
@@ -131,6 +140,9 @@ def run() -> dict:
         summary["cpu_seconds"] = round(time.process_time() - t0, 2)
         out[name] = summary
     out["beats_baseline"] = _compare(out["trainguard"], out["baseline"])
+    out["blind_windows"] = blind_windows.run()
+    out["blind_windows"]["loader_stragglers"] = blind_windows.loader_stragglers()
+    out["blind_windows"]["grad_led_spikes"] = blind_windows.grad_led(all_results)
     tg = out["trainguard"]
     out["targets_met"] = (tg["false_incidents_healthy"] == 0 and tg["recall"] >= 0.98
                           and tg["exact_localization"] == 1.0 and tg["within_target"] == 1.0)

@@ -47,6 +47,8 @@ class DetectorConfig:
     grad_spike_cooldown: int = 20
     grad_spike_early_steps: int = 250
     grad_spike_early_min_ratio: float = 5.0
+    grad_spike_rise_ratio: float = 10.0    # a norm this x its level before a rise ...
+    grad_spike_rise_steps: int = 4         # ... of 2 to this many steps is a spike (0: off)
 
     # -- straggler: a rank's compute_time against the median of its peers, per step ---------
     straggler_ratio: float = 1.2           # slow in a step: compute_time >= ratio x usual
@@ -82,6 +84,8 @@ class DetectorConfig:
     hang_first_step_s: float = 1800.0      # budget of `init` and the first step after a start
     hang_phase_factor: float = 3.0         # allowance >= this x the longest seen in the job
     hang_stale_s: float = 10.0             # a rank with no heartbeat for this long is a suspect
+    hang_early_margin: float = 6.0         # timeout >= (max_margin + factor x this / sqrt(n)) x longest step
+    hang_peer_factor: float = 2.0          # ranks left behind: peers waited this x the longest step
 
     # -- silent: a rank or machine that stops sending while the rest go on -------------------
     silent_timeout_s: float = 15.0
@@ -132,12 +136,14 @@ class DetectorConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         for name in ("loss_spike_min_ratio", "grad_spike_min_ratio", "straggler_ratio",
                      "loss_spike_early_min_ratio", "grad_spike_early_min_ratio",
+                     "grad_spike_rise_ratio",
                      "throughput_ratio", "throughput_clip", "throughput_standout_ratio"):
             if getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be above 1, got {getattr(self, name)}")
         for name in ("loss_spike_window", "grad_spike_window", "loss_spike_tail_window",
                      "grad_spike_tail_window", "throughput_window", "throughput_baseline_window",
-                     "hang_window", "straggler_min_ranks", "gpu_fault_missing_samples"):
+                     "hang_window", "hang_peer_factor", "straggler_min_ranks",
+                     "gpu_fault_missing_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.straggler_min_ranks < 2:

@@ -12,9 +12,28 @@ loop) is no pause: it stops counting as an allowance for that job.
 Between steps, the timeout is ``max(floor_s, factor x p99 of the job's step intervals,
 max_margin x the longest interval seen)``, counted from the later of the last step and the
 latest phase change of any rank within the step (a job-wide slow step still moves from
-phase to phase; a hung job does not); until ``min_intervals`` intervals are learned, the
-warm-up steps get the first-step budget (a job of 10-minute steps is not hung 30 s into
-its second step).
+phase to phase; a hung job does not). Until ``min_intervals`` intervals are learned, the
+warm-up steps are judged on what is known: the longest interval and the longest step time the
+ranks reported (step 0's holds its compile), times a margin that shrinks as intervals come in,
+``max_margin + factor x early_margin / sqrt(n)`` after ``n >= 1`` intervals (13 after one, 7
+after four, 2.2 after a hundred), never more than the first-step budget, which the second
+step still gets (a job of 10-minute steps is not hung in it). The same margin on the longest
+interval keeps counting after ``min_intervals``: a few dozen samples of a noisy step time say
+little of its tail. A stall reported as a hang teaches no interval (false-alarm feedback
+does). A one-rank hang early in a job is found sooner from its peers (below).
+
+Peers' evidence finds a rank left behind without a learned timeout (:meth:`left_behind`):
+
+- *in the step*: the ranks furthest behind in it (an earlier last step, or an earlier phase:
+  ``data`` < ``forward`` < ``backward`` < ``optimizer`` < ``collective``) hold up the others,
+  which have waited where they are for ``max(floor_s, peer_factor x the longest step known)``
+  by their own clocks. Needs one known step time, and no rank in a pausing phase;
+- *in an allowed phase*: a rank still in a phase that the other ranks of the same occurrence
+  (same phase, same last step) all left, for ``k x`` their longest time in it, and at least
+  ``floor_s`` after they left. ``k = peer_factor x`` the spread of that phase learned in
+  earlier occurrences on this job (its slowest rank's time over its fastest's): a phase whose
+  work is uneven by design (rank 0 writes, the others pass through) learns a large ``k``, and
+  a phase not yet seen complete on two ranks is left to its allowance.
 
 A hang is reported once per stall; progress ends the stall, so a later stall is a new finding
 (its key holds the onset). :meth:`HangDetector.note_false_alarm` widens the allowance of a
@@ -24,7 +43,7 @@ phase after the action service found a reported hang to be none.
 >>> for s in range(30):
 ...     for r in range(4):
 ...         _ = d.update({"k": "step", "rank": r, "node": "n1", "ts": 100.0 + s, "step": s})
->>> hb = [{"k": "hb", "rank": r, "node": "n1", "ts": 140.0, "step": 29,
+>>> hb = [{"k": "hb", "rank": r, "node": "n1", "ts": 138.0, "step": 29,
 ...        "phase": "data" if r == 2 else "collective", "phase_since": 130.0}
 ...       for r in range(4)]
 >>> _ = [d.update(h) for h in hb]
@@ -43,7 +62,24 @@ A 45 s checkpoint after 6 s steps is no hang: the clock starts when it ends.
 >>> _ = d.update({"k": "hb", "rank": 0, "ts": 100.0, "step": 9, "phase": "data",
 ...               "phase_since": 99.0})
 >>> d.advance(110.0), d.deadline() - 99.0
-([], 20.0)
+([], 30.0)
+
+Early in a job: four 6 s intervals known, rank 1 stuck in ``data`` at step 5 while rank 0
+waits in ``backward``; it is named 20 s after rank 0 began to wait (its own clock).
+
+>>> d = HangDetector()
+>>> for s in range(5):
+...     for r in range(2):
+...         _ = d.update({"k": "step", "rank": r, "ts": 6.0 * s, "step": s, "step_time": 6.0})
+>>> round(d.timeout(), 1)
+42.0
+>>> for t in (30.0, 50.0):
+...     _ = d.update({"k": "hb", "rank": 1, "ts": t, "step": 4, "phase": "data",
+...                   "phase_since": 24.5})
+...     _ = d.update({"k": "hb", "rank": 0, "ts": t, "step": 4, "phase": "backward",
+...                   "phase_since": 30.0})
+>>> [(f.ranks, f.evidence["rule"]) for f in d.advance(50.0)]
+[([1], 'left_behind')]
 """
 from __future__ import annotations
 
@@ -84,7 +120,8 @@ class HangDetector(UsesView, Detector):
                  window: int = 500, max_margin: float = 1.0, min_intervals: int = 5,
                  checkpoint_s: float = 1800.0, eval_s: float = 1800.0,
                  phase_s: float = 1800.0, first_step_s: float = 1800.0,
-                 phase_factor: float = 3.0, stale_s: float = 10.0):
+                 phase_factor: float = 3.0, stale_s: float = 10.0,
+                 early_margin: float = 6.0, peer_factor: float = 2.0):
         self.floor_s = floor_s
         self.factor = factor
         self.quantile = quantile
@@ -97,10 +134,14 @@ class HangDetector(UsesView, Detector):
         self.first_step_s = first_step_s
         self.phase_factor = phase_factor
         self.stale_s = stale_s
+        self.early_margin = early_margin
+        self.peer_factor = peer_factor
         self._intervals = stats.RollingQuantile(q=quantile, window_size=window)
         self._recent = []              # the last `window` intervals, for their maximum
         self._recent_max = 0.0
         self._n_intervals = 0
+        self._step_time_max = 0.0      # the longest step time a rank reported ...
+        self._paused_steps: list = []  # ... but in the latest steps a pause fell in
         self._longest: dict = {}       # phase -> longest duration seen (and false alarms)
         self._not_pauses: list = []    # user phases during which steps went on
         self._max_step = None
@@ -110,7 +151,9 @@ class HangDetector(UsesView, Detector):
         self._moved_ts = None          # latest start of a step phase on any rank
         self._paused_since_progress = False
         self._hb: dict = {}            # rank -> [ts, phase, phase_since, step, first step in it]
-        self._ended: dict = {}         # rank -> [phase, phase_since] of its last allowed phase
+        self._ended: dict = {}         # rank -> [phase, since, end, step] of its last allowed phase
+        self._spread: dict = {}        # phase -> its slowest rank's time over its fastest's
+        self._occurrence: dict = {}    # phase -> [step, shortest, longest] of its latest
         self._exited: set = set()
         self._init_view()              # where ranks run, when each was last heard
         self._finished = False
@@ -141,6 +184,7 @@ class HangDetector(UsesView, Detector):
                     self._hb[rank] = [ts, "step", ts, step, None]
                 if self._max_step is None or step > self._max_step:
                     self._step(step, ts)
+                self._learn_step_time(step, item.get("step_time"))
                 return []
             self._step(step, ts)
         elif k == "hb":
@@ -177,7 +221,9 @@ class HangDetector(UsesView, Detector):
             first = ts - self._start_ts
             if first > 0 and not self._paused_since_progress:
                 self._learn_phase("first_step", first)
-        elif not self._paused_since_progress:
+        elif not self._paused_since_progress and not self._hung:
+            # a stall reported as a hang teaches nothing; the action service's false-alarm
+            # feedback (note_false_alarm) widens the timeout when it was none
             interval = ts - self._progress_ts
             if interval > 0:
                 self._intervals.update(interval)
@@ -190,11 +236,20 @@ class HangDetector(UsesView, Detector):
                         self._recent_max = max(recent)
                 if interval > self._recent_max:
                     self._recent_max = interval
+        if self._paused_since_progress and self._progress_ts is not None:
+            self._paused_steps = (self._paused_steps + [step])[-4:]
         self._max_step = step
         self._progress_ts = ts
         self._moved_ts = None
         self._paused_since_progress = False
         self._hung = False
+
+    def _learn_step_time(self, step, step_time) -> None:
+        """A rank's own step time, unless a pause fell in that step (a rank that waited in
+        its all-reduce for a peer's checkpoint reports the checkpoint as its step time)."""
+        if type(step_time) is float and step_time > self._step_time_max \
+                and step_time - step_time == 0 and step not in self._paused_steps:
+            self._step_time_max = step_time
 
     def _heartbeat(self, rank, item, ts) -> None:
         phase = item.get("phase")
@@ -210,7 +265,8 @@ class HangDetector(UsesView, Detector):
         if prev is not None and prev[1] != phase and is_allowed_phase(prev[1]):
             self._end_phase(rank, prev, since if since >= prev[2] else ts)
         if is_allowed_phase(phase):
-            if self._ended.get(rank) == [phase, since]:
+            ended = self._ended.get(rank)
+            if ended is not None and ended[0] == phase and ended[1] == since:
                 if phase != "init" and phase not in self._not_pauses:
                     self._not_pauses.append(phase)     # back after a step: it wraps steps
                 first_step = None
@@ -232,11 +288,26 @@ class HangDetector(UsesView, Detector):
 
     def _end_phase(self, rank, prev, end) -> None:
         """``prev`` (a heartbeat entry in an allowed phase) ended at ``end``."""
-        self._ended[rank] = [prev[1], prev[2]]
-        if prev[1] not in self._not_pauses:
-            self._learn_phase(prev[1], end - prev[2])
+        phase, since, step = prev[1], prev[2], prev[3]
+        self._ended[rank] = [phase, since, end, step]
+        if phase not in self._not_pauses:
+            self._learn_phase(phase, end - since)
+            self._learn_spread(phase, step, end - since)
             if self._phase_end_ts is None or end > self._phase_end_ts:
                 self._phase_end_ts = end
+
+    def _learn_spread(self, phase, step, seconds) -> None:
+        """How uneven ``phase`` is on this job: its slowest rank's time over its fastest's,
+        over the ranks that ended one occurrence (same last step)."""
+        occurrence = self._occurrence.get(phase)
+        if occurrence is None or occurrence[0] != step:
+            self._occurrence[phase] = [step, seconds, seconds]
+            return
+        occurrence[1] = min(occurrence[1], seconds)
+        occurrence[2] = max(occurrence[2], seconds)
+        spread = occurrence[2] / max(occurrence[1], 0.1)
+        if spread > self._spread.get(phase, 0.0):
+            self._spread[phase] = spread
 
     def _learn_phase(self, phase, seconds) -> None:
         if seconds > self._longest.get(phase, 0.0):
@@ -263,11 +334,31 @@ class HangDetector(UsesView, Detector):
         """Seconds without a new step before a hang, outside allowed phases."""
         if self._n_intervals >= self.min_intervals:
             learned = max(self.factor * self._intervals.get(),
-                          self.max_margin * self._recent_max)
-        else:                            # warm-up steps: the first-step budget
-            learned = self.allowance("first_step")
+                          self._margin() * self._recent_max)
+        else:
+            learned = self._warmup_timeout()
         widened = self.max_margin * self._longest.get("step", 0.0)
         return max(self.floor_s, learned, widened)
+
+    def known_step_s(self) -> float:
+        """The longest step this job is known to take: interval or reported step time
+        (capped at the first-step budget, so no reported number blinds the detector longer
+        than it was before any step); 0 before any."""
+        return min(max(self._recent_max, self._step_time_max), self.allowance("first_step"))
+
+    def _warmup_timeout(self) -> float:
+        """Before ``min_intervals`` intervals: what is known times a margin that shrinks as
+        intervals come in; the first-step budget before the first interval (step 0 can be
+        much shorter than the steps after it, and tells too little alone)."""
+        known = self.known_step_s()
+        if known <= 0 or self._n_intervals == 0:
+            return self.allowance("first_step")
+        return min(self._margin() * known, self.allowance("first_step"))
+
+    def _margin(self) -> float:
+        """Times the longest step known: ``max_margin + factor x early_margin / sqrt(n)``
+        after ``n`` intervals."""
+        return self.max_margin + self.factor * self.early_margin / max(self._n_intervals, 1) ** 0.5
 
     def deadline(self) -> float | None:
         if self._start_ts is None:
@@ -295,13 +386,19 @@ class HangDetector(UsesView, Detector):
         if self._hung or self._finished or self._start_ts is None:
             return []
         deadline = self.deadline()
+        rule = "timeout"
         if deadline is None or now < deadline:
-            return []
-        if self._exited and all(r in self._exited or now - ts >= self.stale_s
-                                for r, ts in self.view.last_seen.items()):
+            left = self.left_behind(now)
+            if left is None:
+                return []
+            suspects, majority = left
+            rule = "left_behind"
+        elif self._exited and all(r in self._exited or now - ts >= self.stale_s
+                                  for r, ts in self.view.last_seen.items()):
             return []      # every rank exited or went quiet after some exited: over, not hung
+        else:
+            suspects, majority = self._suspects(now)
         self._hung = True
-        suspects, majority = self._suspects(now)
         onset = self._progress_ts if self._progress_ts is not None else self._start_ts
         clock = max(t for t in (onset, self._phase_end_ts, self._moved_ts) if t is not None)
         nodes = whole_nodes(suspects, self.view.where) if suspects else []
@@ -316,9 +413,68 @@ class HangDetector(UsesView, Detector):
             onset_ts=onset, detected_ts=now, detector=self.PREFIX,
             summary=f"the job made no progress for {stalled:.0f}s{paused}: {what}{blame}",
             key=f"s{self._max_step}t{onset:.3f}",
-            evidence={"stalled_s": stalled, "timeout_s": self.timeout(),
+            evidence={"rule": rule, "stalled_s": stalled, "timeout_s": self.timeout(),
                       "clock_start_ts": clock, "phase": self._current_phase(),
                       "majority": majority, "rank_nodes": rank_nodes(suspects, self.view.where)})]
+
+    # -- peers' evidence ----------------------------------------------------------------------
+    def left_behind(self, now: float):
+        """Ranks held up where their peers went on (see the module): ``(ranks, why)`` or
+        ``None``. Every duration is taken on one rank's own clock (its heartbeat's time
+        against its phase's start), so no machine's clock offset makes another look stuck."""
+        fresh = {r: h for r, h in self._hb.items()
+                 if r not in self._exited and now - h[0] < self.stale_s}
+        if len(fresh) < 2:
+            return None
+        return self._behind_in_step(fresh) or self._behind_in_phase(fresh)
+
+    def _behind_in_step(self, fresh):
+        known = self.known_step_s()
+        if known <= 0:
+            return None                  # no step time known yet: nothing to compare with
+        where = {}
+        for r, h in fresh.items():
+            order = PHASE_ORDER.get(h[1])
+            if order is None:
+                return None              # a pause (or an unknown phase) explains any wait
+            where[r] = (h[3] if h[3] is not None else -1, order)
+        first = min(where.values())
+        behind = sorted(r for r, w in where.items() if w == first)
+        if len(behind) * 2 > len(fresh):
+            return None                  # most ranks are there: no peers went on without them
+        waited = min(fresh[r][0] - fresh[r][2] for r, w in where.items() if w != first)
+        need = max(self.floor_s, self.peer_factor * known,
+                   self.max_margin * self._longest.get("step", 0.0))
+        if waited < need or min(fresh[r][0] - fresh[r][2] for r in behind) < waited:
+            return None
+        phase = fresh[behind[0]][1]
+        return behind, (f"{fmt_ranks(behind)} still in {phase} while the others went on and "
+                        f"waited {waited:.0f}s (the longest step known is {known:.1f}s)")
+
+    def _behind_in_phase(self, fresh):
+        groups: dict = {}
+        for r, h in fresh.items():
+            phase = h[1]
+            if type(phase) is str and phase not in STEP_PHASES and phase not in self._not_pauses:
+                groups.setdefault((phase, h[3]), []).append(r)
+        for (phase, step), inside in groups.items():
+            spread = self._spread.get(phase)
+            if spread is None:
+                continue                 # never seen complete on two ranks: its allowance
+            left = [(self._ended[r], fresh[r][0]) for r in fresh
+                    if r in self._ended and self._ended[r][0] == phase
+                    and self._ended[r][3] == step and fresh[r][1] != phase]
+            if len(left) < len(inside):
+                continue                 # most of the occurrence's ranks are still in it
+            their_time = max(e[2] - e[1] for e, _ in left)
+            out = min(ts - e[2] for e, ts in left)
+            need = max(self.peer_factor * max(spread, 1.0) * their_time,
+                       self._longest.get(phase, 0.0))
+            stuck = sorted(r for r in inside if fresh[r][0] - fresh[r][2] >= need)
+            if stuck and out >= self.floor_s:
+                return stuck, (f"{fmt_ranks(stuck)} still in {phase}, which the other ranks "
+                               f"left after at most {their_time:.0f}s, {out:.0f}s ago")
+        return None
 
     def _current_phase(self):
         """The allowed phase the job is in or just left (for false-alarm feedback)."""

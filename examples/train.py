@@ -58,6 +58,9 @@ def parse_args(argv=None):
                    or "checkpoints")
     p.add_argument("--checkpoint-sleep", type=float, default=0.0, metavar="SECONDS",
                    help="extra seconds each checkpoint takes (a big model on slow storage)")
+    p.add_argument("--sharded-checkpoint", action="store_true",
+                   help="every rank spends --checkpoint-sleep in phase checkpoint (a sharded "
+                        "save, each rank its shard); rank 0 still writes the file")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
                    help="extra seconds of 'compute' per step, to pace the job")
     p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
@@ -211,8 +214,14 @@ def main(argv=None):
         chaos.after_step(step)
         done = step + 1
         finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
-        if rank == 0 and (done % args.checkpoint_every == 0 or done == args.steps):
+        due = done % args.checkpoint_every == 0 or done == args.steps
+        if due and rank != 0 and args.sharded_checkpoint:
+            with tg.phase("checkpoint"):         # each rank writes its shard (a sleep here)
+                chaos.in_checkpoint(step)
+                time.sleep(args.checkpoint_sleep)
+        if due and rank == 0:
             with tg.phase("checkpoint"):
+                chaos.in_checkpoint(step)
                 if args.checkpoint_sleep:
                     time.sleep(args.checkpoint_sleep)
                 if finite:

@@ -361,7 +361,9 @@ class _Run:
                 self.gpu_faults = getattr(self, "gpu_faults", []) + [(f, end, self.truth[-1])]
         pending = getattr(self, "pending_grad", None)
         if pending and pending[0] == s:
-            self._truth("spike", [], [], end, s, 1e9, 2, "grad-led spike")
+            # within two steps of the rise's start (issue 19): the norm must be caught
+            # before the loss moves (two steps later), not with it
+            self._truth("spike", [], [], end, s, 1e9, 1, "grad-led spike")
             self.pending_grad = None
 
     def _truth(self, kind, ranks, nodes, onset, step, limit_s, limit_steps, label):

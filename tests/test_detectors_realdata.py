@@ -13,7 +13,7 @@ import re
 import pytest
 
 from trainguard import events as ev
-from trainguard.detectors import LossSpikeDetector
+from trainguard.detectors import GradSpikeDetector, LossSpikeDetector
 
 from detector_traces import T0, run_engine
 
@@ -68,6 +68,28 @@ def test_pythia_spike_through_the_engine_with_eight_ranks(shared_data):
     found, engine = run_engine(events)
     assert [(a.kind, a.step) for a in found] == [("loss_spike", 95456)]
     assert [i["kind"] for i in engine.incidents()] == ["loss_spike"]
+
+
+@pytest.mark.parametrize("name", ["70m-0", "160m-0", "14m-5"])
+def test_pythia_curves_as_gradient_norms(shared_data, name):
+    """The gradient-norm detector (its rise rule included) on the real curves, read as norms:
+    a real curve of ~143k steps whose first values are 4x its later ones. Only 160m-0's
+    real divergence counts (loss 3.39 -> 9.93 within ten steps: 2.9x, a slow rise for the
+    rule); the rise rule adds nothing."""
+    d = GradSpikeDetector()
+    found = [(f.step, round(f.evidence["ratio"], 2)) for s, x in pythia(shared_data, name)
+             for f in d.learn(x, s, float(s), float(s))]
+    assert found == {"70m-0": [], "160m-0": [(1378, 2.93)], "14m-5": []}[name]
+
+
+@pytest.mark.parametrize("name", sorted(NANOGPT))
+def test_nanogpt_losses_and_step_times_as_gradient_norms_raise_nothing(shared_data, name):
+    """The same for modded-nanogpt's losses and step times (SOAP: 5x every 10 steps)."""
+    rows = nanogpt(shared_data, name)
+    times = [b - a for (_, _, a), (_, _, b) in zip(rows, rows[1:]) if b > a]
+    for curve in ([loss for _, loss, _ in rows], times):
+        d = GradSpikeDetector()
+        assert [f for s, x in enumerate(curve) for f in d.learn(x, s, float(s), float(s))] == []
 
 
 @pytest.mark.parametrize("name", sorted(NANOGPT))

@@ -91,6 +91,8 @@ LIVE_KEYS = {
     "detectors.hang.first_step_s": _SECONDS,
     "detectors.hang.phase_factor": Range(0.0, 100.0),
     "detectors.hang.stale_s": _SECONDS,
+    "detectors.hang.early_margin": Range(0.0, 100.0),
+    "detectors.hang.peer_factor": _FACTOR,
     "detectors.silent.timeout_s": _SECONDS,
     "detectors.crash.grace_s": Range(0.0, 3600.0),
     "detectors.crash.vanish_s": Range(0.0, 3600.0),
