@@ -24,6 +24,9 @@ for tool in slurmctld slurmd sbatch; do  # the real Slurm cluster of tests/slurm
   command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || {
     need_apt+=(slurmctld slurmd slurm-client); break; }
 done
+# tests/test_deploy_files.py checks the Slurm scripts and systemd units with these two
+command -v shellcheck >/dev/null 2>&1 || need_apt+=(shellcheck)
+command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
 if [ ${#need_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "installing ${need_apt[*]} (Debian packages used by the alerting, Slurm and report tests)"
   apt-get update -qq >/dev/null 2>&1 || true
@@ -33,6 +36,8 @@ fi
 
 export TRAINGUARD_E2E=${TRAINGUARD_E2E:-1}  # the end-to-end job scenarios of the action service
 export TRAINGUARD_HOME=${TRAINGUARD_HOME:-$HOME/.cache/trainguard}
+# kubeconform (Go module proxy) and the Kubernetes schemas (PyPI), cached in $TRAINGUARD_HOME/bin
+bash scripts/deploy_tools.sh
 port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 data=$(mktemp -d /tmp/trainguard-test-broker.XXXXXX)
 cleanup() {
