@@ -42,6 +42,7 @@ from typing import Callable
 
 from trainguard import events as ev
 from trainguard.actions.orders import InvalidTarget, order_of, outcome_status
+from trainguard.logs import context as log_context
 from trainguard.signing import Refusal, SigningKeys, Verifier, sign
 
 __all__ = ["OrderDesk", "DEFAULT_ACK_TIMEOUT_S"]
@@ -162,8 +163,10 @@ class OrderDesk:
             self.directory.note_satisfied(order.job, order.incident)
         self._record(order, outcome_status(event), event.reason, event.code, event.status,
                      node=event.node)
-        self.log(f"{order.op} order {order.order_id} (incident {order.incident}): "
-                 f"{event.status}{f' ({event.code})' if event.code else ''}: {event.reason}")
+        with log_context(job=order.job, incident=order.incident):
+            self.log(f"{order.op} order {order.order_id} (incident {order.incident}): "
+                     f"{event.status}{f' ({event.code})' if event.code else ''}: "
+                     f"{event.reason}")
         return "filed", None
 
     def expire(self) -> int:

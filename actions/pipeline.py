@@ -33,7 +33,6 @@ are pure; I/O comes in through injected objects: ``capturer`` (a :class:`~traing
 from __future__ import annotations
 
 import inspect
-import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -47,6 +46,7 @@ from trainguard.actions.orders import check_targets
 from trainguard.actions.policy import (JOB_ACTIONS, Decision, Incident, Policy, apply_limits,
                                        covering_restart, decide, ladder_kind)
 from trainguard.actions.waits import Blocking, drive
+from trainguard.logs import service_logger
 
 __all__ = ["Work", "Pipeline", "build_pipeline", "apply_limits", "covering_restart",
            "incident_of", "incident_from", "driver_actions", "ListRecorder",
@@ -525,5 +525,4 @@ def build_pipeline(*, policy: Policy, state, recorder, capturer=None, directory=
     ], on_drop=record_drop(record, state, clock))
 
 
-def _stderr(message: str) -> None:
-    print(f"trainguard actions: {message}", file=sys.stderr)
+_stderr = service_logger("trainguard.actions.pipeline", "trainguard actions", stamp=False)

@@ -72,6 +72,7 @@ DEFAULT_LADDER = {
     "gpu_degraded": ("alert",),
     "silent": ("alert",),
     "data_position": ("alert",),
+    "machine_outlier": ("alert",),
 }
 #: How demanding a step is, for escalation: a ladder is as demanding as its strongest step.
 #: The conditional evictions rank below a restart: they are a "maybe", and a straggler that
@@ -84,7 +85,10 @@ ACTIONS = ("alert", "capture_stacks", "restart", "evict", "rollback", "none")
 OVER_EVICT = (None, "tp", "pp", "dp")
 #: Kinds that no restart of ours explains: their alert goes out even when another
 #: incident's restart covers theirs.
-HARDWARE_KINDS = ("gpu_fault", "gpu_degraded")
+HARDWARE_KINDS = ("gpu_fault", "gpu_degraded", "machine_outlier")
+#: Kinds that are evidence and suspects only: whatever a policy file says, their own ladder
+#: never restarts, rolls back or evicts (a learned model's warning, docs/DETECTION.md)
+EVIDENCE_KINDS = ("machine_outlier",)
 DAY_S = 86400.0
 
 
@@ -454,6 +458,8 @@ def decide(policy: Policy, incident: Incident, history: History,
         # Every rank exited by SIGTERM with none vanished: a preemption or an operator's stop
         # (our own restarts are recognised earlier, as covered or expected). Say it; don't undo it.
         steps = [s for s in steps if s == "alert"]
+    if kind in EVIDENCE_KINDS:
+        steps = [s for s in steps if s in ("alert", "capture")]
     head = kind if kind == incident.kind else \
         f"escalated: {kind} joined {incident.kind} incident {incident.id}"
     escalated = "" if kind == incident.kind else head + "; "
@@ -462,6 +468,8 @@ def decide(policy: Policy, incident: Incident, history: History,
     code = "escalated" if escalated else None
     nodes, why, step = _evictions(policy, incident, history, localization, steps, kind)
     nodes = [n for n in nodes if n not in history.excluded_nodes]
+    if nodes and "machine_outlier" in incident.kinds:
+        why += "; machine_outlier: the machine's counters stand out from its peers'"
     if nodes and "evict" not in done:
         out.append(Decision(action="evict", reason=why, severity="critical", code=step, targets={
             **_job_targets(incident), "nodes": nodes,

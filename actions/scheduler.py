@@ -44,7 +44,7 @@ behind every junk anomaly before it. Here:
 from __future__ import annotations
 
 import heapq
-import sys
+import logging
 import threading
 import time
 import traceback
@@ -55,6 +55,8 @@ from typing import Callable
 from trainguard import events as ev
 from trainguard.actions.pipeline import Work
 from trainguard.actions.policy import BacklogSettings
+from trainguard.logs import context as log_context
+from trainguard.logs import service_logger
 
 __all__ = ["Backlog", "Item", "Scheduler", "OffsetTracker", "SEVERITY_ORDER"]
 
@@ -326,13 +328,14 @@ class Scheduler:
 
     def _piece(self, run: _Run, value, error: BaseException | None) -> None:
         """Run ``run`` until its next wait (then park it) or its end."""
+        a = run.item.anomaly
         try:
-            wait = run.steps.throw(error) if error is not None else run.steps.send(value)
+            with log_context(job=a.job, anomaly=a.id):    # fields of its JSON log lines
+                wait = run.steps.throw(error) if error is not None else run.steps.send(value)
         except StopIteration as end:
             self._finish(run, end.value)
             return
         except Exception as exc:
-            a = run.item.anomaly
             self.log(f"anomaly {a.id}: internal error, skipped:\n{traceback.format_exc()}")
             work = Work(anomaly=a, now=self.clock())
             work.drop("internal_error", f"{type(exc).__name__}: {exc}")
@@ -407,5 +410,5 @@ class OffsetTracker:
         return out
 
 
-def _stderr(message: str) -> None:
-    print(f"trainguard actions: {message}", file=sys.stderr, flush=True)
+_stderr = service_logger("trainguard.actions.scheduler", "trainguard actions",
+                         logging.WARNING, stamp=False)

@@ -49,6 +49,7 @@ from trainguard.actions.state import ServiceState
 from trainguard.actions.topic_io import (KafkaRecorder, KafkaSource, check_kafka, quiet_logger,
                                          read_back)
 from trainguard.actions.topic_io import log as _log
+from trainguard.logs import context as log_context
 from trainguard.signing import Verifier, sign, signing_key_from_env, warn_if_unsigned
 
 __all__ = ["main", "ActionService",
@@ -186,13 +187,15 @@ class ActionService:
         self.counts[counter] += 1
         if self.metrics is not None:
             self.metrics.outcome(outcome)
-        if work.dropped:
-            self.log(f"anomaly {anomaly.id} ({anomaly.kind}, {anomaly.severity}, job "
-                     f"{anomaly.job}) dropped: {work.dropped}")
-        else:
-            done = ", ".join(f"{r.action} {r.status}" for r in work.records) or "nothing"
-            self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}) -> "
-                     f"incident {work.incident.id}: {done}")
+        incident = getattr(getattr(work, "incident", None), "id", None)
+        with log_context(job=anomaly.job, anomaly=anomaly.id, incident=incident):
+            if work.dropped:
+                self.log(f"anomaly {anomaly.id} ({anomaly.kind}, {anomaly.severity}, job "
+                         f"{anomaly.job}) dropped: {work.dropped}")
+            else:
+                done = ", ".join(f"{r.action} {r.status}" for r in work.records) or "nothing"
+                self.log(f"anomaly {anomaly.id} ({anomaly.kind}, job {anomaly.job}) -> "
+                         f"incident {incident}: {done}")
 
     def _done(self, token, work) -> None:
         self._tell(work)

@@ -19,13 +19,14 @@ every decision, and it can be rebuilt from the ``action`` records of the actions
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from trainguard.actions.policy import Decision, History, Incident
+from trainguard.logs import service_logger
 
 __all__ = ["ServiceState", "FORMAT", "COUNTED"]
 
@@ -250,6 +251,6 @@ class ServiceState:
                    action.ts, page=page)
 
 
-def _stderr(message: str) -> None:
-    print(f"trainguard actions: {message}", file=sys.stderr)
+_stderr = service_logger("trainguard.actions.state", "trainguard actions", logging.WARNING,
+                         stamp=False)
 

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
 from trainguard import events as ev
 from trainguard.errors import UserError
+from trainguard.logs import service_logger
 from trainguard.signing import sign
 
 __all__ = ["KafkaSource", "KafkaRecorder", "read_back", "check_kafka", "quiet_logger", "log"]
 
 
-def log(message: str) -> None:
-    stamp = time.strftime("%H:%M:%S")
-    print(f"{stamp} trainguard actions: {message}", file=sys.stderr, flush=True)
+#: a line of the action service (trainguard.logs; before its set-up, on stderr)
+log = service_logger("trainguard.actions", "trainguard actions")
 
 
 def quiet_logger() -> logging.Logger:

@@ -121,6 +121,7 @@ def run_trainguard(plan: DemoPlan, config: Config, out: Path, minutes: float, vi
     tap = EventTap(config, run_dir / "recording.jsonl.gz", job=job)
     tap.start()
     with ServiceSet(log_dir=run_dir / "logs") as services:
+        view.status("set-up: starting the worker, the action service and the node agent")
         start_pipeline(services, config, env=env,
                        worker_args=["--data-dir", str(run_dir / "worker"), "--id",
                                     f"tg-demo-{job}", "--web-port", str(_free_port())],
@@ -129,6 +130,7 @@ def run_trainguard(plan: DemoPlan, config: Config, out: Path, minutes: float, vi
                                    str(run_dir / "kmsg.log"), "--runtime-dir",
                                    str(run_dir / "home" / "run")])
         time.sleep(3)
+        view.status(f"set-up done: training {job}, {plan.ranks} ranks under trainguard run")
         began = time.time()
         run = services.start_trainguard("run", [
             "run", "--job", job, "--checkpoint-dir", str(run_dir / "ckpt"), "--max-restarts", "8",
@@ -190,6 +192,19 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def set_up_kafka(config: Config, view) -> bool:
+    """The broker (started if none answers; True then) and the demo's topics, with a spinner
+    on a terminal: the first run fetches Kafka with Maven."""
+    from trainguard.progress import Stages, wanted
+
+    with Stages("demo set-up", enabled=view.enabled and wanted()) as setup:
+        setup.stage("the local Kafka broker")
+        started = ensure_broker(config, log=view.note)
+        setup.stage("topics")
+        create_topics(config, TopicPlan(telemetry_partitions=4, other_partitions=2))
+    return started
+
+
 def main(args, config: Config) -> int:
     from trainguard.apps.live import LiveView
 
@@ -203,8 +218,7 @@ def main(args, config: Config) -> int:
     config = Config(bootstrap=config.bootstrap, client_settings=config.client_settings,
                     topics=Topics(prefix=f"demo{uuid.uuid4().hex[:6]}"))
     view = LiveView(enabled=not args.json and sys.stdout.isatty())
-    started_broker = ensure_broker(config, log=view.note)
-    create_topics(config, TopicPlan(telemetry_partitions=4, other_partitions=2))
+    started_broker = set_up_kafka(config, view)
     plan = DemoPlan()
     try:
         with view:

@@ -122,6 +122,7 @@ class LiveView:
         self.notes: list[str] = []
         self._live = None
         self._baseline_steps = None
+        self._tap = None
 
     def __enter__(self):
         if self.enabled:
@@ -138,17 +139,26 @@ class LiveView:
 
     def note(self, text: str) -> None:
         self.notes.append(f"{time.strftime('%H:%M:%S')} {text}")
+        if self._live is not None:
+            self._live.update(self._render(self._tap))
         if not self.enabled:
             import sys
 
             print(f"[demo] {text}", file=sys.stderr, flush=True)
 
+    def status(self, text: str) -> None:
+        """A note for the live view alone (set-up progress): nothing without a terminal."""
+        if self._live is not None:
+            self.note(text)
+
     def update(self, tap: EventTap, steps) -> None:
+        self._tap = tap
         if self._live is not None:
             self._live.update(self._render(tap))
 
     def baseline(self, steps) -> None:
         self._baseline_steps = steps
+        self._tap = None
         if self._live is not None:
             self._live.update(self._render(None))
 

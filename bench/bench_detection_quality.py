@@ -21,6 +21,10 @@ restart, ranks stuck in a checkpoint their peers left (trainguard beside the han
 the commit before the issue and beside the rule page); data-loader stragglers in real
 torchrun jobs (tests/data/recordings/loader-*, made by bench/record_loader_jobs.py); the
 library's gradient-led spikes.
+
+``learned`` (issue 24, bench/learned_models.py): the machine-outlier model against the rules
+alone on machines that degrade without a flag; recall, lead time in steps, false incidents
+on every healthy recording, cost per gpu event.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 
 import blind_windows  # noqa: E402
+import learned_models  # noqa: E402
 from baseline_rules import baseline_incidents  # noqa: E402
 from real_traces import alibaba_job, loss_curve_job  # noqa: E402
 from scenario_library import FAULTS, HEALTHY  # noqa: E402
@@ -143,6 +148,7 @@ def run() -> dict:
     out["blind_windows"] = blind_windows.run()
     out["blind_windows"]["loader_stragglers"] = blind_windows.loader_stragglers()
     out["blind_windows"]["grad_led_spikes"] = blind_windows.grad_led(all_results)
+    out["learned"] = learned_models.run()     # issue 24: the machine-outlier model
     tg = out["trainguard"]
     out["targets_met"] = (tg["false_incidents_healthy"] == 0 and tg["recall"] >= 0.98
                           and tg["exact_localization"] == 1.0 and tg["within_target"] == 1.0)

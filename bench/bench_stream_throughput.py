@@ -208,7 +208,7 @@ def _drain(workers, n: int) -> float:
         events = sum(x.get("trainguard_events_in_total", 0) for x in m)
         out = sum(x.get("trainguard_summaries_out_total", 0) for x in m)
         inn = sum(x.get("trainguard_summaries_in_total", 0) for x in m)
-        lag = sum(v for x in m for k, v in x.items() if k.startswith("trainguard_consumer_lag"))
+        lag = sum(v for x in m for k, v in x.items() if k.startswith("trainguard_consumer_lag_messages"))
         if events >= n and inn >= out and lag == 0:
             return time.monotonic()
         time.sleep(0.1)

@@ -24,14 +24,18 @@ e.g. SASL, and the ``settings`` argument override them):
 ``compression.type=lz4``
     telemetry JSON compresses several-fold; lz4 costs the least CPU on the training machine
     (zstd compresses more at more CPU).
-``enable.idempotence=false``, ``acks=1``
-    idempotence needs ``acks=all`` and an extra producer-id handshake, and turns some
-    delivery timeouts into fatal producer errors; telemetry tolerates the rare duplicate (steps
-    are identified by job, rank and step) and the rare loss on leader fail-over, and gains
-    latency and simplicity. The leader's acknowledgement is enough.
-``message.timeout.ms=5000``
-    a message that cannot be delivered within 5 s (broker down) fails and counts as dropped,
-    so memory stays bounded and stale telemetry is not sent minutes late.
+``enable.idempotence=true``, ``acks=all``
+    a record is acknowledged once every in-sync replica has it (``min.insync.replicas`` 2 of
+    3 on a replicated cluster: docs/OPERATIONS.md, "Three brokers"), so the death of a
+    leader loses none; the retries that follow a fail-over are de-duplicated by the broker
+    (producer id and sequence numbers), so none is written twice. It costs the training
+    loop nothing: the wait is this thread's. (Without ``enable.gapless.guarantee``, a delivery
+    timeout is not a fatal producer error: librdkafka bumps the producer epoch.)
+``message.timeout.ms=15000``
+    a message that cannot be delivered within 15 s (broker down) fails and counts as dropped,
+    so memory stays bounded and stale telemetry is not sent minutes late; 15 s outlasts a
+    replicated cluster's fail-over (a dead broker is fenced after ``broker.session.timeout.ms``,
+    9 s by default, 3 s in ``trainguard broker start --brokers 3``).
 ``queue.buffering.max.messages=20000``, ``queue.buffering.max.kbytes=8192``
     librdkafka's own queue is bounded too; when it is full a record is dropped.
 ``socket.timeout.ms=5000``, ``socket.connection.setup.timeout.ms=3000``
@@ -77,9 +81,9 @@ kafka_log = logging.getLogger("trainguard.collectors.kafka")
 TELEMETRY_SETTINGS: dict[str, Any] = {
     "linger.ms": 50,
     "compression.type": "lz4",
-    "enable.idempotence": False,
-    "acks": 1,
-    "message.timeout.ms": 5000,
+    "enable.idempotence": True,
+    "acks": "all",
+    "message.timeout.ms": 15000,
     "queue.buffering.max.messages": 20000,
     "queue.buffering.max.kbytes": 8192,
     "socket.timeout.ms": 5000,

@@ -23,7 +23,9 @@ analyze``):
     ``update(event) -> list[dict]`` takes that machine's ``ev.Gpu`` and ``ev.Xid`` events,
     runs the GPU detectors and returns:
 
-    - ``{"k": "gpu", "job", "node", "ts"}`` for every GPU sample (machine-level silence);
+    - ``{"k": "gpu", "job", "node", "ts", "x"}`` for every GPU sample (machine-level
+      silence; ``x``: the machine's counters, compared with its peers' by
+      :class:`MachineOutlierDetector`);
     - ``{"k": "finding", "job", "node", "ts", "finding": {...}}`` for each finding (the
       :class:`Finding` fields; the JobStage names the rank on the GPU).
 
@@ -54,7 +56,8 @@ stage) is one :class:`~trainguard.detectors.view.JobView` per job, kept by the J
 shared with the detectors that read it (``view.UsesView``): :class:`NanDetector`,
 :class:`LossSpikeDetector`, :class:`GradSpikeDetector`, :class:`StragglerDetector`,
 :class:`ThroughputDetector`, :class:`HangDetector`, :class:`SilentDetector`,
-:class:`CrashDetector`, :class:`GpuFaultDetector`, :class:`GpuDegradedDetector`.
+:class:`CrashDetector`, :class:`GpuFaultDetector`, :class:`GpuDegradedDetector`,
+:class:`MachineOutlierDetector`.
 Incident correlation: :class:`Correlator` (``correlate.py``, root-cause priority and rules).
 
 >>> from trainguard import events as ev
@@ -68,6 +71,7 @@ from .config import DetectorConfig
 from .correlate import PRIORITY, Correlator
 from .gpu import FAULT_XIDS, XID_TABLE, GpuDegradedDetector, GpuFaultDetector, xid_info
 from .liveness import CrashDetector, HangDetector, SilentDetector
+from .machine_outlier import MachineOutlierDetector
 from .stages import (DETECTORS, JOB_DETECTORS, NODE_DETECTORS, Engine, JobStage, NodeStage,
                      RankStage, StepAggregator)
 from .timing import StragglerDetector, ThroughputDetector
@@ -78,6 +82,6 @@ __all__ = [
     "Correlator", "PRIORITY", "XID_TABLE", "FAULT_XIDS", "xid_info", "NanDetector",
     "LossSpikeDetector", "GradSpikeDetector", "StragglerDetector", "ThroughputDetector",
     "HangDetector", "SilentDetector", "CrashDetector", "GpuFaultDetector",
-    "GpuDegradedDetector", "RankStage", "NodeStage", "JobStage", "Engine", "StepAggregator",
+    "GpuDegradedDetector", "MachineOutlierDetector", "RankStage", "NodeStage", "JobStage", "Engine", "StepAggregator",
     "DETECTORS", "JOB_DETECTORS", "NODE_DETECTORS",
 ]

@@ -106,6 +106,18 @@ class DetectorConfig:
     gpu_degraded_sbe_increase: int = 10    # single-bit ECC errors per window ...
     gpu_degraded_sbe_increments: int = 2   # ... rising in at least this many samples
 
+    # -- machine_outlier: a machine's counters against its peers', scored per machine online --
+    machine_outlier_every_s: float = 5.0   # a round (peers' medians, scores) this often
+    machine_outlier_stale_s: float = 15.0  # a machine's sample older than this is not compared
+    machine_outlier_min_machines: int = 3  # machines (of a role) needed to compare (0: off)
+    machine_outlier_warmup: int = 30       # rounds each machine's usual deviations are learned over
+    machine_outlier_threshold: float = 8.0  # flagged: a counter this many of its own std off
+    machine_outlier_min_std: float = 0.5   # ... the std (in peer MADs) taken as at least this
+    machine_outlier_k: int = 4             # an outlier: flagged in k ...
+    machine_outlier_n: int = 6             # ... of the machine's last n rounds
+    machine_outlier_top: int = 3           # counters named in a finding
+    machine_outlier_forget_s: float = 3600.0  # a machine unheard this long is forgotten
+
     # -- stages -----------------------------------------------------------------------------------
     heartbeat_summary_s: float = 5.0       # RankStage forwards an unchanged heartbeat this often
     step_close_lag: int = 2                # a step is closed once a rank is this many steps on
@@ -127,6 +139,9 @@ class DetectorConfig:
                 if type(value) not in (int, float) or not value >= 0:
                     raise ValueError(f"{f.name} must be a non-negative number, got {value!r}")
                 setattr(self, f.name, float(value))
+        if not 1 <= self.machine_outlier_k <= self.machine_outlier_n:
+            raise ValueError(f"machine_outlier_k ({self.machine_outlier_k}) must be between 1 "
+                             f"and machine_outlier_n ({self.machine_outlier_n})")
         if not 1 <= self.straggler_k <= self.straggler_n:
             raise ValueError(f"straggler_k ({self.straggler_k}) must be between 1 and "
                              f"straggler_n ({self.straggler_n})")

@@ -59,7 +59,7 @@ __all__ = ["PRIORITY", "CONSEQUENCES", "Correlator", "summarize", "incident_id_o
 
 #: Root-cause priority, most fundamental first.
 PRIORITY = ("gpu_fault", "nan", "crash", "silent", "gpu_degraded", "straggler", "hang",
-            "loss_spike", "grad_spike", "throughput_drop")
+            "loss_spike", "grad_spike", "throughput_drop", "machine_outlier")
 _RANK = {k: i for i, k in enumerate(PRIORITY)}
 
 ANY, SHARED, SAME_RANK = "any", "shared", "same_rank"
@@ -68,17 +68,23 @@ ANY, SHARED, SAME_RANK = "any", "shared", "same_rank"
 CONSEQUENCES = {
     "gpu_fault": {"hang": ANY, "throughput_drop": ANY, "silent": SHARED, "crash": SHARED,
                   "nan": SHARED, "straggler": SHARED, "gpu_degraded": SHARED,
-                  "gpu_fault": SHARED, "loss_spike": ANY, "grad_spike": ANY},
+                  "gpu_fault": SHARED, "loss_spike": ANY, "grad_spike": ANY,
+                  "machine_outlier": SHARED},
     "nan": {"nan": ANY, "loss_spike": ANY, "grad_spike": ANY, "crash": SAME_RANK,
             "hang": SAME_RANK},
-    "crash": {"crash": ANY, "hang": ANY, "silent": ANY},
-    "silent": {"silent": ANY, "hang": ANY},
-    "gpu_degraded": {"gpu_degraded": SHARED, "straggler": SHARED, "throughput_drop": ANY},
-    "straggler": {"straggler": SHARED, "hang": SHARED},
-    "hang": {"hang": ANY},
+    "crash": {"crash": ANY, "hang": ANY, "silent": ANY, "machine_outlier": SHARED},
+    "silent": {"silent": ANY, "hang": ANY, "machine_outlier": SHARED},
+    "gpu_degraded": {"gpu_degraded": SHARED, "straggler": SHARED, "throughput_drop": ANY,
+                     "machine_outlier": SHARED},
+    "straggler": {"straggler": SHARED, "hang": SHARED, "machine_outlier": SHARED},
+    "hang": {"hang": ANY, "machine_outlier": SHARED},
     "loss_spike": {"loss_spike": ANY, "grad_spike": ANY},
     "grad_spike": {"grad_spike": ANY, "loss_spike": ANY},
-    "throughput_drop": {"throughput_drop": ANY},
+    "throughput_drop": {"throughput_drop": ANY, "machine_outlier": ANY},
+    # a machine that drifts from its peers is the likely cause of the slowdown that follows
+    # it there; it is last in PRIORITY, so the incident takes the ladder of that slowdown
+    "machine_outlier": {"machine_outlier": SHARED, "straggler": SHARED, "hang": SHARED,
+                        "throughput_drop": ANY, "gpu_degraded": SHARED},
 }
 _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 

@@ -212,6 +212,7 @@ class HangDetector(UsesView, Detector):
                 if rank is not None:
                     self._exited.discard(rank)
                     self._hb.pop(rank, None)
+                    self._ended.pop(rank, None)    # a new run: its phases are new
         return []
 
     def _step(self, step, ts) -> None:

@@ -44,6 +44,7 @@ def analyze_events(events, config: DetectorConfig | None = None,
     ``summary["rejections"]`` lists the first ones with their reasons."""
     engine = Engine(config, tune_stage=tune_stage)
     update = engine.update
+    job_time = engine.job_time
     check = EventTimeFilter(limits).check
     now = None
     next_advance = engine.next_advance_ts
@@ -60,15 +61,15 @@ def analyze_events(events, config: DetectorConfig | None = None,
                 rejections.append({"job": event.job, "type": event.TYPE, "rank": event.rank,
                                    "ts": event.ts, "reason": reason})
             continue
-        ts = event.ts
-        if now is None:
-            now = first = ts
-        elif ts > now:
-            now = ts
         kind = event.TYPE
         types[kind] = types.get(kind, 0) + 1
         jobs.add(event.job)
         update(event)
+        ts = job_time(event)      # a machine's clock a minute off moves no job's "now"
+        if now is None:
+            now = first = ts
+        elif ts > now:
+            now = ts
         if now >= next_advance:
             engine.advance(now)
             next_advance = engine.next_advance_ts
@@ -92,16 +93,16 @@ def _overrides_book(overrides: dict | None, config):
 
 
 def analyze_file(path, config: DetectorConfig | None = None,
-                 overrides: dict | None = None) -> dict:
+                 overrides: dict | None = None, on_read=None) -> dict:
     """SPEC §4 ``{"events": N, "invalid": M, "incidents": [...]}`` for one recording.
 
     ``events`` counts the events analyzed, ``invalid`` the lines that were not: those that
     failed validation and those refused for an implausible ``ts`` or ``step``, which, when
     there are any, ``rejected`` counts and ``rejections`` lists (the first 100, with their
-    reasons).
+    reasons). ``on_read`` follows the reading of the file (:func:`read_events`).
     """
     stats = ReadStats()
-    engine, summary = analyze_events(read_events(path, stats), config,
+    engine, summary = analyze_events(read_events(path, stats, on_read), config,
                                      tune_stage=_overrides_book(overrides, config))
     incidents = [{k: inc[k] for k in _INCIDENT_KEYS} for inc in engine.incidents()]
     rejected = summary["rejected"]

@@ -30,6 +30,7 @@ from dataclasses import asdict
 from trainguard import events as ev
 
 from .base import INPUTS, Detector, Finding, json_number, to_anomaly
+from .clock import JobClock
 from .config import DetectorConfig
 from .correlate import Correlator
 from .data_position import DataPositionDetector
@@ -37,6 +38,8 @@ from .gpu import GpuDegradedDetector, GpuFaultDetector, Placement
 from .hang import STEP_PHASES
 from .view import LEARNS_FROM, JobView
 from .liveness import CrashDetector, HangDetector, SilentDetector
+from .lessons import Lessons
+from .machine_outlier import MachineOutlierDetector, MachineVector
 from .timing import StragglerDetector, ThroughputDetector
 from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
 
@@ -46,7 +49,7 @@ __all__ = ["RankStage", "NodeStage", "launcher_summary", "on_grid", "JobStage", 
 #: Every detector class, in the order they run.
 DETECTORS = (NanDetector, LossSpikeDetector, GradSpikeDetector, StragglerDetector,
              ThroughputDetector, HangDetector, SilentDetector, CrashDetector, GpuFaultDetector,
-             GpuDegradedDetector, DataPositionDetector)
+             GpuDegradedDetector, DataPositionDetector, MachineOutlierDetector)
 #: The per-machine ones, which a NodeStage runs; a JobStage runs the others.
 NODE_DETECTORS = (GpuFaultDetector, GpuDegradedDetector)
 JOB_DETECTORS = tuple(cls for cls in DETECTORS if cls not in NODE_DETECTORS)
@@ -186,7 +189,8 @@ class NodeStage:
     """The GPU checks of one machine of one job (:data:`NODE_DETECTORS`): its ``gpu`` and
     ``xid`` events in, summary dicts out (plain JSON), repartitioned by job with the ranks':
 
-    - ``{"k": "gpu", "job", "node", "ts"}`` for every GPU sample (the machine is alive);
+    - ``{"k": "gpu", "job", "node", "ts", "x"}`` for every GPU sample (the machine is alive;
+      ``x``: its counters for machine_outlier, :class:`~.machine_outlier.MachineVector`);
     - ``{"k": "finding", "job", "node", "ts", "finding": {...}}`` for each finding, the fields
       of :class:`Finding` with no ranks yet: the JobStage knows which rank runs on the GPU.
 
@@ -197,8 +201,8 @@ class NodeStage:
     >>> ns = NodeStage()
     >>> sample = lambda t, dbe: ev.Gpu(job="j", ts=t, node="n1",
     ...                                gpus=[{"index": 0, "uuid": "GPU-0", "ecc_dbe": dbe}])
-    >>> ns.update(sample(1.0, 0))
-    [{'k': 'gpu', 'job': 'j', 'node': 'n1', 'ts': 1.0}]
+    >>> [(s["k"], s["ts"], len(s["x"])) for s in ns.update(sample(1.0, 0))]
+    [('gpu', 1.0, 13)]
     >>> [(s["k"], s.get("finding", {}).get("summary")) for s in ns.update(sample(2.0, 1))]
     [('gpu', None), ('finding', 'uncorrectable ECC errors on GPU 0 of n1: ecc_dbe rose 0 -> 1')]
     """
@@ -206,11 +210,15 @@ class NodeStage:
     def __init__(self, config: DetectorConfig | None = None):
         c = config if config is not None else DetectorConfig()
         self.detectors = [cls(**c.params_for(cls)) for cls in NODE_DETECTORS]
+        self.vector = MachineVector()   # the machine's counters, for machine_outlier
 
     def update(self, event) -> list[dict]:
         kind = event.TYPE
         if kind == "gpu":
             out = [{"k": "gpu", "job": event.job, "node": event.node, "ts": event.ts}]
+            if event.gpus and event.status != "unavailable":
+                out[0]["x"] = self.vector.vector(event.ts, event.gpus,
+                                                 event.host)
         elif kind == "xid":
             out = []
         else:
@@ -342,9 +350,11 @@ class JobStage:
         self.placement = Placement()   # names the rank of a GPU in NodeStage findings
         self._nodes: dict = {}         # node -> NodeStage, for node events given directly
         self.steps = StepAggregator(close_lag=c.step_close_lag, close_s=c.step_close_s)
+        self.clock = JobClock()        # machines' clock offsets, learned from step numbers
         self.correlator = Correlator(window_s=c.correlate_window_s,
                                      root_slack_s=c.correlate_root_slack_s)
         self.job = None
+        self.lessons = Lessons()       # what people's verdicts taught (trainguard feedback)
         self._emitted: set = set()
         self._emitted_order: deque = deque()
         self._changed: dict = {}      # incident id -> its dict, changed since take_incidents
@@ -352,6 +362,8 @@ class JobStage:
     def update(self, item) -> list[ev.Anomaly]:
         if type(item) is dict:
             k = item.get("k")
+            if k != "finding":
+                self.clock.correct(item)        # one job clock, whatever a machine's says
             if k == "step":                     # the commonest item first
                 if self.job is None:
                     self.job = item.get("job")
@@ -437,6 +449,13 @@ class JobStage:
         allowance of ``phase`` (see :meth:`HangDetector.note_false_alarm`)."""
         self.detectors["hang"].note_false_alarm(phase, seconds)
 
+    def note_feedback(self, verdict: str, incident: str | None, kind: str | None = None,
+                      ts: float = 0.0) -> dict:
+        """A person's verdict on one of this job's incidents (:mod:`.lessons`)."""
+        from .lessons import apply_feedback
+
+        return apply_feedback(self, verdict, incident, kind, ts)
+
     def _emit(self, findings) -> list[ev.Anomaly]:
         out = []
         for finding in findings:
@@ -512,6 +531,11 @@ class Engine:
         if kind in ("gpu", "xid"):     # through the job's NodeStage of that machine
             return self.job_stage(event.job).update(event)
         return []
+
+    def job_time(self, event) -> float:
+        """``event.ts`` on its job's clock (its machine's learned offset taken off)."""
+        stage = self._jobs.get(event.job)
+        return stage.clock.time(event.node, event.ts) if stage is not None else event.ts
 
     def advance(self, now: float, force: bool = False) -> list[ev.Anomaly]:
         if not force and now < self.next_advance_ts:

@@ -4,21 +4,19 @@
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 from trainguard import events as ev
+from trainguard.logs import service_logger
 from trainguard.signing import sign
 
 __all__ = ["Delivery", "OrderFeed", "OrderPublisher", "log"]
 
 
-def log(message: str) -> None:
-    """A line of ``trainguard run`` on stderr."""
-    print(f"{time.strftime('%H:%M:%S')} trainguard run: {message}", file=sys.stderr,
-          flush=True)
+#: a line of ``trainguard run`` (trainguard.logs; before its set-up, on stderr)
+log = service_logger("trainguard.run", "trainguard run")
 
 
 @dataclass(kw_only=True)
@@ -117,7 +115,8 @@ class OrderPublisher:
         self.config = config
         self.keys = keys
         self.producer = Producer(config.kafka(**{
-            "linger.ms": 5, "partitioner": "murmur2_random", "message.timeout.ms": 10000,
+            "linger.ms": 5, "partitioner": "murmur2_random", "message.timeout.ms": 15000,
+            "acks": "all", "enable.idempotence": True,   # lose none, write none twice
             "socket.timeout.ms": 5000}), logger=quiet_logger())
 
     def __call__(self, event: ev.Event) -> None:

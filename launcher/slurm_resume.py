@@ -10,17 +10,15 @@ Slurm driver wrote while the job was held between its runs (the channel is descr
 from __future__ import annotations
 
 import os
-import sys
-import time
 
 from trainguard.actions.drivers.slurm_comment import slurm_resume_step
 from trainguard.collectors.resume import requested_resume_step
+from trainguard.logs import service_logger
 
 __all__ = ["slurm_rollback_step", "resume_step_main"]
 
 
-def _log(message: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} trainguard: {message}", file=sys.stderr, flush=True)
+_log = service_logger("trainguard.run.slurm", "trainguard")
 
 
 def slurm_rollback_step(environ, log=_log, **kw) -> int | None:

@@ -63,6 +63,7 @@ from trainguard.collectors.nodename import node_name
 from trainguard.errors import UserError
 from trainguard.launcher.order_feed import Delivery, OrderFeed, OrderPublisher
 from trainguard.launcher.order_feed import log as _log
+from trainguard.logs import context as log_context
 from trainguard.signing import Refusal, Verifier, sign
 
 __all__ = ["Supervisor", "main", "descendants", "guess_world_size",
@@ -306,8 +307,9 @@ class Supervisor:
 
     def _ack(self, order: ev.Order, status: str, code: str, reason: str) -> str:
         self._emit(ack_of(order, status, code, reason, ts=self.clock(), node=self.node))
-        self.log(f"{order.op} order {order.order_id[:80]} (incident {order.incident}): "
-                 f"{status} ({reason})")
+        with log_context(incident=order.incident):
+            self.log(f"{order.op} order {order.order_id[:80]} (incident {order.incident}): "
+                     f"{status} ({reason})")
         return status
 
     def _targets(self) -> dict:

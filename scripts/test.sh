@@ -13,7 +13,7 @@ fi
 if ! .venv/bin/python -c 'import trainguard, torch, pytest, hypothesis' 2>/dev/null \
    || [ pyproject.toml -nt .venv/.installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[dev,torch,k8s,hf,lightning]"
+  .venv/bin/python -m pip install -q -e ".[server,dev,torch,k8s,hf,lightning]"
   touch .venv/.installed
 fi
 

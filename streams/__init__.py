@@ -45,6 +45,6 @@ quiet is still found hung or silent.
 Dead letters: JSON ``{"reason", "topic", "partition", "offset", "key_b64", "raw_b64",
 "ts"}``; valid events of a non-telemetry type on the telemetry topic are dead-lettered too.
 The worker never stops on input: a stage that raises is logged and counted
-(``trainguard_stage_errors_total``). Metrics: ``GET /metrics`` on ``--web-port``
-(:mod:`.metrics`).
+(``trainguard_stage_errors_total``). Metrics: ``GET /metrics`` on ``--metrics-port``
+(``--web-port`` too; :mod:`.metrics`).
 """

@@ -1,4 +1,4 @@
-"""The Faust app of ``trainguard worker``: the job side, its table, timers and ``/metrics``.
+"""The Faust app of ``trainguard worker``: the job side, its table and timers.
 
 Declared by :func:`make_app` (names depend on the prefix and id of the run):
 
@@ -9,9 +9,10 @@ Declared by :func:`make_app` (names depend on the prefix and id of the run):
 - table ``job-state`` (changelog ``<app>-job-state-changelog``, compacted): pickled job
   slots, co-partitioned with the summaries topic, so a job's state moves with its partition;
 - timer (every ``advance_interval_s``): ``JobStage.advance`` for hang and silent (on each
-  job's clock, :meth:`~trainguard.streams.processors.JobSlot.now`), gauges, and every
-  ``job_snapshot_interval_s`` a checkpoint;
-- page ``/metrics``: Prometheus text (:mod:`~trainguard.streams.metrics`).
+  job's clock, :meth:`~trainguard.streams.processors.JobSlot.now`), the gauges of
+  :mod:`~trainguard.streams.metrics` (served by ``trainguard worker`` itself on
+  ``--metrics-port``, not by Faust, whose web server is off), and every
+  ``job_snapshot_interval_s`` a checkpoint.
 
 The agent reads with ``noack()``: an event is acknowledged only by the checkpoint after the
 snapshot that covers it, and Faust's own periodic commit is off, so a committed summaries
@@ -156,6 +157,10 @@ class JobRuntime:
             self.metrics.inc("gc_collections")
             self.metrics.counters["gc_seconds"] = round(self.collection.seconds, 6)
         if not self.app.tables.recovery.completed.is_set():
+            try:
+                self.refresh_gauges()      # the rank side's lag while the job side recovers
+            except Exception:
+                log.debug("gauges not refreshed during recovery", exc_info=True)
             return
         now = self.clock()
         self.sync(self.assigned())
@@ -241,7 +246,8 @@ class JobRuntime:
             failures += rank_state.restore_failures
             evictions += rank_state.evictions
             evicted += len(rank_state.saved)
-            m.set_gauge("consumer_lag", self.rank_service.lag(), topic=self.topics.telemetry)
+            m.set_gauge("consumer_lag_messages", self.rank_service.lag(),
+                        topic=self.topics.telemetry)
             m.set_gauge("assigned_partitions", self.rank_service.assigned(),
                         topic=self.topics.telemetry)
             m.set_gauge("rank_stages", len(self.rank_service.processor))
@@ -257,7 +263,7 @@ class JobRuntime:
                     lag += max(0, high - (read + 1 if read is not None else 0))
         except Exception:
             pass
-        m.set_gauge("consumer_lag", lag, topic=self.topics.summaries)
+        m.set_gauge("consumer_lag_messages", lag, topic=self.topics.summaries)
         m.set_gauge("assigned_partitions", parts, topic=self.topics.summaries)
         m.set_gauge("job_stages", len(self.processor))
         m.set_gauge("late_step_records", sum(
@@ -268,13 +274,26 @@ class JobRuntime:
         m.set_gauge("evicted_stages", evicted)
 
 
+def _idempotent_producer_class():
+    """Faust's aiokafka producer with ``acks=all`` and ``enable_idempotence`` (Faust sets
+    them only inside transactions): anomalies and the job-state changelog survive a broker's
+    death, and the retries after a fail-over are not written twice."""
+    from faust.transport.drivers.aiokafka import Producer
+
+    class IdempotentProducer(Producer):
+        def _settings_extra(self):
+            return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
+
+    return IdempotentProducer
+
+
 def make_app(*, settings, topics, runtime: JobRuntime, faust_broker: str, credentials=None,
              partitions: int) -> faust.App:
     """The Faust app; ``topics`` names telemetry, summaries, anomalies and deadletter."""
     app = faust.App(
         settings.app_id, broker=faust_broker, broker_credentials=credentials,
         store="memory://", datadir=settings.data_dir, autodiscover=False,
-        web_enabled=True, web_port=settings.web_port, web_bind=settings.web_bind,
+        web_enabled=False,              # /metrics: trainguard.metrics, see worker.main
         topic_disable_leader=True, topic_partitions=partitions,
         consumer_auto_offset_reset="earliest",
         broker_commit_every=NEVER, broker_commit_interval=NEVER,
@@ -283,6 +302,7 @@ def make_app(*, settings, topics, runtime: JobRuntime, faust_broker: str, creden
         producer_max_request_size=16 * 1024 * 1024, table_standby_replicas=0,
         worker_redirect_stdouts=False, stream_wait_empty=False,
     )
+    app.transport.Producer = _idempotent_producer_class()
     summaries = app.topic(topics.summaries, key_type=bytes, value_type=bytes,
                           key_serializer="raw", value_serializer="raw", partitions=partitions)
     runtime.anomalies = app.topic(topics.anomalies, key_type=bytes, value_type=bytes,
@@ -299,11 +319,6 @@ def make_app(*, settings, topics, runtime: JobRuntime, faust_broker: str, creden
     @app.timer(settings.advance_interval_s, name="advance")
     async def advance():
         await runtime.tick()
-
-    @app.page("/metrics")
-    async def metrics(web, request):
-        runtime.refresh_gauges()
-        return web.text(runtime.metrics.exposition(), content_type="text/plain; version=0.0.4")
 
     @app.on_partitions_revoked.connect
     async def on_revoked(sender, revoked, **kwargs):

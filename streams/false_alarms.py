@@ -93,7 +93,8 @@ class FalseAlarmFeed(FeedClient):
 
         Consumer = self.consumer_factory or Consumer
         Producer = self.producer_factory or Producer
-        self.producer = Producer({**self.kafka, "linger.ms": 5})
+        self.producer = Producer({**self.kafka, "linger.ms": 5, "acks": "all",
+                                  "enable.idempotence": True})
         self.consumer = Consumer({**self.kafka, "group.id": f"tg-false-alarms-{uuid.uuid4().hex}",
                                   "enable.auto.commit": False, "auto.offset.reset": "latest"})
         self.consumer.subscribe([self.topics.actions])

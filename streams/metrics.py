@@ -1,4 +1,4 @@
-"""The worker's Prometheus metrics, in the text exposition format (version 0.0.4).
+"""The worker's Prometheus metrics, exposed with ``prometheus_client`` (:meth:`Metrics.collect`).
 
 Counters (``_total``): ``trainguard_events_in_total`` telemetry messages consumed,
 ``trainguard_invalid_total`` of them dead-lettered, ``trainguard_anomalies_out_total``
@@ -7,8 +7,8 @@ messages on the internal summaries topic, ``trainguard_items_applied_total`` sum
 given to job stages, ``trainguard_replayed_total`` messages skipped because a restored
 state had already seen them, ``trainguard_snapshots_total``, ``trainguard_gc_collections_total``
 and ``trainguard_gc_seconds_total`` (the worker's scheduled garbage collections).
-Gauges: ``trainguard_consumer_lag{topic}`` messages not yet read (high watermark minus
-position, summed over this worker's partitions), ``trainguard_assigned_partitions{topic}``,
+Gauges: ``trainguard_consumer_lag_messages{topic}`` messages not yet read (high watermark
+minus position, summed over this worker's partitions), ``trainguard_assigned_partitions{topic}``,
 ``trainguard_rank_stages``, ``trainguard_job_stages``, ``trainguard_late_step_records``.
 Histogram: ``trainguard_event_lag_seconds``, wall time at which a job stage got an item
 minus the event's own ``ts`` (end-to-end delay of the pipeline, sender clocks permitting).
@@ -16,18 +16,21 @@ minus the event's own ``ts`` (end-to-end delay of the pipeline, sender clocks pe
 >>> m = Metrics()
 >>> m.inc("events_in", 3)
 >>> m.observe_lag(0.2)
->>> m.set_gauge("consumer_lag", 7, topic="tg.telemetry")
+>>> m.set_gauge("consumer_lag_messages", 7, topic="tg.telemetry")
 >>> text = m.exposition()
->>> "trainguard_events_in_total 3" in text, 'trainguard_consumer_lag{topic="tg.telemetry"} 7' in text
-(True, True)
->>> 'trainguard_event_lag_seconds_bucket{le="0.3"} 1' in text
+>>> "trainguard_events_in_total 3.0" in text
+True
+>>> 'trainguard_consumer_lag_messages{topic="tg.telemetry"} 7.0' in text
+True
+>>> 'trainguard_event_lag_seconds_bucket{le="0.3"} 1.0' in text
 True
 """
 from __future__ import annotations
 
 import bisect
 
-from trainguard.metrics import Metric, format_histogram, parse_exposition
+from trainguard.metrics import Metric, add_histogram, exposition, histogram_family, \
+    parse_exposition
 
 __all__ = ["Metrics", "COUNTERS", "GAUGES", "LAG_BUCKETS", "declared", "parse_exposition"]
 
@@ -71,7 +74,7 @@ COUNTERS = {
                             "bounds what more workers gain for that job.",
 }
 GAUGES = {
-    "consumer_lag": "Messages not yet read on this worker's partitions.",
+    "consumer_lag_messages": "Messages not yet read on this worker's partitions.",
     "assigned_partitions": "Partitions assigned to this worker.",
     "rank_stages": "Rank stages held in memory.",
     "job_stages": "Job stages held in memory.",
@@ -83,7 +86,7 @@ GAUGES = {
 LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
                60.0, 300.0)
 LAG_HELP = "Wall time of a job stage's update minus the event's ts."
-_LABELS = {"consumer_lag": ("topic",), "assigned_partitions": ("topic",)}
+_LABELS = {"consumer_lag_messages": ("topic",), "assigned_partitions": ("topic",)}
 
 
 def declared() -> list:
@@ -92,13 +95,6 @@ def declared() -> list:
     return ([Metric(n, "counter", h) for n, h in COUNTERS.items()]
             + [Metric(n, "gauge", h, labels=_LABELS.get(n, ())) for n, h in GAUGES.items()]
             + [Metric("event_lag_seconds", "histogram", LAG_HELP, buckets=LAG_BUCKETS)])
-
-
-def _labels(labels: dict) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{str(v)}"' for k, v in sorted(labels.items()))
-    return "{" + inner + "}"
 
 
 class Metrics:
@@ -133,20 +129,29 @@ class Metrics:
                 return bound
         return float("inf")
 
-    def exposition(self) -> str:
-        lines = []
-        for name, help_text in COUNTERS.items():
-            full = f"trainguard_{name}_total"
-            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter",
-                      f"{full} {self.counters[name]}"]
-        for name, help_text in GAUGES.items():
-            full = f"trainguard_{name}"
-            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} gauge"]
-            for (gname, labels), value in sorted(self.gauges.items()):
-                if gname == name:
-                    lines.append(f"{full}{_labels(dict(labels))} {value}")
-        full = "trainguard_event_lag_seconds"
-        lines += [f"# HELP {full} {LAG_HELP}", f"# TYPE {full} histogram"]
-        lines += format_histogram(full, LAG_BUCKETS, self.lag_counts, self.lag_sum)
-        return "\n".join(lines) + "\n"
+    def collect(self) -> list:
+        """The metric families (``prometheus_client``'s collector protocol). Read from the
+        metrics server's thread: copies of the event loop's dicts, no locks needed."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        counters, gauges = dict(self.counters), dict(self.gauges)
+        out = []
+        for name, help_text in COUNTERS.items():
+            family = CounterMetricFamily(f"trainguard_{name}", help_text)
+            family.add_metric([], counters[name])
+            out.append(family)
+        for name, help_text in GAUGES.items():
+            labels = _LABELS.get(name, ())
+            family = GaugeMetricFamily(f"trainguard_{name}", help_text, labels=list(labels))
+            for (gname, pairs), value in sorted(gauges.items()):
+                if gname == name:
+                    given = dict(pairs)
+                    family.add_metric([str(given.get(k, "")) for k in labels], value)
+            out.append(family)
+        family = histogram_family("trainguard_event_lag_seconds", LAG_HELP, LAG_BUCKETS)
+        add_histogram(family, LAG_BUCKETS, list(self.lag_counts), self.lag_sum)
+        out.append(family)
+        return out
+
+    def exposition(self) -> str:
+        return exposition(self)

@@ -220,7 +220,8 @@ class RankProcessor(_SlotsProcessor):
                 summaries = slot.stage.update(event)
             except Exception:            # a stage bug must not stop the stream
                 out.errors += 1
-                log.exception("rank stage %s failed on offset %d/%d", skey, partition, offset)
+                log.exception("rank stage %s failed on offset %d/%d", skey, partition, offset,
+                              extra={"job": event.job, "rank": event.rank})
                 continue
             if summaries:
                 bucket = items.setdefault(event.job, [])
@@ -303,19 +304,26 @@ class JobProcessor(_SlotsProcessor):
                 self.replayed += 1
                 continue
             self.applied += 1
-            ts = item.get("ts")
-            if type(ts) is float or type(ts) is int:
-                if ts > watermark:
-                    watermark = ts if ts < limit else limit
-                if observe is not None:
-                    observe(now - ts)
             if "type" in item and "k" not in item:     # a machine's gpu / xid event
                 item = trusted_event(item)
             try:
                 out += stage.update(item)
             except Exception:            # a detector bug must not stop the stream
                 self.errors += 1
-                log.exception("job stage %s failed on an item from %d/%d", job, p, o)
+                log.exception("job stage %s failed on an item from %d/%d", job, p, o,
+                              extra={"job": job})
+            # the item's time on the job's clock (the stage restamps a machine whose clock
+            # is off), so no machine's clock moves the job's "now"
+            if type(item) is dict:
+                ts = item.get("ts")
+            else:
+                clock = getattr(stage, "clock", None)
+                ts = clock.time(item.node, item.ts) if clock is not None else item.ts
+            if type(ts) is float or type(ts) is int:
+                if ts > watermark:
+                    watermark = ts if ts < limit else limit
+                if observe is not None:
+                    observe(now - ts)
             if every is not None and watermark > slot.clock and \
                     on_grid(watermark, every) > slot.clock:
                 slot.clock = on_grid(watermark, every)     # analyze's event-time grid
@@ -323,7 +331,8 @@ class JobProcessor(_SlotsProcessor):
                     out += stage.advance(slot.clock)
                 except Exception:
                     self.errors += 1
-                    log.exception("job stage %s failed in advance()", job)
+                    log.exception("job stage %s failed in advance()", job,
+                                  extra={"job": job})
         slot.watermark, slot.applied_at = watermark, now
         return self._with_incidents(stage, out) if out else out
 

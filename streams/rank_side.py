@@ -90,6 +90,7 @@ class RankService(Service):
         """Create the producer and the consumer, and subscribe."""
         Consumer, Producer = self._clients()
         self.producer = Producer({**self.kafka, "linger.ms": 5, "enable.idempotence": True,
+                                  "acks": "all",
                                   "partitioner": "murmur2_random",
                                   "message.max.bytes": 16 * 1024 * 1024})
         session_ms = int(self.settings.session_timeout_s * 1000)

@@ -43,7 +43,7 @@ __all__ = ["record_main", "replay_main", "topic_for", "message_key", "rewrite", 
 
 TELEMETRY = frozenset(("step", "heartbeat", "gpu", "xid", "lifecycle"))
 PRODUCER_SETTINGS = {"linger.ms": 5, "partitioner": "murmur2_random",
-                     "compression.type": "lz4", "enable.idempotence": True}
+                     "compression.type": "lz4", "acks": "all", "enable.idempotence": True}
 
 
 def recorded_topics(topics: Topics) -> list[str]:
@@ -185,6 +185,7 @@ class _Stop:
 def record_main(args, config: Config) -> int:
     from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, TopicPartition
 
+    from trainguard.progress import counting, wanted
     from trainguard.recording import RecordingWriter
     from trainguard.topics import create_topics
 
@@ -202,7 +203,7 @@ def record_main(args, config: Config) -> int:
         meta = consumer.list_topics(timeout=30).topics
         consumer.assign([TopicPartition(t, p, start) for t in names for p in meta[t].partitions])
         deadline = None if args.seconds is None else began + args.seconds
-        with _Stop() as stop:
+        with _Stop() as stop, counting("record", wanted(), args.seconds) as show:
             while not stop.requested and (deadline is None or time.monotonic() < deadline):
                 wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
                 for message in consumer.consume(1000, wait):
@@ -211,6 +212,8 @@ def record_main(args, config: Config) -> int:
                     line = keep.line(message.value())
                     if line is not None:
                         writer.write_raw(line)
+                if show is not None:
+                    show(keep.kept, f"{keep.invalid} invalid")
     except KeyboardInterrupt:
         pass
     finally:
@@ -226,13 +229,13 @@ def record_main(args, config: Config) -> int:
 def replay_main(args, config: Config) -> int:
     from confluent_kafka import Producer
 
+    from trainguard.progress import reading, wanted
     from trainguard.recording import ReadStats, read_events
     from trainguard.topics import create_topics
 
     pacer = Pacer(args.speed)
     _check_job(args.job)
     stats = ReadStats()
-    events = read_events(args.file, stats)
     create_topics(config)      # and a clear error now if Kafka cannot be reached
     producer = Producer(config.kafka(**PRODUCER_SETTINGS))
     sent, shift, began = 0, None, time.monotonic()
@@ -244,7 +247,8 @@ def replay_main(args, config: Config) -> int:
 
     interrupted = False
     try:
-        with _Stop() as stop:
+        with _Stop() as stop, reading(args.file, "replay", enabled=wanted()) as on_read:
+            events = read_events(args.file, stats, on_read)
             for event in events:
                 if stop.requested:
                     interrupted = True

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from trainguard.config import Config, ConfigError
-from trainguard.topics import TopicPlan, create_topics
+from trainguard.topics import TopicPlan, create_topics, replication
 
 __all__ = ["WorkerSettings", "aiokafka_security", "faust_credentials", "ensure_topics"]
 
@@ -37,7 +37,7 @@ STATE_TOPIC_CONFIG = {"cleanup.policy": "compact", "segment.ms": "600000",
                       "max.message.bytes": str(STATE_MAX_BYTES)}
 SUMMARIES_TOPIC_CONFIG = {"retention.ms": str(24 * 3600 * 1000)}
 LOGLEVELS = {"crit": "CRITICAL", "error": "ERROR", "warn": "WARNING", "info": "INFO",
-             "debug": "DEBUG"}
+             "debug": "DEBUG", "warning": "WARNING"}   # --log-level's names, and the old ones
 
 
 @dataclass(kw_only=True)
@@ -129,13 +129,16 @@ def ensure_topics(config: Config, settings: WorkerSettings, timeout: float = 30.
 
     create_topics(config, TopicPlan(), timeout=timeout)
     admin = AdminClient(config.kafka())
-    topics = admin.list_topics(timeout=timeout).topics
+    metadata = admin.list_topics(timeout=timeout)
+    topics = metadata.topics
+    factor, replicated = replication(len(metadata.brokers))   # 3 and min ISR 2 from 3 brokers
     telemetry = len(topics[config.topics.telemetry].partitions)
     want = settings.partitions or telemetry
     specs = {settings.summaries_topic: (want, SUMMARIES_TOPIC_CONFIG),
              settings.rank_state_topic: (telemetry, STATE_TOPIC_CONFIG),
              settings.job_changelog_topic: (want, STATE_TOPIC_CONFIG)}
-    new = [NewTopic(name, num_partitions=n, replication_factor=-1, config=conf)
+    new = [NewTopic(name, num_partitions=n, replication_factor=factor,
+                    config={**replicated, **conf})
            for name, (n, conf) in specs.items() if name not in topics]
     if new:
         for name, future in admin.create_topics(new, request_timeout=timeout).items():

@@ -18,7 +18,6 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import threading
 from dataclasses import dataclass
 from functools import partial
@@ -119,7 +118,8 @@ def build(settings: WorkerSettings, config: Config, detector_config=None, keys=N
 
 
 def start_false_alarm_feed(config: Config, jobs, metrics, keys):
-    """The reader of the action service's false alarms on the actions topic."""
+    """The reader of the action service's false alarms on the actions topic, and of
+    people's feedback on the orders topic (feedback_feed.py), polled together."""
     from trainguard.signing import Verifier
 
     from .false_alarms import FalseAlarmFeed
@@ -127,7 +127,12 @@ def start_false_alarm_feed(config: Config, jobs, metrics, keys):
     feed = FalseAlarmFeed(kafka=config.kafka(), topics=config.topics, processor=jobs,
                           verifier=Verifier(keys), metrics=metrics)
     feed.start()
-    return feed
+    from .feedback_feed import FeedbackFeed, FeedGroup
+
+    feedback = FeedbackFeed(kafka=config.kafka(), topics=config.topics, processor=jobs,
+                            verifier=Verifier(keys), keys=keys, metrics=metrics)
+    feedback.start()        # people's verdicts (trainguard feedback), on the orders topic
+    return FeedGroup(feed, feedback)
 
 
 def start_config_feed(config: Config, settings: WorkerSettings, book, jobs, metrics, keys):
@@ -149,8 +154,9 @@ def start_config_feed(config: Config, settings: WorkerSettings, book, jobs, metr
 def _hard_exit_later(grace_s: float, code: int) -> None:
     def run():
         threading.Event().wait(grace_s)
-        print(f"trainguard worker: not stopped {grace_s:.0f}s after the signal; exiting",
-              file=sys.stderr, flush=True)
+        log.error("not stopped %.0fs after the signal; exiting", grace_s)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
         os._exit(code)
 
     threading.Thread(target=run, name="hard-exit", daemon=True).start()
@@ -186,18 +192,6 @@ def _worker_class():
     return Worker
 
 
-def _check_port(bind: str, port: int) -> None:
-    import socket
-
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((bind, port))
-        except OSError as exc:
-            raise UserError(f"--web-port {port} cannot be used ({exc.strerror}); pick a free "
-                            "port with --web-port") from None
-
-
 def _signing_keys(args):
     """The signing keys of per-job overrides: the tree's ``security.signing_key`` (file or
     ``TRAINGUARD_SIGNING_KEY``), else the environment."""
@@ -212,12 +206,21 @@ def _signing_keys(args):
 
 
 def main(args, config: Config) -> int:
+    from trainguard.logs import banner, configured, setup
+    from trainguard.service_metrics import start_metrics
+
     settings = settings_from_args(args, config)
-    _check_port(settings.web_bind, settings.web_port)
     make_data_dir(settings.data_dir)
-    logging.basicConfig(level=settings.python_loglevel, stream=sys.stderr,
-                        format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: "
-                               "%(message)s")
+    if not configured():                 # called without the command line's set-up
+        setup("worker", settings.loglevel)
+    built: dict = {}                     # /metrics from the start: process_* before Kafka
+
+    def families():
+        runtime = built.get("runtime")
+        return runtime.metrics.collect() if runtime is not None else ()
+
+    server = start_metrics(families, args, "worker", port=settings.web_port,
+                           bind=settings.web_bind)
 
     def early_exit(signum, frame):       # before the worker installs its own handlers
         raise SystemExit(0)
@@ -230,6 +233,7 @@ def main(args, config: Config) -> int:
                                            keys=_signing_keys(args))
     except SystemExit:
         return 0
+    built["runtime"] = runtime
     if runtime.collection is not None:       # garbage collection on the job side's timer
         runtime.collection.start()
     Worker = _worker_class()
@@ -237,13 +241,15 @@ def main(args, config: Config) -> int:
     Worker.before_stop = runtime.final_checkpoint
     worker = Worker(app, rank_service, loglevel=settings.python_loglevel, quiet=True,
                     override_logging=False)
-    print(f"trainguard worker {settings.app_id}: telemetry {config.topics.telemetry} -> "
-          f"anomalies {config.topics.anomalies}; metrics on "
-          f"http://{settings.web_bind}:{settings.web_port}/metrics", file=sys.stderr,
-          flush=True)
+    banner("worker").info("trainguard worker %s: telemetry %s -> anomalies %s; metrics %s",
+                          settings.app_id, config.topics.telemetry, config.topics.anomalies,
+                          f"on {server.url}" if server is not None else "off")
     try:
         worker.execute_from_commandline()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         return code
+    finally:
+        if server is not None:
+            server.close()
     return 0

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 from trainguard import events as ev
 
+import machine_faults
+
 T0 = 1764680000.0
 STEP_PHASES = (("data", 0.05), ("forward", 0.35), ("backward", 0.40), ("optimizer", 0.05),
                ("collective", 0.15))
@@ -36,7 +38,7 @@ TERMINAL = ("hang", "crash", "kill", "silent", "machine", "xid79", "hang_in_chec
 @dataclass(kw_only=True)
 class Fault:
     kind: str                 # straggler, network, nan, nan_grad, spike, grad_led_spike,
-                              # dbe, throttle, + the TERMINAL ones
+                              # dbe, throttle, + the TERMINAL ones, + machine_faults.KINDS
     step: int                 # step at which it begins
     ranks: tuple = ()
     factor: float = 2.0       # straggler / network slowdown, spike height
@@ -97,7 +99,10 @@ class Scenario:
                                        # clean exit) and resumes from its last checkpoint
     hb_s: float = 5.0                  # (the RankStage forwards one in 5 s anyway)
     gpu_s: float = 5.0
+    gpu_noise: float = 0.0             # > 0: counters vary, with host ones (machine_faults.py)
+    gpu_bins: dict = field(default_factory=dict)   # node -> steady clock/power factor
     tail_s: float = 0.0                # telemetry after the last step (before exits)
+    clock_offsets: dict = field(default_factory=dict)   # node -> its clock's offset, seconds
     loss_noise: float = 0.01
     grad_noise: float = 0.08
     faults: tuple = ()
@@ -122,6 +127,13 @@ def generate(sc: Scenario):
     return _Run(sc).run()
 
 
+def _skewed(e, offset: float):
+    """``e`` stamped by a clock ``offset`` seconds off (its phase start too)."""
+    if e.TYPE == "heartbeat":
+        return e.replace(ts=e.ts + offset, phase_since=e.phase_since + offset)
+    return e.replace(ts=e.ts + offset)
+
+
 def recording(sc: Scenario) -> dict:
     """``{"events", "truth", "step_ends", "p99_step_s"}``: :func:`generate` and the end time
     of every step played (for latencies in steps) and the job's p99 step interval."""
@@ -135,6 +147,7 @@ class _Run:
     def __init__(self, sc: Scenario):
         self.sc = sc
         self.rng = random.Random(sc.seed)
+        self.counters = machine_faults.MachineCounters(random.Random(sc.seed + 7919))
         self.out = []
         self.truth = []
         self.seq = 0
@@ -147,7 +160,9 @@ class _Run:
         self.grad_base = 1.0
 
     def emit(self, e):
-        self.out.append((e.ts, self.seq, e))
+        offset = self.sc.clock_offsets.get(e.node) if self.sc.clock_offsets else None
+        sent = e if not offset else _skewed(e, offset)
+        self.out.append((e.ts, self.seq, sent))     # arrives in true time, stamped skewed
         self.seq += 1
 
     # -- the timeline -------------------------------------------------------------------------
@@ -352,6 +367,9 @@ class _Run:
             elif f.kind == "grad_led_spike":
                 # the norm is 16x its baseline at the second step: an order of magnitude
                 self.pending_grad = (s + 1, f)
+            elif f.kind in machine_faults.KINDS:
+                self._truth("machine_outlier", [], [f.node], end, s, 120.0, None, f.kind)
+                self.gpu_faults = getattr(self, "gpu_faults", []) + [(f, end, self.truth[-1])]
             elif f.kind in ("dbe", "throttle"):
                 rank = sc.rank_on(f.node, f.gpu)
                 kind = "gpu_fault" if f.kind == "dbe" else "gpu_degraded"
@@ -489,9 +507,13 @@ class _Run:
                         break
                     if self._gpu_is_down(node, i, g):
                         continue
-                    dbe, hot = 0, False
+                    dbe, hot, active = 0, False, set()
                     for f, at, truth in faults:
-                        if (f.node, f.gpu) == (node, i) and g >= at:
+                        if f.kind in machine_faults.KINDS and f.node == node and g >= at:
+                            if truth.onset_ts == at:
+                                truth.onset_ts = g
+                            active.add(f.kind)
+                        elif (f.node, f.gpu) == (node, i) and g >= at:
                             if truth.onset_ts == at:
                                 truth.onset_ts = g
                             dbe += f.kind == "dbe"
@@ -503,7 +525,10 @@ class _Run:
                                     "throttle": ["hw_thermal"] if hot else [],
                                     "ecc_sbe": sbe[(node, i)], "ecc_dbe": dbe,
                                     "pcie_replay": 0, "nvlink_errors": 0})
-                self.emit(ev.Gpu(job=sc.job, ts=g, node=node, gpus=entries))
+                    if sc.gpu_noise:
+                        entries[-1] = self.counters.entry(sc, node, i, entries[-1], active)
+                host = self.counters.host_of(sc, node, g, active) if sc.gpu_noise else None
+                self.emit(ev.Gpu(job=sc.job, ts=g, node=node, gpus=entries, host=host))
             g += sc.gpu_s
 
     def _phase(self, seg, r, ts):

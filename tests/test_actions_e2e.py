@@ -46,8 +46,9 @@ def test_hang_is_localized_restarted_and_resumed(world, tmp_path):
         d.start(policy={"capture": FAST_CAPTURE, "alerts": alerts})
         _hang_scenario(d, c, hook)
         if BINARY:  # Alertmanager holds the alert and forwards it to its own receiver
-            forwarded = hook.wait_for(lambda reqs: [a for a in alerts_in(reqs, "firing")
-                                                    if a["labels"]["job"] == "hang"], timeout=15)
+            forwarded = hook.wait_for(lambda reqs: [
+                a for a in alerts_in(reqs, "firing") if a["labels"]["training_job"] == "hang"],
+                timeout=15)
             assert {a["labels"]["kind"] for a in alerts_in(forwarded, "firing")} & {
                 "hang", "straggler", "crash"}
 

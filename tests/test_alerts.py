@@ -169,8 +169,8 @@ def test_alertmanager_firing_then_resolved(rx):
     assert fire.path == resolve.path == "/api/v2/alerts"
     assert fire.headers["Authorization"] == f"Bearer {SECRET}"
     [a], [b] = fire.json(), resolve.json()
-    assert a["labels"] == {"alertname": "TrainguardHang", "job": "llama", "kind": "hang",
-                           "severity": "critical", "ranks": "2", "nodes": "n1",
+    assert a["labels"] == {"alertname": "TrainguardHang", "training_job": "llama",
+                           "kind": "hang", "severity": "critical", "ranks": "2", "nodes": "n1",
                            "incident": "inc-1", "cluster": "c1"}
     assert a["labels"] == b["labels"]
     assert a["annotations"]["summary"].startswith("[CRITICAL] hang in job llama: ")

@@ -34,7 +34,7 @@ def test_real_alertmanager_receives_forwards_and_resolves(tmp_path):
 
         assert sink.send(message).ok
         [alert] = _active(base, "inc-am-1")
-        assert alert["labels"] == {"alertname": "TrainguardHang", "job": "llama",
+        assert alert["labels"] == {"alertname": "TrainguardHang", "training_job": "llama",
                                    "kind": "hang", "severity": "critical", "ranks": "2",
                                    "nodes": "n1", "incident": "inc-am-1",
                                    "cluster": "test"}

@@ -283,7 +283,7 @@ def test_every_flag_of_a_configured_command_reaches_its_settings():
     """A flag that the tree does not map would be parsed and then silently ignored."""
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    plain = {"help", "config", "func", *cs.KAFKA_FLAGS}
+    plain = {"help", "config", "func", "log_format", *cs.KAFKA_FLAGS}  # trainguard.logs
     for name in ("worker",):
         dests = {a.dest for a in sub.choices[name]._actions} - plain
         assert dests <= set(cs.COMMAND_FLAGS[name]), (name, dests - set(cs.COMMAND_FLAGS[name]))

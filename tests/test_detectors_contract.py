@@ -31,6 +31,8 @@ SCENARIOS = {
     "gpu_fault": lambda: JobSim(steps=120).xid("n2", 1, 79, 90),
     "gpu_degraded": lambda: JobSim(steps=200).throttle("n1", 2, 40),
     "data_position": lambda: _LostPosition(),
+    "machine_outlier": lambda: JobSim(ranks=16, nodes=4, steps=700,
+                                      checkpoint_every=0).throttle("n2", 1, 450),
 }
 
 

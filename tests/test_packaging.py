@@ -19,3 +19,16 @@ def test_every_package_folder_is_listed():
             relative = init.parent.relative_to(REPO / folder).parts
             found.add(".".join((package, *relative)))
     assert found - listed == set(), "add these to [tool.setuptools] packages"
+
+
+def test_the_base_install_has_version_ranges_and_no_server_package():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"],
+                    *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    assert [r for r in requirements if "==" in r] == []
+    base = {r.split(">")[0].split("<")[0].split(";")[0].strip().lower()
+            for r in project["dependencies"]}
+    server = {r.split(">")[0].split("<")[0].strip().lower()
+              for r in project["optional-dependencies"]["server"]}
+    assert base & server == set()
+    assert {"faust-streaming", "aiokafka", "mode-streaming", "river", "py-spy", "rich"} <= server

@@ -30,7 +30,7 @@ XID_LINE = ("NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, "
 
 def scrape(port: int) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        assert reply.headers["Content-Type"].startswith("text/plain")
         return parse_exposition(reply.read().decode())
 
 
@@ -84,7 +84,7 @@ def test_registry_checks_labels_and_escapes_values():
     with pytest.raises(KeyError):
         r.inc("nope")
     r.inc("alerts", sink='a"b\\c\nd', status="sent")
-    assert 'trainguard_alerts_total{sink="a\\"b\\\\c\\nd",status="sent"} 1' in r.exposition()
+    assert 'trainguard_alerts_total{sink="a\\"b\\\\c\\nd",status="sent"} 1.0' in r.exposition()
 
 
 def test_unlabelled_counters_show_zero_before_anything_happens():
@@ -93,12 +93,14 @@ def test_unlabelled_counters_show_zero_before_anything_happens():
 
 
 def test_server_answers_metrics_only_and_a_busy_port_is_one_user_error():
-    r = Registry([Metric("x", "gauge", "x")])
-    r.set("x", 2.5)
+    r = Registry([Metric("x_seconds", "gauge", "x")])
+    r.set("x_seconds", 2.5)
     assert serve(r, 0) is None                                    # 0: metrics off
     server = serve(r, free_port())
     try:
-        assert scrape(server.port) == {"trainguard_x": 2.5}
+        values = scrape(server.port)
+        assert {k: v for k, v in values.items() if k.startswith("trainguard_")} == {
+            "trainguard_x_seconds": 2.5}
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"http://127.0.0.1:{server.port}/other", timeout=5)
         assert err.value.code == 404
@@ -115,7 +117,7 @@ def test_a_busy_port_leaves_the_service_running_without_metrics():
 
     from trainguard.service_metrics import start_metrics
 
-    r = Registry([Metric("x", "gauge", "x")])
+    r = Registry([Metric("x_seconds", "gauge", "x")])
     taken = serve(r, free_port())
     try:
         said = []
@@ -296,7 +298,7 @@ def test_action_service_and_run_metrics_after_a_crash_restart_and_an_alert(kafka
             ran = scrape_until(run_port, lambda v: v.get("trainguard_restarts_total"),
                                proc=run.proc)
             assert ran['trainguard_launches_total{kind="relaunch"}'] == 1
-            assert ran["trainguard_restart_budget_left"] == 2
+            assert ran["trainguard_remaining_restarts"] == 2
             assert sum(v for k, v in ran.items() if k.startswith("trainguard_exits_total")) == 1
         except AssertionError:
             print("".join(service.lines), "".join(run.lines))

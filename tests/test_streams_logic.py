@@ -228,11 +228,12 @@ def test_node_stages_on_the_rank_side_find_what_the_offline_engine_finds():
         [(a.id, a.kind, a.ranks, a.nodes) for a in offline]
     assert [(a.kind, a.ranks, a.nodes) for a in online] == [
         ("gpu_fault", [3], ["n1"]), ("gpu_fault", [0], ["n0"])]
-    # the job side gets one small item per sample, not the sample
+    # the job side gets one small item per sample, not the sample (x: the machine's 13
+    # counters for machine_outlier)
     items = [item for value in (v for _, v in out.messages())
              for *_, item in decode_summaries(value)[1]]
     assert {tuple(sorted(i)) for i in items if i.get("k") == "gpu"} == {
-        ("job", "k", "node", "ts")}
+        ("job", "k", "node", "ts", "x")}
     assert not any("type" in i for i in items)
     assert {key for key, _, _ in ranks.snapshot()} >= {node_key("j1", "n0"), node_key("j1", "n1")}
     assert ranks.process(records(events), now=T0 + 200).replayed == len(events)
@@ -335,13 +336,13 @@ def test_metrics_exposition_parses():
     m = Metrics()
     m.inc("events_in", 5)
     m.inc("anomalies_out")
-    m.set_gauge("consumer_lag", 3, topic="tg.telemetry")
+    m.set_gauge("consumer_lag_messages", 3, topic="tg.telemetry")
     for lag in (0.02, 0.3, 0.3, 4.0):
         m.observe_lag(lag)
     values = parse_exposition(m.exposition())
     assert values["trainguard_events_in_total"] == 5
     assert values["trainguard_anomalies_out_total"] == 1
-    assert values['trainguard_consumer_lag{topic="tg.telemetry"}'] == 3
+    assert values['trainguard_consumer_lag_messages{topic="tg.telemetry"}'] == 3
     assert values["trainguard_event_lag_seconds_count"] == 4
     assert m.lag_quantile(0.5) == 0.3 and m.lag_quantile(0.99) == 5.0
 

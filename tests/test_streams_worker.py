@@ -213,9 +213,9 @@ def test_metrics_endpoint_answers_in_prometheus_text(worker_env):
         assert reply.headers["Content-Type"].startswith("text/plain")
         text = reply.read().decode()
     for name in ("trainguard_events_in_total", "trainguard_invalid_total",
-                 "trainguard_anomalies_out_total", "trainguard_consumer_lag"):
+                 "trainguard_anomalies_out_total", "trainguard_consumer_lag_messages"):
         assert f"# TYPE {name} " in text
-    assert f'trainguard_consumer_lag{{topic="{config.topics.telemetry}"}}' in text
+    assert f'trainguard_consumer_lag_messages{{topic="{config.topics.telemetry}"}}' in text
 
 
 def test_nan_and_crash_reach_the_anomalies_topic(worker_env):

@@ -4,6 +4,10 @@ The training-side surface is SPEC §5: ``tg = trainguard.init(job=...)``.
 """
 __version__ = "0.1.0"
 
+from .extras import install_server_hint as _install_server_hint
+
+_install_server_hint()
+
 
 def init(job: str, **kwargs):
     """Start the collector of this rank. It never blocks on the network and never raises because

@@ -38,6 +38,9 @@ def config_from(args):
 def cmd_broker(args) -> int:
     from .broker import local_broker
 
+    cluster = _broker_cluster(args)
+    if cluster is not None:
+        return _cmd_cluster(args, cluster)
     broker = local_broker(port=args.port, data=args.data)
     if args.action == "start":
         print(broker.start(log=lambda m: print(m, file=sys.stderr)))
@@ -50,6 +53,47 @@ def cmd_broker(args) -> int:
         return 0
     print(f"no broker answers on {broker.bootstrap}")
     return 1
+
+
+def _broker_cluster(args):
+    """The :class:`~trainguard.broker.LocalCluster` the flags name (``--brokers N`` > 1, or
+    a data folder that holds a cluster), else None (the single broker). Without ``--data``
+    and ``--brokers``, ``stop`` and ``status`` take a cluster started on ``--port`` with its
+    default data folder when one of its nodes runs."""
+    import json
+    from pathlib import Path
+
+    from .broker import MAX_BROKERS, is_cluster_dir, local_cluster, trainguard_home
+
+    brokers = args.brokers
+    if args.data:
+        if is_cluster_dir(args.data):
+            size = json.loads((Path(args.data) / "cluster.json").read_text())["brokers"]
+            return local_cluster(port=args.port, brokers=brokers or size, data=args.data)
+        return local_cluster(port=args.port, brokers=brokers, data=args.data) \
+            if brokers is not None and brokers != 1 else None
+    if brokers is not None:
+        return local_cluster(port=args.port, brokers=brokers) if brokers != 1 else None
+    if args.action != "start":
+        for count in range(2, MAX_BROKERS + 1):
+            data = trainguard_home() / "brokers" / f"{args.port}-x{count}"
+            if is_cluster_dir(data):
+                cluster = local_cluster(port=args.port, brokers=count)
+                if any(node.pid() is not None for node in cluster.nodes):
+                    return cluster
+    return None
+
+
+def _cmd_cluster(args, cluster) -> int:
+    if args.action == "start":
+        print(cluster.start(log=lambda m: print(m, file=sys.stderr)))
+        return 0
+    if args.action == "stop":
+        print(cluster.stop())
+        return 0
+    lines = cluster.status()
+    print("\n".join(lines))
+    return 0 if all(": running" in line for line in lines) else 1
 
 
 def cmd_topics(args) -> int:
@@ -81,7 +125,11 @@ def cmd_analyze(args) -> int:
         from .overrides import read_overrides_file
 
         overrides = read_overrides_file(args.overrides)
-    result = analyze_file(args.file, getattr(args, "detector_config", None), overrides)
+    from .progress import reading, wanted
+
+    with reading(args.file, "analyze", enabled=wanted(args.json)) as on_read:
+        result = analyze_file(args.file, getattr(args, "detector_config", None), overrides,
+                              on_read=on_read)
     if args.report:
         write_analysis_report(args.file, result, args.report)
     if args.json:
@@ -136,12 +184,16 @@ def cmd_fr(args) -> int:
     return _print_localization(analyze_dir(args.dir), args.json)
 
 
-def _delegate(module: str, function: str = "main"):
-    """A command whose whole work lives in one room's module: ``module.main(args, config)``."""
+def _delegate(module: str, function: str = "main", needs: tuple = ()):
+    """A command whose whole work lives in one room's module: ``module.main(args, config)``;
+    ``needs``: server-install modules it will not run without, though it imports them lazily."""
 
     def run(args) -> int:
         import importlib
 
+        from .extras import require_server
+
+        require_server(needs)
         try:
             room = importlib.import_module(module, __package__)
         except ModuleNotFoundError as exc:
@@ -160,11 +212,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    broker = sub.add_parser("broker", help="the local single-node Apache Kafka (KRaft)")
+    broker = sub.add_parser("broker", help="the local Apache Kafka (KRaft): one broker, or "
+                                           "a cluster with --brokers N")
     broker.add_argument("action", choices=("start", "stop", "status"))
-    broker.add_argument("--port", type=int, default=9092, help="listener port (default 9092)")
+    broker.add_argument("--port", type=int, default=9092,
+                        help="listener port (default 9092); a cluster's brokers listen on PORT, "
+                             "PORT+1, ...")
+    broker.add_argument("--brokers", type=int, metavar="N",
+                        help="run N brokers (combined broker+controller nodes, an N-voter "
+                             "quorum; replication factor 3 and min.insync.replicas 2 from 3 "
+                             "brokers); stop/status find a cluster by its data folder")
     broker.add_argument("--data", metavar="DIR",
-                        help="data folder (default: $TRAINGUARD_HOME/brokers/PORT)")
+                        help="data folder (default: $TRAINGUARD_HOME/brokers/PORT, or "
+                             "PORT-xN for N brokers)")
     broker.set_defaults(func=cmd_broker)
 
     topics = sub.add_parser("topics", help="create the trainguard topics (idempotent)")
@@ -204,10 +264,47 @@ def build_parser() -> argparse.ArgumentParser:
     from .configcli import add_config_command, add_config_flag
 
     add_config_command(sub, _add_kafka_flags)
+    from .feedbackcli import add_feedback_command
+
+    add_feedback_command(sub, _add_kafka_flags)
     for name, command in sub.choices.items():
         if name != "config":          # `config show` has its own; `config check` takes FILE
             add_config_flag(command)
+    _add_log_flags(sub)
     return parser
+
+
+def _add_log_flags(sub) -> None:
+    """``--log-level`` and ``--log-format`` on every command (on each action of a command
+    that has actions of its own, such as ``config show``)."""
+    from .logs import SERVICES, add_log_flags
+
+    for name, command in sub.choices.items():
+        nested = [a for a in command._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            for action in nested:
+                _add_log_flags(action)
+        else:
+            add_log_flags(command, "info" if name in SERVICES else "warning")
+
+
+def _start_logging(args, argv: list[str]):
+    """The command's log handler (trainguard.logs); flags typed here reach the services
+    that ``up`` and ``demo`` start, through the environment."""
+    import os
+
+    from . import logs
+
+    typed = argv[:argv.index("--")] if "--" in argv else argv
+    for flag, env, dest in (("--log-level", logs.LEVEL_ENV, "log_level"),
+                            ("--loglevel", logs.LEVEL_ENV, "loglevel"),
+                            ("--log-format", logs.FORMAT_ENV, "log_format")):
+        if any(t == flag or t.startswith(flag + "=") for t in typed) and getattr(args, dest,
+                                                                               None):
+            os.environ[env] = {"warn": "warning", "crit": "error"}.get(getattr(args, dest),
+                                                                       getattr(args, dest))
+    fields = {"job": getattr(args, "job", None)} if args.command in ("run", "agent") else {}
+    return logs.setup_from_args(args, args.command, fields=fields)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
         from .configcli import apply_config
 
         apply_config(parser, argv, args)
-        return args.func(args) or 0
+        handler = _start_logging(args, argv)
+        try:
+            return args.func(args) or 0
+        finally:
+            from .logs import teardown
+
+            teardown(handler)
     except UserError as exc:
         print(f"trainguard {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -228,6 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"trainguard {args.command}: interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:
+        from .extras import missing_server_install, needs_server
+
+        if not needs_server(exc):
+            raise
+        print(f"trainguard {args.command}: error: {missing_server_install(exc.name)}",
+              file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from trainguard.logs import add_log_flags
 from trainguard.service_metrics import add_metrics_flags
 
 
@@ -12,20 +13,16 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     up.add_argument("--job", default=None, help="only watch this job id")
     up.add_argument("--dry-run", action="store_true", help="the action service only records")
     add_kafka_flags(up)
-    up.set_defaults(func=delegate(".up"))
+    up.set_defaults(func=delegate(".up", needs=("faust", "river", "pynvml")))
 
     worker = sub.add_parser("worker", help="the Faust stream processors")
-    worker.add_argument("--web-port", type=int, default=6066,
-                        help="port of the Prometheus /metrics endpoint (default 6066)")
-    worker.add_argument("--web-bind", metavar="ADDRESS", default=None,
-                        help="address the web server (/metrics, Faust's pages) listens on "
-                             "(default 127.0.0.1; 0.0.0.0 for every interface)")
+    add_metrics_flags(worker, "worker")   # --metrics-port/--metrics-bind (--web-port/-bind)
     worker.add_argument("--data-dir", default=None,
                         help="Faust data folder (default: $TRAINGUARD_HOME/worker)")
     worker.add_argument("--id", default="trainguard-worker",
                         help="Faust app id; workers with one id share the work")
-    worker.add_argument("--loglevel", default="warn",
-                        choices=("crit", "error", "warn", "info", "debug"))
+    add_log_flags(worker, "warn", aliases=("--loglevel",), dest="loglevel",
+                  choices=("debug", "info", "warning", "warn", "error", "crit"))
     worker.add_argument("--evict-idle-s", type=float, default=1800.0,
                         help="stages idle this long leave memory for their snapshot (1800)")
     worker.add_argument("--max-live-jobs", type=int, default=2000,
@@ -58,7 +55,7 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     agent.add_argument("--native", action="store_true", help="py-spy --native stacks")
     add_kafka_flags(agent)
     add_metrics_flags(agent, "agent")
-    agent.set_defaults(func=delegate(".collectors.agent"))
+    agent.set_defaults(func=delegate(".collectors.agent", needs=("pynvml",)))
 
     run = sub.add_parser("run", help="launch and supervise a training command",
                          usage="trainguard run [options] -- CMD...")
@@ -108,7 +105,7 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
                       help="skip the plain torchrun baseline")
     demo.add_argument("--out", metavar="DIR", default=None, help="where the report goes")
     add_kafka_flags(demo)
-    demo.set_defaults(func=delegate(".apps.demo"))
+    demo.set_defaults(func=delegate(".apps.demo", needs=("faust", "river", "pynvml")))
 
 
 def _resume_step(args) -> int:

@@ -194,7 +194,18 @@ class _OncePerText(logging.Filter):
 
 
 class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time (tests swap it)."""
+    """Writes to whatever ``sys.stderr`` is at the time (tests swap it); in a command whose
+    log is set up (:mod:`trainguard.logs`: a service, never a training rank), hands the
+    record to that log instead, so that it has the command's format."""
+
+    def emit(self, record) -> None:
+        from trainguard.logs import own_handler
+
+        handler = own_handler()
+        if handler is not None:
+            handler.handle(record)
+            return
+        super().emit(record)
 
     @property
     def stream(self):

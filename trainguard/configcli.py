@@ -40,6 +40,8 @@ def add_config_command(sub, add_kafka_flags) -> None:
     action = config.add_subparsers(dest="config_action", metavar="ACTION", required=True)
     show = action.add_parser("show", help="every setting, its value and where it came from")
     show.add_argument("--json", action="store_true", help="as JSON")
+    show.add_argument("--job", default=None, help="that job's per-job overrides and what it "
+                                                  "learned from `trainguard feedback`")
     add_config_flag(show)
     add_kafka_flags(show)
     check = action.add_parser("check", help="validate a configuration file")
@@ -123,6 +125,11 @@ def cmd_config(args) -> int:
         return 0
     tree = args.tree
     check_tree(tree, os.environ)
+    if getattr(args, "job", None):
+        from .cli import config_from
+        from .feedbackcli import show_job
+
+        return show_job(args, config_from(args))
     if args.json:
         print(json.dumps(tree.to_json(), indent=1))
         return 0

@@ -201,12 +201,13 @@ def _worker_keys() -> list[Key]:
         "worker_id": {"check": Str(pattern=_NAME),
                       "help": "Faust app id; workers with one id share the work"},
         "web_port": {"check": Int(minimum=1, maximum=65535),
-                     "help": "port of the web server (/metrics)"},
-        "web_bind": {"help": "address the web server listens on (Faust's /router and "
-                             "/table pages too); 0.0.0.0 for every interface"},
+                     "help": "port of /metrics (flag --metrics-port, or --web-port)"},
+        "web_bind": {"help": "address /metrics listens on (flag --metrics-bind); 0.0.0.0 "
+                             "for every interface"},
         "data_dir": {"default": None, "check": Nullable(Str(min_length=1)),
                      "help": "Faust data folder (default: $TRAINGUARD_HOME/worker)"},
-        "loglevel": {"check": Str(enum=LOGLEVELS), "help": "log level"},
+        "loglevel": {"check": Str(enum=LOGLEVELS),
+                     "help": "log level (flag --log-level, or --loglevel)"},
     })
 
 

@@ -34,7 +34,7 @@ from .fields import (AnyObject, Bool, Int, InvalidEvent, ListOf, Nullable, Num, 
 
 __all__ = [
     "VERSION", "InvalidEvent", "Event", "Step", "Heartbeat", "Gpu", "Xid", "Lifecycle",
-    "Command", "Stack", "Anomaly", "Action", "Order", "Ack", "Incident", "EVENT_TYPES", "ANOMALY_KINDS",
+    "Command", "Stack", "Anomaly", "Action", "Order", "Ack", "Incident", "Feedback", "VERDICTS", "EVENT_TYPES", "ANOMALY_KINDS",
     "SEVERITIES", "ACTIONS", "ACTION_STATUSES", "ORDER_OPS", "ACK_STATUSES", "encode", "decode",
     "from_dict", "to_dict", "json_schema",
 ]
@@ -42,7 +42,8 @@ __all__ = [
 VERSION = 1
 JOB_PATTERN = r"[A-Za-z0-9._-]{1,128}"
 ANOMALY_KINDS = ("nan", "loss_spike", "grad_spike", "straggler", "throughput_drop", "hang",
-                 "gpu_fault", "gpu_degraded", "crash", "silent", "data_position")
+                 "gpu_fault", "gpu_degraded", "crash", "silent", "data_position",
+                 "machine_outlier")
 SEVERITIES = ("info", "warning", "critical")
 ACTIONS = ("alert", "capture_stacks", "restart", "evict", "rollback", "none")
 ACTION_STATUSES = ("planned", "done", "failed", "dry_run", "rate_limited", "not_applicable")
@@ -70,8 +71,14 @@ GPU_ENTRY = Object(
      "temp": Num(), "power": Num(minimum=0), "sm_clock": Int(minimum=0),
      "throttle": ListOf(Str()), "ecc_sbe": Int(minimum=0), "ecc_dbe": Int(minimum=0),
      "remapped_pending": Bool(), "remapped_failure": Bool(), "pcie_replay": Int(minimum=0),
-     "nvlink_errors": Int(minimum=0), "lost": Bool()},
+     "nvlink_errors": Int(minimum=0), "lost": Bool(),
+     "mem_clock": Int(minimum=0), "power_limit": Num(minimum=0),
+     "pcie_tx_kbs": Num(minimum=0), "pcie_rx_kbs": Num(minimum=0)},
 )
+#: a gpu event's optional ``host`` object: the machine's CPU and network counters
+HOST = Object({}, {"cpu_util": Num(minimum=0), "net_rx_bytes": Int(minimum=0),
+                   "net_tx_bytes": Int(minimum=0), "tcp_retrans": Int(minimum=0),
+                   "tcp_out_segs": Int(minimum=0)})
 TOPOLOGY = Object({"tp": Int(minimum=1), "pp": Int(minimum=1), "dp": Int(minimum=1)},
                   {"layout": Str()})
 
@@ -144,15 +151,20 @@ class Gpu(Event):
     """A machine's GPU sample; ``status="unavailable"`` with a ``reason`` where NVML is missing.
 
     ``lost`` (optional, per GPU) is a trainguard extension: the device answered
-    ``GPU is lost``; the entry then carries only ``index``, ``uuid`` and ``lost``.
+    ``GPU is lost``; the entry then carries only ``index``, ``uuid`` and ``lost``. So are
+    ``mem_clock`` (MHz), ``power_limit`` (W), ``pcie_tx_kbs``/``pcie_rx_kbs`` (KB/s) per
+    GPU, and ``host`` (the machine's ``cpu_util`` percent and cumulative ``net_rx_bytes``,
+    ``net_tx_bytes``, ``tcp_retrans``, ``tcp_out_segs``), for machine_outlier.
     """
 
     TYPE: ClassVar[str] = "gpu"
     REQUIRED: ClassVar[dict] = {"gpus": ListOf(GPU_ENTRY)}
-    OPTIONAL: ClassVar[dict] = {"status": Nullable(Str()), "reason": Nullable(Str())}
+    OPTIONAL: ClassVar[dict] = {"status": Nullable(Str()), "reason": Nullable(Str()),
+                                "host": Nullable(HOST)}
     gpus: list
     status: str | None = None
     reason: str | None = None
+    host: dict | None = None
 
 
 @dataclass(kw_only=True)
@@ -362,9 +374,34 @@ class Incident(Event):
                    step=incident.get("step"), anomaly_count=len(ids))
 
 
+#: a feedback's verdicts: the incident was no fault, was one, or forget what was learned
+VERDICTS = ("false_alarm", "confirmed", "reset")
+
+
+@dataclass(kw_only=True)
+class Feedback(Event):
+    """A trainguard extension (SPEC §6: a new type; docs/CONTRACT.md): a human's verdict on
+    an incident, from ``trainguard feedback``, on ``<prefix>.orders``, signed as orders are.
+    The stream worker that runs the job's stage learns from it (docs/DETECTION.md); a
+    ``reset`` (``incident`` null) forgets what the job learned so."""
+
+    TYPE: ClassVar[str] = "feedback"
+    REQUIRED: ClassVar[dict] = {"feedback_id": ORDER_ID, "verdict": Str(enum=VERDICTS)}
+    OPTIONAL: ClassVar[dict] = {"incident": Nullable(Str(min_length=1, max_length=512)),
+                                "kind": Nullable(Str(enum=ANOMALY_KINDS)),
+                                "by": Nullable(Str(max_length=256)), **SIGNATURE}
+    feedback_id: str
+    verdict: str
+    incident: str | None = None
+    kind: str | None = None
+    by: str | None = None
+    key_id: str | None = None
+    sig: str | None = None
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.TYPE: cls for cls in (Step, Heartbeat, Gpu, Xid, Lifecycle, Command, Stack, Anomaly,
-                              Action, Order, Ack, Incident)
+                              Action, Order, Ack, Incident, Feedback)
 }
 _ENVELOPE_KEYS = frozenset(("v", "type", *ENVELOPE, *ENVELOPE_NULLABLE))
 _DECLARED = {name: frozenset((*cls.REQUIRED, *cls.OPTIONAL)) for name, cls in EVENT_TYPES.items()}

@@ -107,7 +107,8 @@ def _publish(config, job: str, values: dict, keys) -> dict:
 
     record = make_record(job=job, values=values, ts=time.time(),
                          override_id=uuid.uuid4().hex, by=_who(), keys=keys)
-    producer = Producer(config.kafka(**{"linger.ms": 0}))
+    producer = Producer(config.kafka(**{"linger.ms": 0, "acks": "all",
+                                         "enable.idempotence": True}))
     errors = []
     producer.produce(config.topics.config, json.dumps(record).encode(), job.encode(),
                      on_delivery=lambda err, msg: errors.append(err) if err else None)

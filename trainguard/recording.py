@@ -44,7 +44,7 @@ def _open_binary(path: Path, mode: str) -> IO[bytes]:
     return open(path, mode)
 
 
-def _zstd_chunks(path: Path) -> Iterator[bytes]:
+def _zstd_chunks(path: Path, on_read=None) -> Iterator[bytes]:
     """Decompressed pieces of a ``.zst`` file of one or more frames; a file that ends inside
     a frame (a recorder killed mid-write, a cut download) is an error, not a short read."""
     import zstandard
@@ -57,6 +57,8 @@ def _zstd_chunks(path: Path) -> Iterator[bytes]:
             data = raw.read(_CHUNK)
             if not data:
                 break
+            if on_read is not None:
+                on_read(raw.tell())
             while data:
                 fed = True
                 out = frame.decompress(data)
@@ -69,16 +71,21 @@ def _zstd_chunks(path: Path) -> Iterator[bytes]:
         raise EOFError("the file ends inside a zstd frame (truncated)")
 
 
-def _decompressed_chunks(path: Path) -> Iterator[bytes]:
+def _decompressed_chunks(path: Path, on_read=None) -> Iterator[bytes]:
+    """Pieces of the recording's text; ``on_read(position)`` after each read from the file on
+    disk, ``position`` counted in the file's own (compressed) bytes."""
     if path.name.endswith(".zst"):
         try:
             import zstandard  # noqa: F401
         except ImportError:
             raise RecordingError(f"{path}: reading .zst needs the zstandard package") from None
-        yield from _zstd_chunks(path)
+        yield from _zstd_chunks(path, on_read)
         return
-    with _open_binary(path, "rb") as raw:
+    with open(path, "rb") as disk:
+        raw = gzip.GzipFile(fileobj=disk) if path.name.endswith(".gz") else disk
         while chunk := raw.read(_CHUNK):
+            if on_read is not None:
+                on_read(disk.tell())
             yield chunk
 
 
@@ -91,15 +98,15 @@ def _read_errors() -> tuple:
     return (*errors, zstandard.ZstdError)
 
 
-def iter_lines(path: str | Path) -> Iterator[bytes]:
+def iter_lines(path: str | Path, on_read=None) -> Iterator[bytes]:
     """Non-blank lines of a recording, without the ``\\n`` (whitespace around the JSON is
-    the JSON reader's to skip)."""
+    the JSON reader's to skip); ``on_read`` as for :func:`read_events`."""
     path = Path(path)
     if not path.is_file():
         raise RecordingError(f"recording {path} does not exist or is not a file")
     try:
         partial: list = []       # the pieces of a line that spans chunks
-        for chunk in _decompressed_chunks(path):
+        for chunk in _decompressed_chunks(path, on_read):
             lines = chunk.split(b"\n")
             if len(lines) == 1:
                 partial.append(chunk)
@@ -130,10 +137,13 @@ class ReadStats:
         self.reasons[key] = self.reasons.get(key, 0) + 1
 
 
-def read_events(path: str | Path, stats: ReadStats | None = None) -> Iterator[Event]:
-    """Valid events in recorded order; invalid lines are counted in ``stats``, not fatal."""
+def read_events(path: str | Path, stats: ReadStats | None = None,
+                on_read=None) -> Iterator[Event]:
+    """Valid events in recorded order; invalid lines are counted in ``stats``, not fatal.
+    ``on_read(position)``, if given, follows the reading (once per chunk of the file, for a
+    progress bar): bytes of the file on disk read so far."""
     stats = stats if stats is not None else ReadStats()
-    for line in iter_lines(path):
+    for line in iter_lines(path, on_read):
         try:
             event = decode(line)
         except InvalidEvent as exc:

@@ -91,7 +91,7 @@ RUN = (
            "action and status.", labels=("action", "status")),
     Metric("run_acks", "counter", "Acknowledgements `trainguard run` sent, by op and status.",
            labels=("op", "status")),
-    Metric("restart_budget_left", "gauge", "Restarts left of --max-restarts."),
+    Metric("remaining_restarts", "gauge", "Restarts left of --max-restarts."),
 )
 
 
@@ -112,31 +112,48 @@ METRICS_PORTS = {name: port for name, (_, port, _) in SERVICES.items()}
 
 
 def add_metrics_flags(parser, service: str) -> None:
-    """``--metrics-port`` and ``--metrics-bind`` of a service's command."""
+    """``--metrics-port`` and ``--metrics-bind`` of a service's command (the worker's old
+    ``--web-port`` and ``--web-bind`` stay as aliases; its destinations keep those names,
+    the keys ``worker.web_port`` and ``worker.web_bind`` of the configuration tree)."""
     port = METRICS_PORTS[service]
-    parser.add_argument("--metrics-port", type=int, default=port, metavar="PORT",
+    old = service == "worker"
+    lowest = 1 if old else 0
+    parser.add_argument("--metrics-port", *(["--web-port"] if old else []), type=int,
+                        default=port, metavar="PORT", dest="web_port" if old else "metrics_port",
                         help=f"port of the Prometheus /metrics endpoint (default {port}; "
-                             "0: none)")
-    parser.add_argument("--metrics-bind", default="127.0.0.1", metavar="ADDR",
+                             + ("1-65535" if lowest else "0: none") + ")")
+    parser.add_argument("--metrics-bind", *(["--web-bind"] if old else []), metavar="ADDR",
+                        default=None if old else "127.0.0.1",
+                        dest="web_bind" if old else "metrics_bind",
                         help="address of the /metrics endpoint (default 127.0.0.1; 0.0.0.0 "
                              "for a Prometheus on another machine)")
 
 
-def start_metrics(registry, args, service: str, log=None):
-    """The /metrics server of ``args.metrics_port`` / ``args.metrics_bind``, or None: when
-    off (port 0), or when the port cannot be had (said through ``log``: a service, and the
-    job it watches, run on without /metrics). A port outside 0-65535 raises ``UserError``."""
+TAKEN = "running without /metrics"
+
+
+def start_metrics(source, args, service: str, log=None, port: int | None = None,
+                  bind: str | None = None):
+    """The /metrics server of ``args.metrics_port`` / ``args.metrics_bind`` (or ``port`` and
+    ``bind``), or None: when off (port 0), or when the port cannot be had. A taken port is
+    one warning line (through ``log``, else the ``trainguard.metrics`` logger) and the
+    service, and the job it watches, run on without /metrics: losing the metrics must not
+    lose detection or recovery. A port outside 0-65535 raises ``UserError``."""
+    import logging
+
     from trainguard.errors import UserError
 
-    port = check_port(getattr(args, "metrics_port", METRICS_PORTS[service]))
+    logger = logging.getLogger("trainguard.metrics")
+    port = check_port(port if port is not None else
+                      getattr(args, "metrics_port", METRICS_PORTS[service]))
+    bind = bind or getattr(args, "metrics_bind", None) or "127.0.0.1"
     try:
-        server = serve(registry, port, getattr(args, "metrics_bind", "127.0.0.1"))
+        server = serve(source, port, bind)
     except UserError as exc:
-        if log is not None:
-            log(f"{exc}; running without /metrics")
+        (log or logger.warning)(f"{exc}; {TAKEN}")
         return None
-    if server is not None and log is not None:
-        log(f"metrics on {server.url}")
+    if server is not None:
+        (log or logger.info)(f"metrics on {server.url}")
     return server
 
 
@@ -280,7 +297,7 @@ class AgentMetrics:
             if self.publisher is not None:
                 registry.set("events_sent", getattr(self.publisher, "sent", 0))
                 registry.set("delivery_failures", getattr(self.publisher, "failed", 0))
-        self.registry.collect(from_publisher)
+        self.registry.on_collect(from_publisher)
 
     def gpu_events(self, events) -> None:
         for event in events:
@@ -301,14 +318,14 @@ def serve_agent_metrics(get_agent, args, log=None):
     """Serve ``get_agent().metrics`` (the node agent's :class:`AgentMetrics`) on
     ``args.metrics_port`` (see :func:`start_metrics`); an empty page until ``get_agent``
     has an agent. Returns the server or None."""
-    def exposition() -> str:
+    def families():
         try:
             agent = get_agent()
         except NameError:  # the agent is not made yet
-            return ""
-        return agent.metrics.registry.exposition()
+            return ()
+        return agent.metrics.registry.collect()
 
-    return start_metrics(exposition, args, "agent", log)
+    return start_metrics(families, args, "agent", log)
 
 
 class RunMetrics:
@@ -322,8 +339,8 @@ class RunMetrics:
         def budget(registry: Registry) -> None:
             s = self.supervisor
             if s is not None:
-                registry.set("restart_budget_left", max(0, s.max_restarts - s.restarts))
-        self.registry.collect(budget)
+                registry.set("remaining_restarts", max(0, s.max_restarts - s.restarts))
+        self.registry.on_collect(budget)
 
     def event(self, event) -> None:
         kind = getattr(event, "type", None)
@@ -362,14 +379,34 @@ def serve_run_metrics(supervisor, args, log=None) -> RunMetrics:
 def markdown() -> str:
     """docs/METRICS.md: every service's metrics, from the declarations."""
     out = ["# Metrics", "",
-           "Every long-running trainguard service answers `GET /metrics` in the Prometheus text",
-           "format. Ports (flag `--metrics-port`, 0 turns the endpoint off; `--metrics-bind`",
-           "picks the address, 127.0.0.1 by default; the worker's port flag is `--web-port`)",
-           "and the metrics, generated from their declarations",
+           "Every long-running trainguard service answers `GET /metrics` with",
+           "`prometheus_client` (the Prometheus text format, or OpenMetrics when the scraper",
+           "asks for it). One flag everywhere: `--metrics-port` (0 turns the endpoint off; the",
+           "worker's old `--web-port` still works, and its port cannot be 0) and",
+           "`--metrics-bind` (127.0.0.1 by default; the worker's old `--web-bind` still",
+           "works). The metrics below are generated from their declarations",
            "(`trainguard/service_metrics.py`, `streams/metrics.py`) by",
            "`python -m trainguard.service_metrics > docs/METRICS.md`. `deploy/prometheus/` has a",
            "scrape configuration and `deploy/grafana/trainguard.json` a dashboard of them.",
-           "A port that is already taken is logged, and the service runs on without /metrics.",
+           "",
+           "Beside them every service exposes the standard collectors of its process:",
+           "`process_cpu_seconds_total`, `process_resident_memory_bytes`,",
+           "`process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`,",
+           "`process_start_time_seconds`, `python_info` and `python_gc_*`.",
+           "",
+           "Names carry their unit: a counter ends in `_total` (after its unit, as in",
+           "`trainguard_gc_seconds_total`), a gauge or histogram in its unit (`_seconds`,",
+           "`_bytes`, `_ratio`) or in the plural of what it counts (`_messages`, `_partitions`,",
+           "`_stages`, `_records`, `_restarts`); a declaration without one is refused. No",
+           "metric has a `job` label: that is Prometheus's own (the scrape job); alerts name",
+           "the training job `training_job` (docs/ALERTS.md).",
+           "",
+           "**A port that is already taken** (or an address that cannot be bound) is one",
+           "warning line, `--metrics-port N: cannot serve metrics on ADDR:N: Address already",
+           "in use; running without /metrics`, and the service runs on without /metrics:",
+           "the same for every service. Detection and recovery matter more than their",
+           "metrics; the line and the scrape target's `up == 0` say what to fix. A port",
+           "outside 0-65535 is a usage error (exit 2) before the service starts.",
            ""]
     for name, (command, port, declarations) in SERVICES.items():
         where = f"port {port}" if port else "off by default (one per job: give each its own port)"

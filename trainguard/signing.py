@@ -274,7 +274,14 @@ def warn_if_unsigned(keys: SigningKeys | None, service: str, what: str) -> None:
     """One loud start-up line when no signing key is configured."""
     if keys is not None:
         return
-    print(f"*** trainguard {service}: WARNING: no signing key ({KEY_ENV} is not set): "
-          f"{what} are neither signed nor checked, so anyone who can write to Kafka can "
-          "forge them. Set the same key for every service (see docs/SECURITY.md). ***",
-          file=sys.stderr, flush=True)
+    from trainguard.logs import configured
+
+    text = (f"WARNING: no signing key ({KEY_ENV} is not set): {what} are neither signed nor "
+            "checked, so anyone who can write to Kafka can forge them. Set the same key for "
+            "every service (see docs/SECURITY.md).")
+    if configured():          # the command's log (trainguard.logs): its format, its level
+        import logging
+
+        logging.getLogger(f"trainguard.{service}.signing").warning(f"*** {text} ***")
+        return
+    print(f"*** trainguard {service}: {text} ***", file=sys.stderr, flush=True)

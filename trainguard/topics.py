@@ -10,6 +10,22 @@ from .config import Config
 DEFAULT_TELEMETRY_PARTITIONS = 24
 #: topics that keep the latest record per key (the config topic: each job's overrides)
 COMPACTED_CONFIG = {"cleanup.policy": "compact"}
+#: on a cluster of at least this many brokers, topics get 3 replicas, 2 of which must be
+#: in sync for a write (``acks=all``) to succeed: one broker may die without losing a
+#: record or stopping writes
+REPLICATED_BROKERS = 3
+
+
+def replication(brokers: int) -> tuple[int, dict]:
+    """``(replication factor, topic config)`` for a cluster of ``brokers`` brokers; -1 (the
+    broker's ``default.replication.factor``) below three brokers.
+
+    >>> replication(1), replication(3)
+    ((-1, {}), (3, {'min.insync.replicas': '2'}))
+    """
+    if brokers >= REPLICATED_BROKERS:
+        return 3, {"min.insync.replicas": "2"}
+    return -1, {}
 
 
 class TopicError(UserError, ValueError):
@@ -48,13 +64,16 @@ def create_topics(config: Config, plan: TopicPlan = TopicPlan(), timeout: float 
     admin = AdminClient(config.kafka())
     wanted = {**plan.partitions(config), **(extra or {})}
     try:
-        existing = admin.list_topics(timeout=timeout).topics
+        metadata = admin.list_topics(timeout=timeout)
     except KafkaException as exc:
         raise TopicError(f"cannot reach Kafka at {config.bootstrap}: {exc.args[0].str()}; "
                          "start one with `trainguard broker start` or set --bootstrap") from None
+    existing = metadata.topics
+    factor, replicated = replication(len(metadata.brokers))
     result = {name: "exists" for name in wanted if name in existing}
-    new = [NewTopic(name, num_partitions=count, replication_factor=-1,
-                    config=COMPACTED_CONFIG if name == config.topics.config else {})
+    new = [NewTopic(name, num_partitions=count, replication_factor=factor,
+                    config={**replicated,
+                            **(COMPACTED_CONFIG if name == config.topics.config else {})})
            for name, count in wanted.items() if name not in existing]
     if new:
         futures = admin.create_topics(new, operation_timeout=timeout, request_timeout=timeout)

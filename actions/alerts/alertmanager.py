@@ -1,7 +1,8 @@
 """Prometheus Alertmanager, API v2: ``POST /api/v2/alerts`` with one postable alert.
 
 Labels identify the alert, so a firing and its resolution must carry the same ones:
-``alertname`` (``Trainguard`` + the kind in CamelCase, unless configured), ``job``, ``kind``,
+``alertname`` (``Trainguard`` + the kind in CamelCase, unless configured), ``training_job``
+(the training job's id: not ``job``, which is Prometheus's own label, the scrape job), ``kind``,
 ``severity``, ``ranks`` (compact ranges, ``"0-3,6"``), ``nodes`` (comma-separated), and
 ``incident``, plus any ``extra_labels``. Annotations: ``summary`` (the title and what
 happened) and ``description`` (the whole text, stacks included).
@@ -16,7 +17,7 @@ active without the re-sending Prometheus does; a resolved one with ``endsAt = ts
 >>> sink = AlertmanagerSink(url="http://127.0.0.1:9093")
 >>> [a] = sink.payload(m)
 >>> a["labels"]
-{'alertname': 'TrainguardGpuFault', 'job': 'j1', 'kind': 'gpu_fault', 'severity': 'critical', 'ranks': '24-25', 'nodes': 'n4', 'incident': 'i-9'}
+{'alertname': 'TrainguardGpuFault', 'training_job': 'j1', 'kind': 'gpu_fault', 'severity': 'critical', 'ranks': '24-25', 'nodes': 'n4', 'incident': 'i-9'}
 >>> a["startsAt"], a["endsAt"]
 ('2025-12-02T12:53:20.000Z', '2025-12-02T13:53:30.000Z')
 >>> sink.payload(m.resolved(ts=1764680100.0))[0]["endsAt"]
@@ -36,7 +37,10 @@ from .message import AlertMessage, format_ranks
 __all__ = ["AlertmanagerSink", "rfc3339"]
 
 LABEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-RESERVED = ("alertname", "job", "kind", "severity", "ranks", "nodes", "incident")
+#: labels of every alert; ``job`` too, Prometheus's own (an alert's scrape job), so that
+#: an extra label cannot make a trainguard alert look like one of a scrape job
+RESERVED = ("alertname", "training_job", "job", "kind", "severity", "ranks", "nodes",
+            "incident")
 
 
 def rfc3339(ts: float) -> str:
@@ -89,7 +93,7 @@ class AlertmanagerSink(Sink):
 
     def labels(self, message: AlertMessage) -> dict:
         return {"alertname": self.alertname or f"Trainguard{_camel(message.kind)}",
-                "job": message.job, "kind": message.kind, "severity": message.severity,
+                "training_job": message.job, "kind": message.kind, "severity": message.severity,
                 "ranks": format_ranks(message.ranks), "nodes": ",".join(message.nodes),
                 "incident": message.incident, **self.extra_labels}
 

@@ -1,0 +1,80 @@
+"""Issue 23 point 5: a three-broker KRaft cluster loses a broker (SIGKILL of its JVM) in the
+middle of a 2-rank torchrun job whose rank 1 crashes: no event is lost, no action is taken
+twice, the crash is still found and acted on, and the worker is caught up once the broker is
+back. Its own cluster (own ports and data), never the session broker; about 1.5 minutes.
+The scenario is tests/broker_loss_scenario.py (bench/bench_broker_loss.py runs it too)."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.broker]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from trainguard.broker import free_port, local_cluster
+
+    ports = set()
+    while len(ports) < 3:
+        ports.add(free_port())
+    cluster = local_cluster(brokers=3, data=tmp_path_factory.mktemp("cluster"),
+                            ports=sorted(ports))
+    try:
+        cluster.start(log=lambda m: None)   # stops what it launched if it fails
+        yield cluster
+    finally:
+        cluster.stop(grace=10)
+
+
+def test_cluster_topics_are_replicated(cluster):
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    from trainguard.config import Config, Topics
+    from trainguard.topics import TopicPlan, create_topics
+
+    config = Config(bootstrap=cluster.bootstrap, topics=Topics(prefix=f"r{uuid.uuid4().hex[:8]}"))
+    create_topics(config, TopicPlan(telemetry_partitions=2, other_partitions=1))
+    admin = AdminClient(config.kafka())
+    meta = admin.list_topics(timeout=10).topics[config.topics.telemetry]
+    assert {len(p.replicas) for p in meta.partitions.values()} == {3}
+    resource = ConfigResource(ConfigResource.Type.TOPIC, config.topics.telemetry)
+    conf = admin.describe_configs([resource])[resource].result(timeout=10)
+    assert conf["min.insync.replicas"].value == "2"
+    assert cluster.answering() == [1, 2, 3]
+    assert all(": running" in line for line in cluster.status())
+
+
+def test_a_broker_dies_mid_run(cluster, tmp_path):
+    from broker_loss_scenario import broker_loss_run, leaders
+
+    from trainguard.config import Config, Topics
+    from trainguard.topics import TopicPlan, create_topics
+
+    config = Config(bootstrap=cluster.bootstrap, topics=Topics(prefix=f"l{uuid.uuid4().hex[:8]}"))
+    create_topics(config, TopicPlan(telemetry_partitions=4, other_partitions=2))
+    # the victim: the broker that leads the most of this test's partitions
+    lead = leaders(config, config.topics.prefix)
+    victim = cluster.node(max(sorted(lead), key=lambda node: lead[node]))
+    r = broker_loss_run(tmp_path, config, victim, replicas=3)
+    logs = {k: r.pop(k) for k in ("job_log", "worker_log", "actions_log")}
+    print(r)
+    context = f"{r}\n" + "\n".join(f"--- {k}\n{v}" for k, v in logs.items())
+    assert r["job_exit_code"] == 0, context
+    # the fault was found and acted on, once
+    assert r["crash_anomalies"], context
+    assert r["restarts_planned"] >= 1 and r["restarts_per_incident"] == 1, context
+    assert r["duplicate_action_records"] == 0, context
+    assert r["launches"] == 2, context           # one restart, not one per dead rank
+    assert r["acted_while_down"], context
+    # no event lost, none written twice
+    assert r["events_sent_rank0_steps"] > 0, context
+    assert r["rank0_steps_missing"] == 0 and r["rank0_steps_extra"] == 0, context
+    assert r["duplicate_telemetry_records"] == 0, context
+    assert r["max_dropped_reported"] == 0, context
+    assert r["last_step_seen"] == 39, context
+    # the worker read every telemetry message, and caught up once the broker was back
+    assert r["worker_events_in"] >= r["telemetry_in_topic"] > 0, context
+    assert r["worker_consumer_lag"] == 0, context
+    assert "worker_caught_up_s" in r and "isr_full_s" in r, context
