@@ -128,6 +128,8 @@ class _OrderWatcher(threading.Thread):
             if new:
                 self.deadletter(msg, f"invalid message on the orders topic: {exc}")
             return
+        if isinstance(event, ev.Feedback):
+            return      # people's verdicts, for the stream worker (streams/feedback_feed.py)
         if not isinstance(event, (ev.Order, ev.Ack)):
             if new:
                 self.deadletter(msg, f"a {event.type} event does not belong on the orders topic")

@@ -4,7 +4,10 @@ One per machine. Its duties, each in a thread of its own:
 
 - **GPU samples**: every ``--interval`` seconds a SPEC ``gpu`` event (``rank`` null, ``node``
   this machine) from :func:`~trainguard.collectors.nvml.gpu_event_payload`, to the telemetry
-  topic.
+  topic, with the machine's CPU and network counters from /proc as its ``host`` object
+  (:class:`~trainguard.collectors.host.HostCounters`). PCIe throughput, which NVML measures
+  for 20 ms a call, is read on a thread of its own every ``max(5 s, --interval)``
+  (:meth:`~trainguard.collectors.nvml.PynvmlSource.start_pcie_reader`) once NVML answers.
 - **Xid events**: from NVML's event set (a thread blocked in ``wait_event``) and from the
   kernel log (:class:`~trainguard.collectors.kmsg.KmsgFollower` on ``/dev/kmsg`` or ``dmesg``,
   plus one per ``--kmsg-extra`` file; PCI bus ids mapped to GPU indices through NVML), each
@@ -43,7 +46,6 @@ import logging
 import os
 import re
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -56,6 +58,7 @@ from trainguard.signing import Freshness, Verifier
 from .agent_commands import (MAX_COMMAND_AGE, CaptureRunner, CommandHandler, CommandListener,
                              KafkaLog, QuietLog)
 from .capture_limits import CaptureLimiter, CaptureLimits
+from .host import HostCounters
 from .kmsg import KmsgFollower
 from .nodename import node_name
 from .nvml import NvmlUnavailable, PynvmlSource, gpu_event_payload
@@ -72,7 +75,7 @@ PRODUCER_SETTINGS: dict = {
     "linger.ms": 20,                      # gpu/xid/stack volumes are small: latency first
     "compression.type": "lz4",
     "acks": "all",
-    "enable.idempotence": False,
+    "enable.idempotence": True,           # a broker's death neither loses nor doubles one
     "message.timeout.ms": 30000,          # a sample older than 30 s is not worth sending
     "message.max.bytes": 1000000,
     "queue.buffering.max.messages": 100000,
@@ -117,6 +120,8 @@ class GpuSampler:
     ``tick(jobs, now)`` returns the events to send now. While NVML is unavailable, each job
     gets the ``unavailable`` event once, and every job again each ``unavailable_interval``
     seconds, when NVML is asked again. ``on_available()`` is called when NVML first answers.
+    ``host()`` (optional; e.g. :meth:`HostCounters.sample`) is called once per sample and its
+    dict is every event's ``host`` object (not on ``unavailable`` events).
 
     >>> class NoGpu:
     ...     def sample(self): raise NvmlUnavailable("NVML is unavailable: no driver.")
@@ -131,8 +136,11 @@ class GpuSampler:
 
     def __init__(self, source: Any, *, node: str, unavailable_interval: float = 60.0,
                  on_available: Optional[Callable[[], None]] = None,
-                 on_error: Optional[Callable[[], None]] = None):
+                 on_error: Optional[Callable[[], None]] = None,
+                 host: Optional[Callable[[], Optional[dict]]] = None):
         self.source = source
+        self.host = host
+        self._host_failed = False
         self.on_error = on_error
         self.node = node
         self.unavailable_interval = unavailable_interval
@@ -151,7 +159,17 @@ class GpuSampler:
 
     def _event(self, job: str, now: float, payload: dict) -> ev.Gpu:
         return ev.Gpu(job=job, ts=now, node=self.node, rank=None, gpus=payload["gpus"],
-                      status=payload.get("status"), reason=payload.get("reason"))
+                      status=payload.get("status"), reason=payload.get("reason"),
+                      host=payload.get("host"))
+
+    def _host(self) -> Optional[dict]:
+        try:
+            return self.host() if self.host is not None else None
+        except Exception as exc:  # a bug: say so once, send the GPU sample without it
+            if not self._host_failed:
+                self._host_failed = True
+                log.warning("host counters failed: %s: %s", type(exc).__name__, exc)
+            return None
 
     def tick(self, jobs: list, now: float) -> list:
         if self._down is None or now >= self._retry_at:
@@ -166,6 +184,9 @@ class GpuSampler:
                     if self.on_available is not None:
                         self.on_available()
                 self._down = None
+                host = self._host()
+                if host:
+                    payload = {**payload, "host": host}
                 return [self._event(j, now, payload) for j in jobs]
             if self._down is None or payload.get("reason") != self._down.get("reason"):
                 log.warning("GPU samples unavailable: %s (retrying every %gs)",
@@ -284,7 +305,8 @@ class Agent:
     """The node agent; configuration in the constructor, all effects in :meth:`run`.
 
     ``source`` is an :class:`~trainguard.collectors.nvml.NvmlSource`; ``kmsg_path`` and
-    ``dmesg_argv`` are the kernel-log sources of the first follower (None/[] for none).
+    ``dmesg_argv`` are the kernel-log sources of the first follower (None/[] for none);
+    ``proc_root`` the folder whose ``proc/`` the host counters are read from.
     """
 
     def __init__(self, *, config, node: str, job: Optional[str] = None, interval: float = 1.0,
@@ -293,7 +315,8 @@ class Agent:
                  dmesg_argv: Optional[list] = None, unavailable_interval: float = 60.0,
                  capture_timeout: float = 10.0, flush_timeout: float = 5.0,
                  clock: Callable[[], float] = time.time, keys=None,
-                 capture_limits: CaptureLimits = CaptureLimits()):
+                 capture_limits: CaptureLimits = CaptureLimits(),
+                 proc_root: "str | os.PathLike" = "/"):
         self.config = config
         self.node = node
         self.job = job
@@ -310,6 +333,7 @@ class Agent:
         self.clock = clock
         self.keys = keys
         self.capture_limits = capture_limits
+        self.host = HostCounters(proc_root)
         self.registry = Registry(self.runtime_dir)
         self.topics = config.topics
         self.publisher: Optional[Publisher] = None
@@ -362,6 +386,13 @@ class Agent:
             bus_map = {}
         for follower in self._followers:
             follower.set_bus_id_map(bus_map)
+        start_pcie = getattr(self.source, "start_pcie_reader", None)
+        if start_pcie is not None:
+            try:
+                start_pcie(max(5.0, self.interval))
+            except Exception as exc:
+                log.warning("PCIe throughput reader not started (%s): read with each sample",
+                            exc)
         self._nvml_ready.set()
 
     # -- threads ---------------------------------------------------------------------------
@@ -442,7 +473,8 @@ class Agent:
             sampler = GpuSampler(self.source, node=self.node,
                                  unavailable_interval=self.unavailable_interval,
                                  on_available=self._nvml_up,
-                                 on_error=lambda: self.metrics.nvml_error("sample"))
+                                 on_error=lambda: self.metrics.nvml_error("sample"),
+                                 host=self.host.sample)
             self._start_followers()
             listener = self._command_listener()
             threads = [self._spawn(self._nvml_events, "trainguard-nvml-events", stop),
@@ -491,15 +523,16 @@ class Agent:
         log.info("stopped")
 
 
-def _setup_logging() -> None:
-    root = logging.getLogger("trainguard")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s trainguard agent: %(message)s",
-                                               "%H:%M:%S"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-        root.propagate = False
+def _setup_logging(args, node: str):
+    """The agent's log (trainguard.logs), where the command line has not set it up: the
+    handler installed, to take down on return, or None."""
+    from trainguard import logs
+
+    if logs.configured():
+        logs.add_fields(node=node)
+        return None
+    return logs.setup_from_args(args, "agent", fields={"job": getattr(args, "job", None),
+                                                       "node": node})
 
 
 def _check_args(args, node: str) -> None:
@@ -527,7 +560,7 @@ def main(args, config, keys=None) -> int:
     warn_if_unsigned(keys, "agent", f"capture_stacks commands on {config.topics.commands}")
     runtime_dir = (Path(args.runtime_dir).expanduser() if args.runtime_dir
                    else default_runtime_dir(os.environ))
-    _setup_logging()
+    log_handler = _setup_logging(args, node)
     stop = threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -550,3 +583,6 @@ def main(args, config, keys=None) -> int:
             signal.signal(s, handler)
         if metrics_server is not None:
             metrics_server.close()
+        from trainguard.logs import teardown
+
+        teardown(log_handler)

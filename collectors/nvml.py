@@ -6,8 +6,19 @@ event set. :class:`PynvmlSource` implements it with ``pynvml`` only; the module 
 (``PynvmlSource(lib=fake)``) so tests drive the real code with a fake that raises the real
 ``pynvml`` error classes.
 
-Error policy, per field read: ``NVMLError_NotSupported`` → the field is omitted (and not asked
-again for that GPU); any other NVML error → omitted and logged once; ``NVMLError_GpuIsLost`` →
+Beside the SPEC fields, each GPU entry carries, where the GPU and driver answer, the
+trainguard extensions ``mem_clock`` (MHz, ``nvmlDeviceGetClockInfo(MEM)``), ``power_limit`` (W,
+``nvmlDeviceGetEnforcedPowerLimit``) and ``pcie_tx_kbs``/``pcie_rx_kbs`` (KB/s,
+``nvmlDeviceGetPcieThroughput``), for the machine_outlier detector. The PCIe call measures
+for 20 ms each time (40 ms per GPU, 320 ms for an 8-GPU machine), so the node agent reads it
+on a thread of its own (:meth:`PynvmlSource.start_pcie_reader`) and :meth:`~PynvmlSource.sample`
+attaches the latest values (no older than ``pcie_max_age_s``); without that thread,
+``sample`` reads it inline.
+
+Error policy, per field read: ``NVMLError_NotSupported`` (or ``Deprecated``,
+``FunctionNotFound``, or a pynvml too old to have the function) → the field is omitted, not
+asked again for that GPU, and said once at INFO; any other NVML error → omitted and logged
+once; ``NVMLError_GpuIsLost`` →
 the GPU's entry becomes ``{"index", "uuid", "lost": True}`` (the trainguard extension of the
 ``gpu`` event; the detectors treat a lost or missing GPU as a ``gpu_fault``), logged once per
 loss. ``NVMLError_LibraryNotFound``/``DriverNotLoaded`` (and any other failure) at ``nvmlInit``
@@ -17,7 +28,9 @@ into the SPEC ``{"gpus": [], "status": "unavailable", "reason": ...}``.
 from __future__ import annotations
 
 import logging
+import re
 import threading
+import time
 from typing import Any, Optional, Protocol
 
 from .kmsg import normalize_bus_id
@@ -51,6 +64,7 @@ _NVLINK_COUNTERS = ("NVML_NVLINK_ERROR_DL_REPLAY", "NVML_NVLINK_ERROR_DL_RECOVER
                     "NVML_NVLINK_ERROR_DL_CRC_FLIT", "NVML_NVLINK_ERROR_DL_CRC_DATA",
                     "NVML_NVLINK_ERROR_DL_ECC_DATA")
 _MISSING = object()
+_NVML_NAME = re.compile(r"\b(nvml[A-Z]\w*|NVML_[A-Z0-9_]+)\b")
 
 
 class NvmlUnavailable(RuntimeError):
@@ -97,6 +111,7 @@ class _Device:
         self.status: dict = {}  # field -> "ok" | "not_supported" | "error: NVMLError_X"
         self.nvlinks: Optional[list] = None  # [(link, counter), ...] that answered
         self.lost = False
+        self.pcie: Optional[tuple] = None  # (tx KB/s, rx KB/s, time.monotonic() of the read)
 
 
 class PynvmlSource:
@@ -105,14 +120,19 @@ class PynvmlSource:
     ``lib``: the pynvml module or a fake (default: ``import pynvml`` at :meth:`init`).
     ``nvlink_counters``: names of the ``NVML_NVLINK_ERROR_*`` counters summed into
     ``nvlink_errors`` (default: replay, recovery, CRC flit, CRC data, ECC data).
+    ``pcie_max_age_s``: PCIe rates read by the reader thread longer ago are left out.
     Event types registered: Xid critical errors and double-bit ECC errors (reported as
     Xid 48, which is how the driver logs them). Single-bit ECC events are not registered:
     they have no Xid code and the ``ecc_sbe`` counter of the samples carries them.
     """
 
-    def __init__(self, lib: Any = None, *, nvlink_counters: Optional[tuple] = None):
+    def __init__(self, lib: Any = None, *, nvlink_counters: Optional[tuple] = None,
+                 pcie_max_age_s: float = 30.0):
         self.lib = lib
         self.nvlink_counters = nvlink_counters or _NVLINK_COUNTERS
+        self.pcie_max_age_s = pcie_max_age_s
+        self._pcie_thread: Optional[threading.Thread] = None
+        self._pcie_lock = threading.Lock()   # a PCIe pass, or nvmlShutdown
         self._devices: list = []
         self._initialized = False
         self._event_set: Any = None
@@ -169,9 +189,12 @@ class PynvmlSource:
     def shutdown(self) -> None:
         """Free the event set and shut NVML down; waits for a running :meth:`wait_event`."""
         self._closed.set()
+        reader, self._pcie_thread = self._pcie_thread, None
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(2.0)
         if not self._initialized:
             return
-        with self._event_lock:
+        with self._event_lock, self._pcie_lock:
             if self._event_set is not None:
                 try:
                     self.lib.nvmlEventSetFree(self._event_set)
@@ -209,10 +232,15 @@ class PynvmlSource:
     def sample(self) -> list:
         """One SPEC ``gpus`` list; initializes NVML first if needed."""
         self.init()
+        if self._pcie_thread is None:
+            self.read_pcie()
+        fresh_after = time.monotonic() - self.pcie_max_age_s
         out = []
         for dev in self._devices:
             try:
                 entry = self._sample_device(dev)
+                if dev.pcie is not None and dev.pcie[2] >= fresh_after:
+                    entry["pcie_tx_kbs"], entry["pcie_rx_kbs"] = dev.pcie[0], dev.pcie[1]
                 if dev.lost:
                     log.warning("GPU %d answers NVML again", dev.index)
                     dev.lost = False
@@ -239,6 +267,8 @@ class PynvmlSource:
             ("temp", lambda: self._temperature(h)),
             ("power", lambda: round(lib.nvmlDeviceGetPowerUsage(h) / 1000.0, 3)),
             ("sm_clock", lambda: int(lib.nvmlDeviceGetClockInfo(h, lib.NVML_CLOCK_SM))),
+            ("mem_clock", lambda: int(lib.nvmlDeviceGetClockInfo(h, lib.NVML_CLOCK_MEM))),
+            ("power_limit", lambda: round(lib.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0, 3)),
             ("throttle", lambda: self._throttle(h)),
             ("ecc_sbe", lambda: int(lib.nvmlDeviceGetTotalEccErrors(
                 h, lib.NVML_MEMORY_ERROR_TYPE_CORRECTED, lib.NVML_VOLATILE_ECC))),
@@ -264,8 +294,16 @@ class PynvmlSource:
             value = fn()
         except lib.NVMLError_GpuIsLost:
             raise _Lost() from None
-        except (lib.NVMLError_NotSupported, _deprecated(lib)):
+        except (lib.NVMLError_NotSupported, _deprecated(lib), lib.NVMLError_FunctionNotFound,
+                AttributeError) as err:
+            if isinstance(err, AttributeError) and not _missing_function(err):
+                raise                                    # a bug, not an old pynvml
             dev.status[field] = "not_supported"
+            why = ("this pynvml is too old for it" if isinstance(err, AttributeError)
+                   else type(err).__name__)
+            self._log_once(("not_supported", field), "GPU %d: %s is not supported (%s); it is "
+                           "left out of the samples", dev.index, field, why,
+                           level=logging.INFO)
             return _MISSING
         except lib.NVMLError as err:
             dev.status[field] = f"error: {type(err).__name__}"
@@ -331,6 +369,58 @@ class PynvmlSource:
         if not answered:
             raise lib.NVMLError(lib.NVML_ERROR_NOT_SUPPORTED)
         return total
+
+    # -- PCIe throughput -------------------------------------------------------------------
+    def read_pcie(self) -> None:
+        """Read every GPU's PCIe TX and RX throughput once (KB/s over NVML's 20 ms window,
+        so 40 ms per GPU); :meth:`sample` attaches what was read. Never raises for a GPU."""
+        lib = self.lib
+        if lib is None:
+            return
+        tx_id, rx_id = (getattr(lib, "NVML_PCIE_UTIL_TX_BYTES", 0),
+                        getattr(lib, "NVML_PCIE_UTIL_RX_BYTES", 1))
+        with self._pcie_lock:
+            for dev in self._devices:
+                if self._closed.is_set() or not self._initialized:
+                    return
+                if dev.lost or dev.handle is None:
+                    continue
+                if "not_supported" in (dev.status.get("pcie_tx_kbs"),
+                                       dev.status.get("pcie_rx_kbs")):
+                    continue                      # one without the other is not sent
+                h = dev.handle
+                try:
+                    tx = self._read(dev, "pcie_tx_kbs",
+                                    lambda: int(lib.nvmlDeviceGetPcieThroughput(h, tx_id)))
+                    rx = _MISSING if tx is _MISSING else self._read(
+                        dev, "pcie_rx_kbs",
+                        lambda: int(lib.nvmlDeviceGetPcieThroughput(h, rx_id)))
+                except _Lost:                     # the sample path reports the loss
+                    continue
+                if rx is not _MISSING:
+                    dev.pcie = (tx, rx, time.monotonic())
+
+    def start_pcie_reader(self, interval_s: float = 5.0) -> bool:
+        """Read PCIe throughput on a daemon thread every ``interval_s`` from now on, so that
+        :meth:`sample` does not wait for it; stops at :meth:`shutdown`. False when NVML is
+        not up or the thread already runs."""
+        if not self._initialized or self._pcie_thread is not None:
+            return False
+        self.pcie_max_age_s = max(self.pcie_max_age_s, 3.0 * interval_s)
+
+        def run() -> None:
+            while not self._closed.is_set():
+                try:
+                    self.read_pcie()
+                except Exception as exc:          # an odd driver: say so, keep sampling
+                    self._log_once(("pcie", type(exc).__name__), "PCIe throughput read "
+                                   "failed: %s", exc)
+                self._closed.wait(interval_s)
+
+        self._pcie_thread = threading.Thread(target=run, name="trainguard-nvml-pcie",
+                                             daemon=True)
+        self._pcie_thread.start()
+        return True
 
     # -- events ----------------------------------------------------------------------------
     def _setup_events(self) -> None:
@@ -400,15 +490,27 @@ class PynvmlSource:
         return {"gpu": gpu, "xid": xid, "source": "nvml",
                 "message": f"{what} (NVML event 0x{int(data.eventType):x}, data {int(data.eventData)})"}
 
-    def _log_once(self, key: Any, msg: str, *args: Any) -> None:
+    def _log_once(self, key: Any, msg: str, *args: Any, level: int = logging.WARNING) -> None:
         if key not in self._logged:
             self._logged.add(key)
-            log.warning(msg, *args)
+            log.log(level, msg, *args)
 
 
 def _deprecated(lib: Any) -> type:
     """NVML_ERROR_DEPRECATED's class (newer pynvml only), treated like NotSupported."""
     return getattr(lib, "NVMLError_Deprecated", lib.NVMLError_NotSupported)
+
+
+def _missing_function(err: AttributeError) -> bool:
+    """The AttributeError says the pynvml module lacks an ``nvml*`` function or ``NVML_*``
+    constant (a pynvml older than the driver's API), not that some other object lacks one.
+
+    >>> _missing_function(AttributeError("module 'pynvml' has no attribute 'nvmlDeviceGetX'"))
+    True
+    >>> _missing_function(AttributeError("'NoneType' object has no attribute 'gpu'"))
+    False
+    """
+    return _NVML_NAME.search(str(getattr(err, "name", None) or err)) is not None
 
 
 def _text(value: Any) -> str:

@@ -15,8 +15,10 @@ wrong; time that runs slow finds nothing false). Before the first settled step, 
 whose first lifecycle ``start`` is ``start_min_s`` or more off the others' already gets that
 as its offset (starts of one launch come within seconds), so a clock a minute ahead does not
 move the job's "now" during start-up either; its steps then outvote it. A machine that stops
-(hung, dead) keeps its last offset. Memory: per machine its samples, per open step one stamp
-per machine.
+(hung, dead) keeps its last offset. An offset beyond ``max_offset_s`` is not applied (the
+event-time filter refuses stamps further off anyway), so telemetry forged for made-up machines
+can shift a job's clock by ten minutes at most. Memory: per machine its samples (at most
+``max_nodes`` machines), per open step one stamp per machine.
 
 >>> c = JobClock()
 >>> for s in range(6):
@@ -38,12 +40,15 @@ class JobClock:
     """Per-machine clock offsets of one job, learned from step numbers (see the module)."""
 
     def __init__(self, settle: int = 2, samples: int = 9, min_offset_s: float = 1.0,
-                 start_min_s: float = 10.0, max_steps: int = 16):
+                 start_min_s: float = 10.0, max_offset_s: float = 600.0, max_steps: int = 16,
+                 max_nodes: int = 100_000):
         self.settle = settle
         self.samples = samples
         self.min_offset_s = min_offset_s
         self.start_min_s = start_min_s
+        self.max_offset_s = max_offset_s
         self.max_steps = max_steps
+        self.max_nodes = max_nodes
         self._starts: dict = {}        # node -> its first start of this launch
         self._stamps: dict = {}        # step -> {node: first stamp}
         self._diffs: dict = {}         # node -> its last differences from the references
@@ -107,12 +112,16 @@ class JobClock:
             self._add(node, diff)
 
     def _add(self, node, diff) -> None:
-        diffs = self._diffs.setdefault(node, [])
+        diffs = self._diffs.get(node)
+        if diffs is None:
+            if len(self._diffs) >= self.max_nodes:
+                return
+            diffs = self._diffs[node] = []
         diffs.append(diff)
         if len(diffs) > self.samples:
             del diffs[0]
         offset = median(diffs)
-        if abs(offset) >= self.min_offset_s:
+        if self.min_offset_s <= abs(offset) <= self.max_offset_s:
             self._offsets[node] = offset
         else:
             self._offsets.pop(node, None)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 
 from trainguard.overrides import (Accepted, OverrideBook, audit_action, check_record,
                                   topic_ends)
@@ -36,35 +35,19 @@ class ConfigFeed(FeedClient):
     ``verifier`` a :class:`~trainguard.signing.Verifier` (its keys None: unsigned records are
     accepted); ``keys`` sign the audit records."""
 
-    def __init__(self, *, kafka: dict, topics, book: OverrideBook, processor, verifier,
-                 worker: str, keys=None, metrics=None, clock=time.time,
-                 consumer_factory=None, producer_factory=None):
-        self.kafka = kafka
-        self.topics = topics                 # trainguard.config.Topics
+    GROUP = "tg-config"
+
+    def __init__(self, *, book: OverrideBook, worker: str, keys=None, **kw):
+        super().__init__(**kw)
         self.book = book
-        self.processor = processor
-        self.verifier = verifier
         self.worker = worker
         self.keys = keys
-        self.metrics = metrics
-        self.clock = clock
-        self.consumer_factory = consumer_factory
-        self.producer_factory = producer_factory
-        self.consumer = None
-        self.producer = None
         self.applied = 0
-        self.refused = 0
 
     def start(self) -> None:
-        from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+        from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
-        Consumer = self.consumer_factory or Consumer
-        Producer = self.producer_factory or Producer
-        self.producer = Producer({**self.kafka, "linger.ms": 5, "acks": "all",
-                                  "enable.idempotence": True})
-        self.consumer = Consumer({**self.kafka, "group.id": f"tg-config-{uuid.uuid4().hex}",
-                                  "enable.auto.commit": False,
-                                  "auto.offset.reset": "earliest"})
+        self.consumer = self._clients("earliest")
         topic = self.topics.config
         try:
             meta = self.consumer.list_topics(topic, timeout=30).topics.get(topic)

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-import uuid
 
 from trainguard import events as ev
 
@@ -32,7 +30,6 @@ from .feed_client import FeedClient
 __all__ = ["FalseAlarmFeed", "learned_from", "MAX_STALLED_S"]
 
 log = logging.getLogger(__name__)
-MAX_PER_POLL = 500
 #: the longest stall a false alarm may teach (a day): a forged or broken record cannot
 #: switch hang detection off for good
 MAX_STALLED_S = 86400.0
@@ -73,42 +70,8 @@ class FalseAlarmFeed(FeedClient):
     """See the module docstring. ``processor`` is the job side's ``JobProcessor``;
     ``verifier`` a :class:`~trainguard.signing.Verifier`."""
 
-    def __init__(self, *, kafka: dict, topics, processor, verifier, metrics=None,
-                 clock=time.time, consumer_factory=None, producer_factory=None):
-        self.kafka = kafka
-        self.topics = topics
-        self.processor = processor
-        self.verifier = verifier
-        self.metrics = metrics
-        self.clock = clock
-        self.consumer_factory = consumer_factory
-        self.producer_factory = producer_factory
-        self.consumer = None
-        self.producer = None
-        self.learned = 0
-        self.refused = 0
-
-    def start(self) -> None:
-        from confluent_kafka import Consumer, Producer
-
-        Consumer = self.consumer_factory or Consumer
-        Producer = self.producer_factory or Producer
-        self.producer = Producer({**self.kafka, "linger.ms": 5, "acks": "all",
-                                  "enable.idempotence": True})
-        self.consumer = Consumer({**self.kafka, "group.id": f"tg-false-alarms-{uuid.uuid4().hex}",
-                                  "enable.auto.commit": False, "auto.offset.reset": "latest"})
-        self.consumer.subscribe([self.topics.actions])
-
-    def poll(self) -> int:
-        """Learn from what came since (without waiting); returns the records read."""
-        if self.consumer is None:
-            return 0
-        msgs = self.consumer.consume(MAX_PER_POLL, timeout=0)
-        for msg in msgs:
-            if not msg.error():
-                self.handle(msg.key(), msg.value(), msg.partition(), msg.offset())
-        self.producer.poll(0)
-        return len(msgs)
+    TOPIC = "actions"
+    GROUP = "tg-false-alarms"
 
     def handle(self, key, value, partition: int, offset: int) -> bool:
         """One record of the actions topic; True when a job stage learned from it."""

@@ -14,8 +14,6 @@ live stage on this worker is another worker's and is left.
 from __future__ import annotations
 
 import logging
-import time
-import uuid
 
 from trainguard import events as ev
 
@@ -25,7 +23,6 @@ from .feed_client import FeedClient
 __all__ = ["FeedbackFeed", "FeedGroup", "AUDIT_CODE"]
 
 log = logging.getLogger(__name__)
-MAX_PER_POLL = 500
 AUDIT_CODE = "feedback"
 
 
@@ -33,42 +30,12 @@ class FeedbackFeed(FeedClient):
     """See the module docstring. ``processor`` is the job side's ``JobProcessor``;
     ``verifier`` a :class:`~trainguard.signing.Verifier`; ``keys`` sign the audit records."""
 
-    def __init__(self, *, kafka: dict, topics, processor, verifier, keys=None, metrics=None,
-                 clock=time.time, consumer_factory=None, producer_factory=None):
-        self.kafka = kafka
-        self.topics = topics
-        self.processor = processor
-        self.verifier = verifier
+    TOPIC = "orders"
+    GROUP = "tg-feedback"
+
+    def __init__(self, *, keys=None, **kw):
+        super().__init__(**kw)
         self.keys = keys
-        self.metrics = metrics
-        self.clock = clock
-        self.consumer_factory = consumer_factory
-        self.producer_factory = producer_factory
-        self.consumer = None
-        self.producer = None
-        self.learned = 0
-        self.refused = 0
-
-    def start(self) -> None:
-        from confluent_kafka import Consumer, Producer
-
-        Consumer = self.consumer_factory or Consumer
-        Producer = self.producer_factory or Producer
-        self.producer = Producer({**self.kafka, "linger.ms": 5, "acks": "all",
-                                  "enable.idempotence": True})
-        self.consumer = Consumer({**self.kafka, "group.id": f"tg-feedback-{uuid.uuid4().hex}",
-                                  "enable.auto.commit": False, "auto.offset.reset": "latest"})
-        self.consumer.subscribe([self.topics.orders])
-
-    def poll(self) -> int:
-        if self.consumer is None:
-            return 0
-        msgs = self.consumer.consume(MAX_PER_POLL, timeout=0)
-        for msg in msgs:
-            if not msg.error():
-                self.handle(msg.key(), msg.value(), msg.partition(), msg.offset())
-        self.producer.poll(0)
-        return len(msgs)
 
     def handle(self, key, value, partition: int, offset: int) -> dict | None:
         """One record of the orders topic; what the job learned, or None."""

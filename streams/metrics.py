@@ -66,6 +66,11 @@ COUNTERS = {
     "config_overrides_applied": "Per-job overrides read from the config topic and applied.",
     "config_overrides_refused": "Config topic records refused (unsigned, forged, malformed, "
                                 "out of range, replayed) and dead-lettered.",
+    "feedback_learned": "People's verdicts on incidents (trainguard feedback: false alarm, "
+                        "confirmed, reset) that a live job stage learned from.",
+    "feedback_refused": "Feedback records refused (unsigned, forged, stale, replayed, "
+                        "malformed, or for an incident the job does not know) and "
+                        "dead-lettered.",
     "gc_seconds": "Seconds spent in scheduled garbage collections.",
     "rank_side_cpu_seconds": "CPU seconds of the rank side: decoding, aligning, the rank and "
                              "node stages, producing summaries.",

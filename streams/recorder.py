@@ -56,7 +56,8 @@ def topic_for(event: ev.Event, topics: Topics) -> str:
     if kind in TELEMETRY:
         return topics.telemetry
     return {"command": topics.commands, "stack": topics.stacks, "anomaly": topics.anomalies,
-            "incident": topics.anomalies, "action": topics.actions, "order": topics.orders, "ack": topics.orders}[kind]
+            "incident": topics.anomalies, "action": topics.actions, "order": topics.orders, "ack": topics.orders,
+            "feedback": topics.orders}[kind]
 
 
 def message_key(event: ev.Event) -> bytes:

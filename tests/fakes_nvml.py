@@ -4,7 +4,8 @@
 with realistic H100/H200 values, takes constants and error classes from the real ``pynvml``
 module, and raises the real error classes built the way pynvml builds them
 (``pynvml.NVMLError(code)`` returns the matching ``NVMLError_*`` subclass instance).
-Functions it does not implement raise ``AttributeError``, as a too-old pynvml would.
+Functions it does not implement raise ``AttributeError``, as a too-old pynvml would; so do
+the names in ``missing`` (``FakePynvml(..., missing={"nvmlDeviceGetPcieThroughput"})``).
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ class FakeGpu:
     temp: int = 61
     power_mw: int = 652_318
     sm_clock: int = 1980
+    mem_clock: int = 2619            # HBM3 (H100 SXM); H200's HBM3e: 3201
+    power_limit_mw: int = 700_000    # enforced limit, mW (H100/H200 SXM: 700 W)
+    pcie_tx_kbs: int = 1_250_000     # KB/s over NVML's 20 ms window
+    pcie_rx_kbs: int = 3_400_000
     clock_reasons: int = 0
     ecc_sbe: int = 0
     ecc_dbe: int = 0
@@ -48,7 +53,8 @@ class FakeGpu:
     pcie_replay: int = 0
     nvlinks: int = 18                # H100 SXM: 18 NVLink4 links
     nvlink_counts: dict = field(default_factory=dict)   # (link, counter) -> count
-    unsupported: set = field(default_factory=set)       # function names -> NotSupported
+    unsupported: set = field(default_factory=set)       # function names -> NotSupported;
+    # also ("clock", NVML_CLOCK_*), ("pcie", NVML_PCIE_UTIL_*) for one kind of a call
     errors: dict = field(default_factory=dict)          # function name -> NVML error code
     lost: bool = False
     supported_events: int = ALL_EVENTS
@@ -68,7 +74,9 @@ class FakePynvml:
     """Module-like stand-in for ``pynvml``; see the module docstring."""
 
     def __init__(self, gpus: list, *, init_error: int | None = None,
-                 event_error: int | None = None, old_api: bool = False):
+                 event_error: int | None = None, old_api: bool = False,
+                 missing: set | None = None):
+        self.missing = set(missing or ())   # nvml* functions this "pynvml" lacks
         self.gpus = gpus
         self.init_error = init_error
         self.event_error = event_error
@@ -78,6 +86,11 @@ class FakePynvml:
         self.event_sets: list = []
         self._events: queue.Queue = queue.Queue()
         self._registered: dict = {}  # index -> event type mask
+
+    def __getattribute__(self, name: str):
+        if name.startswith("nvml") and name in object.__getattribute__(self, "missing"):
+            raise AttributeError(f"FakePynvml does not implement {name}")
+        return object.__getattribute__(self, name)
 
     def __getattr__(self, name: str):
         if name == "nvmlDeviceGetCurrentClocksEventReasons" and not self.old_api:
@@ -169,8 +182,25 @@ class FakePynvml:
         return self._gpu(handle, "nvmlDeviceGetPowerUsage").power_mw
 
     def nvmlDeviceGetClockInfo(self, handle: FakeHandle, clock_type: int) -> int:
+        gpu = self._gpu(handle, "nvmlDeviceGetClockInfo")
+        if ("clock", clock_type) in gpu.unsupported:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if clock_type == pynvml.NVML_CLOCK_MEM:
+            return gpu.mem_clock
         assert clock_type == pynvml.NVML_CLOCK_SM
-        return self._gpu(handle, "nvmlDeviceGetClockInfo").sm_clock
+        return gpu.sm_clock
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: FakeHandle) -> int:
+        return self._gpu(handle, "nvmlDeviceGetEnforcedPowerLimit").power_limit_mw
+
+    def nvmlDeviceGetPcieThroughput(self, handle: FakeHandle, counter: int) -> int:
+        gpu = self._gpu(handle, "nvmlDeviceGetPcieThroughput")
+        if ("pcie", counter) in gpu.unsupported:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES:
+            return gpu.pcie_tx_kbs
+        assert counter == pynvml.NVML_PCIE_UTIL_RX_BYTES
+        return gpu.pcie_rx_kbs
 
     def _clock_event_reasons(self, handle: FakeHandle) -> int:
         return self._gpu(handle, "nvmlDeviceGetCurrentClocksEventReasons").clock_reasons
@@ -256,6 +286,7 @@ def hgx_node(model: str = "H100", n: int = 8, **overrides) -> FakePynvml:
         if model == "H200":
             gpu.name, gpu.mem_total, gpu.mem_used = ("NVIDIA H200", H200_MEM_TOTAL,
                                                      131_940_352_000)
+            gpu.mem_clock = 3201
         for k, v in overrides.items():
             setattr(gpu, k, v)
         gpus.append(gpu)

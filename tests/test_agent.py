@@ -274,6 +274,137 @@ def test_lost_gpu_and_nvml_that_comes_and_goes():
     assert ready == [1]
 
 
+# -- host counters (/proc) -----------------------------------------------------------------
+PROC_STAT = """cpu  {user} 120 {system} {idle} 1769 0 1450 {steal} 0 0
+cpu0 145250 0 22401 134362 602 0 475 237 0 0
+intr 1 2 3
+ctxt 99
+"""
+NET_DEV = """Inter-|   Receive                                                |  Transmit
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
+    lo: 982259626 1111808    0    0    0     0          0         0 982259626 1111808    0    0    0     0       0          0
+  eth0: {eth0_rx}  153430    0    0    0     0          0         0  {eth0_tx}   79847    0    0    0     0       0          0
+  ib0: {ib0_rx} 10 0 0 0 0 0 0 {ib0_tx} 10 0 0 0 0 0 0
+"""
+SNMP = """Ip: Forwarding DefaultTTL InReceives
+Ip: 2 64 1265159
+Tcp: RtoAlgorithm RtoMin RtoMax MaxConn ActiveOpens PassiveOpens AttemptFails EstabResets CurrEstab InSegs OutSegs RetransSegs InErrs OutRsts InCsumErrors
+Tcp: 1 200 120000 -1 52601 5059 47458 1349 12 1264475 {out} {retrans} 0 48844 0
+Udp: InDatagrams NoPorts
+Udp: 5 6
+"""
+
+
+def write_proc(root, *, user=1000, system=500, idle=8000, steal=0, eth0=(7_000, 6_000),
+               ib0=(10**12, 2 * 10**12), out=1_190_007, retrans=981):
+    (root / "proc" / "net").mkdir(parents=True, exist_ok=True)
+    (root / "proc" / "stat").write_text(PROC_STAT.format(user=user, system=system, idle=idle,
+                                                         steal=steal))
+    (root / "proc" / "net" / "dev").write_text(NET_DEV.format(
+        eth0_rx=eth0[0], eth0_tx=eth0[1], ib0_rx=ib0[0], ib0_tx=ib0[1]))
+    (root / "proc" / "net" / "snmp").write_text(SNMP.format(out=out, retrans=retrans))
+
+
+def test_host_counters_from_proc_files(tmp_path):
+    from trainguard.collectors.host import HostCounters
+
+    write_proc(tmp_path)
+    host = HostCounters(tmp_path)
+    first = host.sample()
+    assert first == {"net_rx_bytes": 10**12 + 7_000, "net_tx_bytes": 2 * 10**12 + 6_000,
+                     "tcp_retrans": 981, "tcp_out_segs": 1_190_007}   # lo is not counted
+    # one second later: 4 CPUs 60% busy (steal counts as busy, iowait does not)
+    write_proc(tmp_path, user=1000 + 200, system=500 + 20, steal=20, idle=8000 + 160,
+               eth0=(7_000 + 5_000_000, 6_000 + 1_000), out=1_190_007 + 1000,
+               retrans=981 + 7)
+    second = host.sample()
+    assert second["cpu_util"] == 60.0
+    assert second["net_rx_bytes"] - first["net_rx_bytes"] == 5_000_000
+    assert (second["tcp_retrans"] - first["tcp_retrans"],
+            second["tcp_out_segs"] - first["tcp_out_segs"]) == (7, 1000)
+    # the consumer turns two samples into bytes/s and retransmits per segment sent
+    from trainguard.detectors.machine_outlier import FEATURES, MachineVector
+
+    mv = MachineVector()
+    mv.vector(100.0, [], first)
+    x = mv.vector(101.0, [], second)
+    assert x[FEATURES.index("host_cpu")] == 60.0
+    assert x[FEATURES.index("net_bytes_rate")] == 5_001_000.0
+    assert x[FEATURES.index("tcp_retrans")] == 0.007
+
+
+def test_host_counters_leave_out_what_cannot_be_read_and_say_it_once(tmp_path, caplog):
+    import logging
+
+    from trainguard.collectors.host import HostCounters
+
+    write_proc(tmp_path)
+    (tmp_path / "proc" / "net" / "snmp").write_text("Ip: a\nIp: 1\n")       # no Tcp lines
+    (tmp_path / "proc" / "net" / "dev").unlink()
+    host = HostCounters(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="trainguard.collectors.host"):
+        for _ in range(3):
+            assert host.sample() is None        # /proc/stat unchanged: no interval to judge
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and any("cannot read" in m and "net/dev" in m for m in said)
+    assert any("cannot parse" in m and "snmp" in m for m in said)
+    assert HostCounters(tmp_path / "nowhere").sample() is None
+
+
+def test_host_network_counters_prefer_process_1s_namespace(tmp_path):
+    """In a pod with hostPID, /proc/1/net is the machine's network; /proc/net the pod's."""
+    from trainguard.collectors.host import HostCounters
+
+    write_proc(tmp_path, eth0=(1, 2), ib0=(0, 0), retrans=5)       # the agent's own
+    machine = tmp_path / "proc" / "1" / "net"
+    machine.mkdir(parents=True)
+    (machine / "dev").write_text(NET_DEV.format(eth0_rx=10, eth0_tx=20, ib0_rx=300,
+                                                ib0_tx=400))
+    (machine / "snmp").write_text(SNMP.format(out=77, retrans=7))
+    assert HostCounters(tmp_path).sample() == {"net_rx_bytes": 310, "net_tx_bytes": 420,
+                                               "tcp_retrans": 7, "tcp_out_segs": 77}
+
+
+def test_gpu_events_carry_the_host_object_and_stay_contract_valid(tmp_path):
+    from trainguard.collectors.host import HostCounters
+
+    write_proc(tmp_path)
+    host = HostCounters(tmp_path)
+    sampler = GpuSampler(PynvmlSource(lib=hgx_node("H100", n=2)), node="n1", host=host.sample)
+    first = sampler.tick(["j1", "j2"], now=NOW)
+    assert [roundtrip(e).host for e in first] == [first[0].host] * 2
+    assert "cpu_util" not in first[0].host and first[0].host["tcp_retrans"] == 981
+    write_proc(tmp_path, user=1300, idle=8100)
+    back = roundtrip(sampler.tick(["j1"], now=NOW + 1)[0])
+    assert back.host["cpu_util"] == 75.0
+    g = back.gpus[0]
+    assert (g["mem_clock"], g["power_limit"], g["pcie_tx_kbs"], g["pcie_rx_kbs"]) == (
+        2619, 700.0, 1_250_000, 3_400_000)
+    # no host counters (not Linux, a broken reader): the GPU sample goes without them
+    broken = GpuSampler(PynvmlSource(lib=hgx_node(n=1)), node="n1",
+                        host=lambda: 1 / 0)
+    assert [roundtrip(e).host for e in broken.tick(["j1"], now=NOW)] == [None]
+    down = GpuSampler(PynvmlSource(lib=FakePynvml(
+        [], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)), node="n1", host=host.sample)
+    [unavailable] = down.tick(["j1"], now=NOW)
+    assert unavailable.status == "unavailable" and roundtrip(unavailable).host is None
+
+
+def test_cost_of_the_host_counters_per_sample(tmp_path):
+    """Three small /proc reads per sample (this machine's own /proc)."""
+    from trainguard.collectors.host import HostCounters
+
+    host = HostCounters("/")
+    host.sample()
+    n = 300
+    t0 = time.perf_counter()
+    for _ in range(n):
+        host.sample()
+    per_sample_us = (time.perf_counter() - t0) / n * 1e6
+    print(f"host counters: {per_sample_us:.0f} us per sample")
+    assert per_sample_us < 5_000
+
+
 def test_event_jobs_come_from_the_registry():
     assert event_jobs(None, ranks("a") + ranks("b") + [{"job": "../x"}]) == ["a", "b"]
     assert event_jobs(None, []) == [agent_mod.IDLE_JOB]

@@ -171,6 +171,43 @@ def test_no_gpu_sample_and_a_kernel_log_xid(kafka_config, tmp_path):
         reader.close()
 
 
+def test_the_agent_sends_the_new_gpu_counters_and_the_host_object(kafka_config, tmp_path):
+    """The agent's real loop (Kafka producer, sampler, PCIe reader thread) with the fake NVML
+    and /proc fixture files: what machine_outlier reads arrives on the telemetry topic."""
+    from fakes_nvml import hgx_node
+    from test_agent import write_proc
+    from trainguard.collectors.agent import Agent
+    from trainguard.collectors.nvml import PynvmlSource
+
+    write_proc(tmp_path)
+    fake = hgx_node("H200", n=2, unsupported={("clock", 2)})     # no memory clock here
+    agent = Agent(config=kafka_config, node="n1", job="j1", interval=0.2,
+                  runtime_dir=tmp_path / "run", source=PynvmlSource(lib=fake), kmsg_path=None,
+                  dmesg_argv=[], proc_root=tmp_path)
+    reader = Reader(kafka_config, kafka_config.topics.telemetry)
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        first = reader.wait(lambda e: e.type == "gpu", timeout=20)
+        assert first and first[0].host["tcp_out_segs"] == 1_190_007
+        write_proc(tmp_path, user=1400, idle=8400, retrans=990)    # 50% busy since
+        later = reader.wait(lambda e: e.type == "gpu" and e.host
+                            and e.host.get("tcp_retrans") == 990
+                            and "cpu_util" in e.host, timeout=20)
+        assert later and later[0].host["cpu_util"] == 50.0
+        g = later[0].gpus[1]
+        assert (g["power_limit"], g["pcie_tx_kbs"], g["pcie_rx_kbs"]) == (
+            700.0, 1_250_000, 3_400_000)
+        assert "mem_clock" not in g and g["sm_clock"] == 1980
+        assert agent.source._pcie_thread is not None      # PCIe read off the sample path
+    finally:
+        stop.set()
+        thread.join(15)
+        reader.close()
+    assert not thread.is_alive() and not fake.initialized
+
+
 def test_real_stack_capture_of_a_4_rank_gloo_job(kafka_config, tmp_path):
     from confluent_kafka import Producer
 

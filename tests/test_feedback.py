@@ -129,3 +129,27 @@ def test_orders_acks_and_other_jobs_are_left_alone():
                              incident="inc-1", kind="nan"), keys)
     assert feed.handle(b"k", ev.encode(other), 0, 2) is None
     assert feed.producer.sent == [] and stage.lessons.summary()["confirmed"] == []
+
+
+def test_the_action_service_and_the_recorder_know_feedback_belongs_on_the_orders_topic():
+    """The action service watches the orders topic too: a feedback is the worker's, not a
+    stray event to dead-letter; a recording of the orders topic replays it there."""
+    from types import SimpleNamespace
+
+    from trainguard.actions.service import _OrderWatcher
+    from trainguard.streams.recorder import topic_for
+
+    keys = SigningKeys.parse(generate_key())
+    raw = ev.encode(feedback(keys, incident="inc-1", kind="straggler"))
+    dead = []
+    watcher = _OrderWatcher.__new__(_OrderWatcher)
+    watcher.desk, watcher.started = None, 0.0
+    watcher.deadletter = lambda msg, reason: dead.append(reason)
+    msg = SimpleNamespace(error=lambda: None, value=lambda: raw, timestamp=lambda: (1, 2e12))
+    watcher._one(msg)
+    assert dead == []
+    stray = ev.encode(ev.Xid(job="j", ts=time.time(), xid=79, source="kmsg", message="x"))
+    watcher._one(SimpleNamespace(error=lambda: None, value=lambda: stray,
+                                 timestamp=lambda: (1, 2e12)))
+    assert dead == ["a xid event does not belong on the orders topic"]
+    assert topic_for(ev.decode(raw), Topics(prefix="tg")) == "tg.orders"

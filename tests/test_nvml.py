@@ -27,7 +27,8 @@ DBE = pynvml.nvmlEventTypeDoubleBitEccError
 SBE = pynvml.nvmlEventTypeSingleBitEccError
 FIELDS = {"index", "uuid", "util", "mem_used", "mem_total", "temp", "power", "sm_clock",
           "throttle", "ecc_sbe", "ecc_dbe", "remapped_pending", "remapped_failure",
-          "pcie_replay", "nvlink_errors"}
+          "pcie_replay", "nvlink_errors", "mem_clock", "power_limit", "pcie_tx_kbs",
+          "pcie_rx_kbs"}
 
 
 def source(fake: FakePynvml) -> PynvmlSource:
@@ -311,6 +312,132 @@ def test_real_pynvml_either_samples_or_reports_unavailable():
         assert payload["gpus"] == [] and payload["reason"]
     else:
         assert payload["gpus"] and all("uuid" in g for g in payload["gpus"])
+
+
+# -- the counters for machine_outlier (issue 24) ------------------------------------------
+NEW_FIELDS = {"mem_clock", "power_limit", "pcie_tx_kbs", "pcie_rx_kbs"}
+
+
+def test_memory_clock_power_limit_and_pcie_throughput_with_their_units():
+    fake = hgx_node("H200", n=2)
+    fake.gpus[1].mem_clock, fake.gpus[1].power_limit_mw = 1593, 450_500   # a capped, slow GPU
+    fake.gpus[1].pcie_tx_kbs, fake.gpus[1].pcie_rx_kbs = 12, 7
+    src = source(fake)
+    g0, g1 = src.sample()
+    assert (g0["mem_clock"], g0["power_limit"]) == (3201, 700.0)          # MHz, W
+    assert (g0["pcie_tx_kbs"], g0["pcie_rx_kbs"]) == (1_250_000, 3_400_000)   # KB/s
+    assert (g1["mem_clock"], g1["power_limit"], g1["pcie_tx_kbs"], g1["pcie_rx_kbs"]) == \
+        (1593, 450.5, 12, 7)
+    assert type(g0["mem_clock"]) is int and type(g0["power_limit"]) is float
+    assert all(src.field_status()[0][f] == "ok" for f in NEW_FIELDS)
+    validate_gpu_payload(gpu_event_payload(src))
+    fake.gpus[1].mem_clock = 1200                   # read again each sample
+    assert src.sample()[1]["mem_clock"] == 1200
+
+
+@pytest.mark.parametrize("unsupported, gone", [
+    ({("clock", pynvml.NVML_CLOCK_MEM)}, {"mem_clock"}),
+    ({"nvmlDeviceGetEnforcedPowerLimit"}, {"power_limit"}),
+    ({"nvmlDeviceGetPcieThroughput"}, {"pcie_tx_kbs", "pcie_rx_kbs"}),
+    ({("pcie", pynvml.NVML_PCIE_UTIL_RX_BYTES)}, {"pcie_tx_kbs", "pcie_rx_kbs"}),
+])
+def test_an_unsupported_new_counter_is_left_out_asked_once_and_said_once(unsupported, gone,
+                                                                         caplog):
+    fake = hgx_node(n=2, unsupported=set(unsupported))
+    src = source(fake)
+    with caplog.at_level(logging.INFO, logger="trainguard.collectors.nvml"):
+        first = src.sample()
+        calls = dict(fake.calls)
+        for _ in range(3):
+            assert src.sample() == first
+    for g in first:
+        assert set(g) == FIELDS - gone
+    asked = {"power_limit": "nvmlDeviceGetEnforcedPowerLimit",
+             "pcie_tx_kbs": "nvmlDeviceGetPcieThroughput"}
+    for name in (asked[f] for f in gone if f in asked):
+        assert fake.calls[name] == calls[name]              # not asked again
+    said = [r for r in caplog.records if "not supported" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO     # said once, for all GPUs
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    validate_gpu_payload(gpu_event_payload(src))
+
+
+def test_an_old_pynvml_without_the_new_functions_still_samples(caplog):
+    fake = hgx_node(n=2)
+    fake.missing = {"nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetPcieThroughput"}
+    src = source(fake)
+    with caplog.at_level(logging.INFO, logger="trainguard.collectors.nvml"):
+        for _ in range(3):
+            gpus = src.sample()
+    assert all(set(g) == FIELDS - {"power_limit", "pcie_tx_kbs", "pcie_rx_kbs"} for g in gpus)
+    assert src.field_status()[1]["power_limit"] == "not_supported"
+    said = [r.getMessage() for r in caplog.records if "not supported" in r.getMessage()]
+    assert len(said) == 2 and all("pynvml is too old" in m for m in said)
+
+
+def test_other_errors_of_the_new_counters_are_logged_once(caplog):
+    fake = hgx_node(n=1, errors={"nvmlDeviceGetPcieThroughput": pynvml.NVML_ERROR_NO_PERMISSION,
+                                 "nvmlDeviceGetEnforcedPowerLimit": pynvml.NVML_ERROR_UNKNOWN})
+    src = source(fake)
+    with caplog.at_level(logging.WARNING, logger="trainguard.collectors.nvml"):
+        for _ in range(3):
+            g = src.sample()[0]
+            assert not {"power_limit", "pcie_tx_kbs", "pcie_rx_kbs"} & set(g)
+            assert g["mem_clock"] == 2619
+    assert len([r for r in caplog.records if "power_limit" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "pcie_tx_kbs" in r.getMessage()]) == 1
+    del fake.gpus[0].errors["nvmlDeviceGetPcieThroughput"]     # a transient error: read again
+    assert src.sample()[0]["pcie_rx_kbs"] == 3_400_000
+
+
+def test_the_pcie_reader_thread_keeps_the_20ms_calls_out_of_the_sample_path():
+    fake = hgx_node(n=4)
+    src = source(fake)
+    assert src.start_pcie_reader(interval_s=0.05) and not src.start_pcie_reader(0.05)
+    try:
+        deadline = time.monotonic() + 5
+        while fake.calls["nvmlDeviceGetPcieThroughput"] < 16 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fake.gpus[2].pcie_rx_kbs = 99
+        deadline = time.monotonic() + 5
+        while src.sample()[2].get("pcie_rx_kbs") != 99 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert src.sample()[2]["pcie_rx_kbs"] == 99          # the reader's latest values
+        src.shutdown()
+        assert src._pcie_thread is None                      # joined at shutdown
+        calls = fake.calls["nvmlDeviceGetPcieThroughput"]
+        time.sleep(0.15)
+        assert fake.calls["nvmlDeviceGetPcieThroughput"] == calls
+    finally:
+        src.shutdown()
+    # values older than pcie_max_age_s are left out rather than sent stale
+    stale = PynvmlSource(lib=hgx_node(n=1), pcie_max_age_s=0.0)
+    stale.init()
+    stale.start_pcie_reader(interval_s=3600)
+    try:
+        time.sleep(0.05)
+        stale.pcie_max_age_s = 0.0
+        assert "pcie_tx_kbs" not in stale.sample()[0]
+    finally:
+        stale.shutdown()
+
+
+def test_cost_per_sample_of_an_8_gpu_machine():
+    """What one sample costs in this process with the fake (the driver's own time is not in
+    it); the PCIe reads are on the reader thread, as in the agent."""
+    src = source(hgx_node("H100"))
+    src.start_pcie_reader(interval_s=3600)
+    try:
+        src.sample()
+        n = 200
+        t0 = time.perf_counter()
+        for _ in range(n):
+            src.sample()
+        per_sample_us = (time.perf_counter() - t0) / n * 1e6
+    finally:
+        src.shutdown()
+    print(f"NVML sample of 8 fake GPUs: {per_sample_us:.0f} us")
+    assert per_sample_us < 20_000
 
 
 def test_doctests():
