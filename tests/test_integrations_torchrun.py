@@ -95,7 +95,8 @@ def test_every_rank_sends_steps_with_times_phases_and_loss(watched_jobs):
     # hook sees it, for plain)
     loading = "idle" if name == "plain" else "data"
     phases[SLOW_RANK].pop("init", None)
-    assert phases[SLOW_RANK].most_common(1)[0][0] == loading, phases[SLOW_RANK]
+    # the most common, ties allowed (a short job's rank sends a few heartbeats a second)
+    assert phases[SLOW_RANK][loading] == max(phases[SLOW_RANK].values()), phases[SLOW_RANK]
     life = by_type(events, "lifecycle")
     assert {e.rank for e in life if e.event == "start"} == set(range(NPROC))
     assert {e.rank for e in life if e.event == "exit"} == set(range(NPROC))
