@@ -110,18 +110,25 @@ class Job:
         return out, hang_at
 
 
+def feed(detector, items, until: float, every: float = 1.0) -> list:
+    """Feed ``(ts, item)`` pairs in time order, advancing every ``every`` s up to ``until``;
+    the findings."""
+    items = sorted(items, key=lambda x: x[0])
+    found, i, t = [], 0, items[0][0]
+    while t <= until:
+        while i < len(items) and items[i][0] <= t:
+            found += detector.update(items[i][1])
+            i += 1
+        found += detector.advance(t)
+        t += every
+    return found
+
+
 def run(job: Job, until: float, detector: HangDetector | None = None, every: float = 0.5):
     """Feed the job in arrival order (the job's clock: rank 0's), advancing every ``every``."""
     d = detector if detector is not None else HangDetector()
     items, hang_at = job.items(until)
-    found, i, t = [], 0, items[0][0]
-    while t <= until:
-        while i < len(items) and items[i][0] <= t:
-            found += d.update(items[i][1])
-            i += 1
-        found += d.advance(t)
-        t += every
-    return found, hang_at, d
+    return feed(d, items, until, every), hang_at, d
 
 
 def to_events(job: Job, until: float, name: str = "pj", compute_frac: float = 0.9) -> list:

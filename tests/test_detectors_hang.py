@@ -7,6 +7,8 @@ import pickle
 from trainguard.detectors import Correlator, HangDetector, JobStage
 from trainguard.detectors.base import to_anomaly
 
+from peer_jobs import feed
+
 
 def step(s, ts, rank=0):
     return {"k": "step", "rank": rank, "node": "n1", "ts": ts, "step": s}
@@ -15,21 +17,6 @@ def step(s, ts, rank=0):
 def hb(ts, phase, since, s=None, rank=0):
     return {"k": "hb", "rank": rank, "node": "n1", "ts": ts, "step": s, "phase": phase,
             "phase_since": since}
-
-
-def run(detector, items, until, every=1.0):
-    """Feed ``(ts, item)`` pairs in time order, advancing every ``every`` s up to ``until``."""
-    found, t = [], None
-    items = sorted(items, key=lambda x: x[0])
-    i = 0
-    t = items[0][0]
-    while t <= until:
-        while i < len(items) and items[i][0] <= t:
-            found += detector.update(items[i][1])
-            i += 1
-        found += detector.advance(t)
-        t += every
-    return found
 
 
 def six_second_job(steps, checkpoint_at=None, checkpoint_s=45.0, hang_at=None):
@@ -54,7 +41,7 @@ def six_second_job(steps, checkpoint_at=None, checkpoint_s=45.0, hang_at=None):
 
 def test_a_45s_checkpoint_between_6s_steps_is_no_hang():
     items, end = six_second_job(20, checkpoint_at=10)
-    assert run(HangDetector(), items, end + 5) == []
+    assert feed(HangDetector(), items, end + 5) == []
 
 
 def test_first_step_has_its_own_budget_and_a_ten_minute_step_job_is_not_hung():
@@ -64,12 +51,12 @@ def test_first_step_has_its_own_budget_and_a_ten_minute_step_job_is_not_hung():
     for s in range(4):
         items.append((t, step(s, t)))
         t += 600.0                                   # 10-minute steps
-    assert run(d, items, t - 590.0, every=5.0) == []
+    assert feed(d, items, t - 590.0, every=5.0) == []
 
 
 def test_a_real_stall_after_steps_is_found_within_three_step_p99():
     items, stall = six_second_job(30, hang_at=25)
-    found = run(HangDetector(), items, stall + 150)
+    found = feed(HangDetector(), items, stall + 150)
     assert [f.kind for f in found] == ["hang"]
     assert found[0].detected_ts - found[0].onset_ts <= max(30.0, 3 * 6.0) + 1
 
@@ -82,7 +69,7 @@ def test_user_phase_wrapped_around_the_loop_is_no_pause():
         items.append((t, step(s, t)))
         items.append((t + 0.5, hb(t + 0.5, "train", 5.0, s)))     # the loop's own phase
     items += [(50.0 + k, hb(50.0 + k, "train", 5.0, 39)) for k in range(100)]
-    found = run(d, items, 150.0)
+    found = feed(d, items, 150.0)
     assert [f.kind for f in found] == ["hang"] and found[0].detected_ts <= 49.0 + 21
 
 
@@ -109,7 +96,7 @@ def test_a_stall_after_progress_resumed_is_a_new_incident():
     for s in range(30, 60):
         t = 100.0 + s
         items.append((t, step(s, t)))
-    found = run(d, items, 300.0)
+    found = feed(d, items, 300.0)
     assert len(found) == 2 and found[0].key != found[1].key
     c = Correlator()
     for f in found:

@@ -39,15 +39,17 @@ def cmd_broker(args) -> int:
     from .broker import local_broker
 
     cluster = _broker_cluster(args)
-    if cluster is not None:
-        return _cmd_cluster(args, cluster)
-    broker = local_broker(port=args.port, data=args.data)
+    broker = cluster if cluster is not None else local_broker(port=args.port, data=args.data)
     if args.action == "start":
         print(broker.start(log=lambda m: print(m, file=sys.stderr)))
         return 0
     if args.action == "stop":
         print(broker.stop())
         return 0
+    if cluster is not None:
+        lines = cluster.status()
+        print("\n".join(lines))
+        return 0 if all(": running" in line for line in lines) else 1
     if broker.running():
         print(f"broker on {broker.bootstrap} is running (pid {broker.pid()}, data {broker.data})")
         return 0
@@ -82,18 +84,6 @@ def _broker_cluster(args):
                 if any(node.pid() is not None for node in cluster.nodes):
                     return cluster
     return None
-
-
-def _cmd_cluster(args, cluster) -> int:
-    if args.action == "start":
-        print(cluster.start(log=lambda m: print(m, file=sys.stderr)))
-        return 0
-    if args.action == "stop":
-        print(cluster.stop())
-        return 0
-    lines = cluster.status()
-    print("\n".join(lines))
-    return 0 if all(": running" in line for line in lines) else 1
 
 
 def cmd_topics(args) -> int:
