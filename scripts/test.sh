@@ -48,8 +48,15 @@ trap cleanup EXIT
 .venv/bin/trainguard broker start --port "$port" --data "$data"
 export TRAINGUARD_BOOTSTRAP=127.0.0.1:$port
 
+# Lanes: the slow tests mostly wait on real jobs, so they run side by side (pytest-xdist; the
+# grouping and the order are in tests/conftest.py). TRAINGUARD_TEST_LANES=1 runs one lane.
+lanes=${TRAINGUARD_TEST_LANES:-3}
+lane_args=()
+if [ "$lanes" -gt 1 ]; then
+  lane_args=(-n "$lanes" --dist loadgroup)
+fi
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "${lane_args[@]}" "$@"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then

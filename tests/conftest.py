@@ -51,3 +51,19 @@ def kafka_config(kafka_bootstrap, topic_prefix) -> Config:
     config = Config(bootstrap=kafka_bootstrap, topics=Topics(prefix=topic_prefix))
     create_topics(config, TopicPlan(telemetry_partitions=4, other_partitions=2))
     return config
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Order and group the tests for lanes (``pytest -n N --dist loadgroup``, scripts/test.sh).
+
+    Slow tests go first so that the lanes start on them and no lane ends on a long tail. The
+    tests of a module that shares a module-scoped fixture (a real job, a Slurm cluster, a fresh
+    venv) stay in one lane, so the fixture runs once. The order is stable, so every lane
+    collects the same list.
+    """
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(d.scope == "module" for fixturedefs in defs.values() for d in fixturedefs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
