@@ -216,7 +216,9 @@ class LiveView:
                           f"{result['baseline']['ettr']:.3f}")
         if result.get("projection"):
             p = result["projection"]
-            console.print(f"projected at {p['gpus']} GPUs: ETTR {p['ettr']:.4f} "
-                          f"({p['formula']}; lambda={p['failures_per_day']:.2f}/day, "
-                          f"L={p['L_loss_per_fault_s']:.1f}s)")
+            console.print(f"projected ({p['formula']}):")
+            for row in p["rows"]:
+                console.print(f"  {row['gpus']:>7} GPUs, {row['recovery']:<9}: ETTR "
+                              f"{row['ettr']:.4f} ({row['failures_per_day']:.1f} faults/day, "
+                              f"restart {row['restart_s']:.0f}s, redone {row['redone_s']:.0f}s)")
         console.print(f"report: {result['report']}")

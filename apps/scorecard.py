@@ -170,34 +170,3 @@ def _unique(items) -> list:
         if item not in seen:
             seen.append(item)
     return seen
-
-
-def projected_ettr(loss_per_fault_s: float, gpus: int = 9600, interruptions: int = 419,
-                   days: float = 54.0, reference_gpus: int = 16384,
-                   checkpoint_interval_s: float = 600.0) -> dict:
-    """ETTR at production scale from the measured training time lost per fault.
-
-    Failure rate from Llama 3's training (419 unexpected interruptions in 54 days on 16,384
-    GPUs), scaled linearly in GPU count to ``gpus``. Meta's expected-ETTR model (Kokolis et al.,
-    arXiv 2410.21680) charges each failure its restart overhead ``u0`` plus on average half a
-    checkpoint interval of redone work: ``E[ETTR] ≈ 1 - lambda * (u0 + dt/2)`` (first order,
-    while the product is small). The demo measures the whole loss per fault ``L`` (detection,
-    restart and the steps redone from its own checkpoints), which stands for ``u0 + dt/2`` at
-    the demo's checkpoint cadence: the headline is ``1 - lambda * L``. The same formula with a
-    production checkpoint interval ``dt`` added on top of ``L`` is given beside it, as the
-    pessimistic bound (it counts redone work twice).
-
-    >>> p = projected_ettr(30.0)
-    >>> round(p["failures_per_day"], 2), round(p["ettr"], 4), round(p["ettr_with_dt"], 4)
-    (4.55, 0.9984, 0.9826)
-    """
-    lam_per_day = interruptions / days * gpus / reference_gpus
-    lam = lam_per_day / 86400.0
-    return {"formula": "ETTR = 1 - lambda * L  (Meta: 1 - lambda * (u0 + dt/2))",
-            "lambda_per_s": lam, "failures_per_day": lam_per_day,
-            "L_loss_per_fault_s": loss_per_fault_s, "gpus": gpus,
-            "source": f"{interruptions} interruptions in {days:g} days on {reference_gpus} "
-                      "GPUs (Llama 3), scaled linearly",
-            "ettr": max(0.0, 1.0 - lam * loss_per_fault_s),
-            "dt_checkpoint_interval_s": checkpoint_interval_s,
-            "ettr_with_dt": max(0.0, 1.0 - lam * (loss_per_fault_s + checkpoint_interval_s / 2))}

@@ -17,7 +17,8 @@ def _modules():
             names.append(info.name)
     # The rooms are mapped by package-dir and walk_packages sees them through trainguard.__path__
     # only when editable; list them explicitly as well.
-    for room in ("collectors", "detectors", "streams", "actions", "launcher"):
+    for room in ("collectors", "detectors", "streams", "actions", "launcher", "diagnosis", "apps",
+                 "deploy"):
         package = importlib.import_module(f"trainguard.{room}")
         for info in pkgutil.walk_packages(package.__path__, f"trainguard.{room}."):
             names.append(info.name)

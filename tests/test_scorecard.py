@@ -1,5 +1,6 @@
 """The demo's scorecard: ETTR and per-fault outcomes from recorded facts."""
-from trainguard.apps.scorecard import ettr, kept_steps, outcomes, projected_ettr
+from trainguard.apps.ettr_model import Recovery, ettr as ettr_at, projection, relaunch_s
+from trainguard.apps.scorecard import ettr, kept_steps, outcomes
 
 
 def test_redone_steps_are_lost():
@@ -43,8 +44,31 @@ def test_undetected_fault_has_null_detection():
 
 
 def test_projection_shows_its_inputs():
-    p = projected_ettr(20.0)
-    assert p["gpus"] == 9600 and "419" in p["source"] and p["ettr"] > 0.99
+    p = projection([Recovery.relaunch(detect_s=20.0)])
+    assert [r["gpus"] for r in p["rows"]] == [9600, 100_000]
+    assert any("2407.21783" in s for s in p["sources"]) and p["recoveries"][0]["detect_s"] == 20.0
+
+
+def test_projection_charges_the_relaunch_of_the_size_projected():
+    today = Recovery.relaunch(detect_s=20.0)
+    assert relaunch_s(2048) == 454.0 and relaunch_s(16384) == 768.0
+    assert 600 < relaunch_s(9600) < 700 < relaunch_s(100_000)
+    assert ettr_at(100_000, today) < ettr_at(9600, today) < 0.95
+    # at 100,000 GPUs a fault comes every 30 minutes: still a ratio, never below zero
+    assert 0.0 < ettr_at(100_000, today)
+
+
+def test_in_memory_recovery_beats_the_relaunch_by_the_redone_work_and_in_place_restarts():
+    today = Recovery.relaunch(detect_s=20.0)
+    memory_only = Recovery.in_memory(detect_s=20.0, inplace_ratio=1.0, snapshot_every_s=60.0,
+                                     snapshot_overhead=0.01)
+    in_place = Recovery.in_memory(detect_s=20.0, inplace_ratio=0.2, snapshot_every_s=60.0,
+                                  snapshot_overhead=0.01)
+    for gpus in (9600, 100_000):
+        assert ettr_at(gpus, today) < ettr_at(gpus, memory_only) < ettr_at(gpus, in_place)
+    # an in-place restart is never projected faster than the published hot update
+    assert Recovery.in_memory(detect_s=0, inplace_ratio=0.0, snapshot_every_s=60,
+                              snapshot_overhead=0).restart_s(16384) == 0.78 * 768 + 0.22 * 65
 
 
 def test_a_later_fault_joining_the_incident_keeps_its_own_actions():
