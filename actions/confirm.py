@@ -37,7 +37,10 @@ from collections import OrderedDict, deque
 from typing import Callable
 
 from trainguard import events as ev
-from trainguard.actions.policy import STRENGTH, Decision, Policy, ladder_kind
+from trainguard.actions.interfaces import (AnomalyIn, DecisionList, IncidentSlot,
+                                           LedgerWrites, Records, Verdict)
+from trainguard.actions.model import Decision
+from trainguard.actions.policy import STRENGTH, Policy, ladder_kind
 
 __all__ = ["JobProgress", "Confirm", "CONFIRMED_KINDS", "false_alarm_of"]
 
@@ -165,6 +168,9 @@ class Confirm:
     progress (it would stop a real hang's restart)."""
 
     name = "confirm"
+    exclusive = True
+    reads = (AnomalyIn, IncidentSlot)
+    writes = (DecisionList, Verdict, Records, LedgerWrites)   # the last two through ``record``
 
     def __init__(self, policy: Policy, progress: JobProgress | None, record, *,
                  when: str, clock: Callable[[], float] | None = None,

@@ -43,7 +43,10 @@ import time
 from typing import Callable
 
 from trainguard import events as ev
-from trainguard.actions.policy import Incident, restart_over
+from trainguard.actions.interfaces import (AnomalyIn, IncidentHistory, IncidentSlot,
+                                           SeenAnomalies, narrow)
+from trainguard.actions.model import Incident
+from trainguard.actions.safety import restart_over
 from trainguard.detectors.correlate import PRIORITY, incident_id_of, summarize
 
 __all__ = ["IncidentBook", "AwaitIncident", "IncidentWait", "Correlate", "incident_of",
@@ -155,6 +158,8 @@ class AwaitIncident:
 
     name = "await_incident"
     exclusive = False
+    reads = (AnomalyIn,)
+    writes = ()
 
     def __init__(self, book: IncidentBook | None = None, clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], None] = time.sleep):
@@ -178,36 +183,10 @@ class AwaitIncident:
         return True
 
 
-def incident_of(anomaly: ev.Anomaly) -> Incident:
-    """One incident per anomaly, with the anomaly's id (the fallback correlation)."""
-    return Incident(id=anomaly.id, job=anomaly.job, kind=anomaly.kind,
-                    severity=anomaly.severity, ranks=list(anomaly.ranks),
-                    nodes=list(anomaly.nodes), onset_ts=anomaly.onset_ts,
-                    detected_ts=anomaly.detected_ts, summary=anomaly.summary,
-                    step=anomaly.step, anomalies=[anomaly.id], evidence=dict(anomaly.evidence),
-                    kinds=[anomaly.kind])
-
-
-def incident_from(found: dict, anomaly: ev.Anomaly, kinds: dict | None = None) -> Incident:
-    """An :class:`Incident` from the correlator's incident dict (SPEC §4 shape) and the
-    anomaly that just joined it; machines of the ranks come from ``evidence.rank_nodes``
-    when the anomalies name none. ``kinds`` (``{anomaly id: kind}`` of the anomalies seen so
-    far) gives the incident's member kinds, root kind first."""
-    ids = list(found.get("anomalies") or [anomaly.id])
-    seen = [anomaly.kind if i == anomaly.id else (kinds or {}).get(i) for i in ids]
-    members = list(dict.fromkeys([found["kind"], *filter(None, seen)]))
-    evidence = dict(anomaly.evidence)
-    nodes = list(found.get("nodes") or [])
-    where = evidence.get("rank_nodes") or {}
-    if not nodes and isinstance(where, dict):
-        nodes = sorted({where[str(r)] for r in found["ranks"] if where.get(str(r))})
-    return Incident(id=found["id"], job=found["job"], kind=found["kind"],
-                    severity=found["severity"], ranks=list(found["ranks"]), nodes=nodes,
-                    onset_ts=found["onset_ts"], detected_ts=max(found["detected_ts"],
-                                                                anomaly.detected_ts),
-                    summary=found["summary"], step=found.get("step"), anomalies=ids,
-                    evidence=evidence, kinds=members,
-                    same_kind=max(1, sum(1 for k in seen if k == found["kind"])))
+#: one incident per anomaly (the fallback correlation): :meth:`Incident.of_anomaly`
+incident_of = Incident.of_anomaly
+#: the incident of the correlator's dict and the anomaly that joined it: :meth:`Incident.of_dict`
+incident_from = Incident.of_dict
 
 
 def restarts_seen(directory, job: str) -> tuple:
@@ -230,7 +209,7 @@ class Correlate:
     :class:`~trainguard.detectors.correlate.Correlator`), the fallback; without one it is its
     own incident. Two refinements keep one restart per problem and no fewer, decided on the
     ledger (``state``), never on an id or a reason: an anomaly that began after the restart
-    that dealt with its incident was over (:func:`~trainguard.actions.policy.restart_over`)
+    that dealt with its incident was over (:func:`~trainguard.actions.safety.restart_over`)
     is a new problem, an incident of its own (the worker opens a new incident itself when
     the job was relaunched or made progress since, see ``detectors/correlate.py``; this
     covers the fallback and an older worker); and an incident whose root kind became more
@@ -238,11 +217,14 @@ class Correlate:
     again, under the ledger id :func:`recaused_id`. At most ``keep`` anomalies are remembered."""
 
     name = "correlate"
+    exclusive = True
+    reads = (AnomalyIn, SeenAnomalies, IncidentHistory)
+    writes = (IncidentSlot,)
 
     def __init__(self, correlator=None, state=None, directory=None, settle_s: float = 120.0,
                  book=None, keep: int = 10_000, root_slack_s: float = 2.0):
         self.correlator = correlator
-        self.state = state
+        self.state = narrow(state, self)
         self.directory = directory
         self.settle_s = settle_s
         self.book = book
@@ -253,7 +235,7 @@ class Correlate:
     def __call__(self, work) -> bool:
         a = work.anomaly
         if self.state and self.state.seen_anomaly(a.id):
-            work.incident = incident_of(a)
+            work.incident = Incident.of_anomaly(a)
             return True
         self.received.pop(a.id, None)
         self.received[a.id] = a
@@ -262,9 +244,9 @@ class Correlate:
         if found is None and self.correlator is not None:
             found = self.correlator.add(a)
         if found is None:
-            work.incident = incident_of(a)
+            work.incident = Incident.of_anomaly(a)
             return True
-        incident = incident_from(found, a, self._kinds(found))
+        incident = Incident.of_dict(found, a, self._kinds(found))
         if self.state is not None:
             incident = self._refined(incident, a)
         work.incident = incident
@@ -291,7 +273,7 @@ class Correlate:
                                                              incident.id in satisfied):
             # began after the restart that dealt with its incident: a new problem
             fresh = summarize(incident_id_of(a.id), [a], self.root_slack_s)
-            incident = incident_from(fresh, a, {a.id: a.kind})
+            incident = Incident.of_dict(fresh, a, {a.id: a.kind})
             settled = self.state.settled_ts(incident.id)
         known_kind = self.state.incident_kind(incident.id)
         if known_kind and _deeper(incident.kind, known_kind) and (settled is None

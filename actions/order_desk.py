@@ -11,10 +11,11 @@ it), its outcome recorded on the audit log (an ``action`` record with extra ``or
 orders nobody acked in time as ``failed`` (code ``no_ack``). Thread-safe: ``prepare`` and
 ``dispatch`` run in the pipeline's thread, ``receive`` and ``expire`` in the watcher's.
 
->>> from trainguard.actions.pipeline import ListRecorder
->>> from trainguard.actions.policy import Decision, Incident
->>> sent, audit = [], ListRecorder()
->>> desk = OrderDesk(send=sent.append, recorder=audit, clock=lambda: 100.0)
+>>> from types import SimpleNamespace
+>>> from trainguard.actions.model import Decision, Incident
+>>> sent, audit = [], []
+>>> recorder = SimpleNamespace(write=audit.append, flush=lambda: None)   # the audit log
+>>> desk = OrderDesk(send=sent.append, recorder=recorder, clock=lambda: 100.0)
 >>> inc = Incident(id="inc-a1", job="j1", kind="crash", severity="critical", ranks=[1],
 ...                nodes=["n1"], onset_ts=90.0, detected_ts=95.0, summary="rank 1 exited")
 >>> d = desk.prepare(Decision(action="restart", reason="crash", targets={"job": "j1",
@@ -27,7 +28,7 @@ orders nobody acked in time as ``failed`` (code ``no_ack``). Thread-safe: ``prep
 >>> ack = ack_of(sent[0], "failed", "budget_exhausted", "all 3 restarts are spent", ts=101.0)
 >>> desk.receive(ack, ev.encode(ack))
 ('filed', None)
->>> [(a.action, a.status, a.extra["ack_status"], a.extra["code"]) for a in audit.events]
+>>> [(a.action, a.status, a.extra["ack_status"], a.extra["code"]) for a in audit]
 [('restart', 'rate_limited', 'failed', 'budget_exhausted')]
 >>> desk.receive(ack, ev.encode(ack))                    # the first ack of an order counts
 ('duplicate', None)
@@ -41,6 +42,7 @@ from dataclasses import replace
 from typing import Callable
 
 from trainguard import events as ev
+from trainguard.actions.model import RELAUNCHES
 from trainguard.actions.orders import InvalidTarget, order_of, outcome_status
 from trainguard.logs import context as log_context
 from trainguard.signing import Refusal, SigningKeys, Verifier, sign
@@ -158,7 +160,7 @@ class OrderDesk:
             if entry["acked"]:
                 return "duplicate", None
             entry["acked"] = True
-        if event.status == "already_satisfied" and order.op in ("restart", "rollback") \
+        if event.status == "already_satisfied" and order.op in RELAUNCHES \
                 and self.directory is not None and order.incident:
             self.directory.note_satisfied(order.job, order.incident)
         self._record(order, outcome_status(event), event.reason, event.code, event.status,

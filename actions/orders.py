@@ -6,8 +6,15 @@ The action service turns a planned job action into an :class:`~trainguard.events
 whose ``status`` (and ``code``) say what became of it; the service records that outcome on
 the audit log (:func:`outcome_status`). No program reads a ``reason``: it is for humans.
 
+An order's targets are typed per operation (:class:`RestartTargets`,
+:class:`RollbackTargets`, :class:`EvictTargets`, :class:`StopTargets`; :data:`TARGETS` by
+op); on the wire they are the JSON object of SPEC §6 (:meth:`~RestartTargets.to_wire`).
 Targets come over the network, so they are checked against what a scheduler accepts
-(:func:`check_targets`) before anything reaches an environment variable or a command line:
+(:func:`targets_of`, :func:`check_targets` for the wire's dict) before anything reaches an
+environment variable or a command line:
+
+>>> targets_of("rollback", {"rollback_step": 120, "exclude_nodes": ["n1"], "job": "j1"})
+RollbackTargets(exclude_nodes=('n1',), onset_ts=None, rollback_step=120)
 
 >>> check_targets("evict", {"nodes": ["gpu-node-07", "n1.rack2"], "job": "j1"})
 {'nodes': ['gpu-node-07', 'n1.rack2'], 'exclude_nodes': ['gpu-node-07', 'n1.rack2']}
@@ -27,12 +34,17 @@ from __future__ import annotations
 import math
 import re
 import uuid
+from dataclasses import dataclass
+from typing import ClassVar
 
 from trainguard import events as ev
+from trainguard.actions.model import JOB_ACTIONS
 from trainguard.fields import Int, InvalidEvent
 
 __all__ = ["InvalidTarget", "check_targets", "check_nodes", "order_of", "new_order_id",
-           "outcome_status", "ack_of", "NODE_NAME", "MAX_NODES", "ACK_CODES", "JOB_OPS"]
+           "outcome_status", "ack_of", "NODE_NAME", "MAX_NODES", "ACK_CODES", "JOB_OPS",
+           "RestartTargets", "RollbackTargets", "EvictTargets", "StopTargets", "TARGETS",
+           "targets_of", "order_targets"]
 
 #: a scheduler's node name: Slurm and Kubernetes both accept these (Kubernetes: a DNS
 #: subdomain, at most 253 characters); nothing that a shell or an option parser would read
@@ -41,7 +53,7 @@ NODE_HINT = "1-253 of letters, digits, '-', '_', '.', starting with a letter or 
 MAX_NODES = 512
 MAX_STEP = 10**12
 STEP = Int(minimum=0, maximum=MAX_STEP)
-JOB_OPS = ("restart", "evict", "rollback")
+JOB_OPS = JOB_ACTIONS
 #: the ``code`` of an ack, by status (a program decides on these, never on ``reason``)
 ACK_CODES = {
     "done": ("relaunched", "excluded", "stopping"),
@@ -94,26 +106,103 @@ def _onset(value) -> float | None:
     return float(value)
 
 
-def check_targets(op: str, targets) -> dict:
-    """The targets of an order of ``op``, checked and reduced to what ``op`` uses:
+@dataclass(frozen=True, kw_only=True)
+class RestartTargets:
+    """A restart: keep the job off ``exclude_nodes``; ``onset_ts``, when the incident began
+    (a launch since then already answers the order)."""
+
+    OP: ClassVar[str] = "restart"
+    exclude_nodes: tuple = ()
+    onset_ts: float | None = None
+
+    @classmethod
+    def check(cls, targets: dict) -> "RestartTargets":
+        return cls(exclude_nodes=tuple(check_nodes(targets.get("exclude_nodes"),
+                                                   "exclude_nodes")),
+                   onset_ts=_onset(targets.get("onset_ts")))
+
+    def to_wire(self) -> dict:
+        out: dict = {"exclude_nodes": list(self.exclude_nodes)}
+        if self.onset_ts is not None:
+            out["onset_ts"] = self.onset_ts
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class RollbackTargets(RestartTargets):
+    """A restart from the newest checkpoint at or before ``rollback_step`` (None: unknown,
+    the latest)."""
+
+    OP: ClassVar[str] = "rollback"
+    rollback_step: int | None = None
+
+    @classmethod
+    def check(cls, targets: dict) -> "RollbackTargets":
+        base = RestartTargets.check(targets)
+        return cls(exclude_nodes=base.exclude_nodes, onset_ts=base.onset_ts,
+                   rollback_step=_step(targets.get("rollback_step"), "rollback_step"))
+
+    def to_wire(self) -> dict:
+        return {**super().to_wire(), "rollback_step": self.rollback_step}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvictTargets:
+    """Evict ``nodes``; ``exclude_nodes`` (those and the ones excluded before) stay off the
+    job's next launch."""
+
+    OP: ClassVar[str] = "evict"
+    nodes: tuple = ()
+    exclude_nodes: tuple = ()
+
+    @classmethod
+    def check(cls, targets: dict) -> "EvictTargets":
+        nodes = check_nodes(targets.get("nodes"), "nodes")
+        exclude = check_nodes(targets.get("exclude_nodes"), "exclude_nodes")
+        return cls(nodes=tuple(nodes), exclude_nodes=tuple(dict.fromkeys([*exclude, *nodes])))
+
+    def to_wire(self) -> dict:
+        return {"nodes": list(self.nodes), "exclude_nodes": list(self.exclude_nodes)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopTargets:
+    """A stop takes no targets (a malformed ``exclude_nodes`` is still refused)."""
+
+    OP: ClassVar[str] = "stop"
+
+    @classmethod
+    def check(cls, targets: dict) -> "StopTargets":
+        check_nodes(targets.get("exclude_nodes"), "exclude_nodes")
+        return cls()
+
+    def to_wire(self) -> dict:
+        return {}
+
+
+#: the targets of each order op (SPEC §6 ``order.op``)
+TARGETS = {t.OP: t for t in (RestartTargets, RollbackTargets, EvictTargets, StopTargets)}
+assert set(TARGETS) == set(ev.ORDER_OPS) and set(JOB_OPS) <= set(TARGETS)
+
+
+def targets_of(op: str, targets):
+    """The typed targets of an order of ``op``, checked and reduced to what ``op`` uses:
     ``nodes`` (evict), ``exclude_nodes`` (every job op; an eviction's nodes are excluded
     too), ``onset_ts`` and ``rollback_step`` (restart, rollback). Anything else is left out.
     Raises :class:`InvalidTarget`."""
     if type(targets) is not dict:
         raise InvalidTarget("targets: expected an object")
-    out: dict = {}
-    if op == "evict":
-        out["nodes"] = check_nodes(targets.get("nodes"), "nodes")
-    exclude = check_nodes(targets.get("exclude_nodes"), "exclude_nodes")
-    if op in JOB_OPS:
-        out["exclude_nodes"] = list(dict.fromkeys([*exclude, *out.get("nodes", [])]))
-    if op in ("restart", "rollback"):
-        onset = _onset(targets.get("onset_ts"))
-        if onset is not None:
-            out["onset_ts"] = onset
-    if op == "rollback":
-        out["rollback_step"] = _step(targets.get("rollback_step"), "rollback_step")
-    return out
+    return TARGETS.get(op, StopTargets).check(targets)
+
+
+def check_targets(op: str, targets) -> dict:
+    """:func:`targets_of` as the wire's JSON object (what ``trainguard run`` reads)."""
+    return targets_of(op, targets).to_wire()
+
+
+def order_targets(order: ev.Order):
+    """The typed targets of an order event (:func:`targets_of` of its op)."""
+    return targets_of(order.op, order.targets)
 
 
 def new_order_id() -> str:
@@ -123,9 +212,9 @@ def new_order_id() -> str:
 def order_of(decision, incident, ts: float, order_id: str | None = None) -> ev.Order:
     """The order carrying out a planned job decision (``restart``, ``evict``, ``rollback``).
     Raises :class:`InvalidTarget` when its targets would be refused anyway."""
-    targets = check_targets(decision.action, dict(decision.targets))
+    targets = targets_of(decision.action, dict(decision.targets))
     return ev.Order(job=incident.job, ts=ts, order_id=order_id or new_order_id(),
-                    op=decision.action, targets=targets, incident=incident.id)
+                    op=decision.action, targets=targets.to_wire(), incident=incident.id)
 
 
 def ack_of(order: ev.Order, status: str, code: str | None, reason: str, ts: float,

@@ -36,7 +36,11 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from trainguard.actions.model import JOB_ACTIONS, Decision, History, Incident
+from trainguard.actions.safety import DAY_S, apply_limits, covering_restart, restart_over
+from trainguard.detectors.registry import default_ladder
 from trainguard.errors import UserError
+from trainguard.setting import setting
 
 __all__ = ["Policy", "Limits", "CaptureSettings", "BacklogSettings", "IncidentSettings", "Incident", "Decision",
            "History", "PolicyError", "decide", "apply_limits", "covering_restart", "restart_over",
@@ -60,36 +64,19 @@ STEPS = {
                             "included: one spike or NaN the optimizer rides out; a repeated "
                             "one means the state itself went bad",
 }
-DEFAULT_LADDER = {
-    "gpu_fault": ("evict", "restart", "alert"),
-    "crash": ("evict_if_repeated", "restart", "alert"),
-    "hang": ("capture", "evict_suspects", "restart", "alert"),
-    "straggler": ("capture", "evict_if_persistent", "alert"),
-    "nan": ("rollback_if_repeated", "alert"),
-    "loss_spike": ("rollback_if_repeated", "alert"),
-    "grad_spike": ("rollback_if_repeated", "alert"),
-    "throughput_drop": ("alert",),
-    "gpu_degraded": ("alert",),
-    "silent": ("alert",),
-    "data_position": ("alert",),
-    "machine_outlier": ("alert",),
-}
+#: Each anomaly kind's default ladder, as its detector's registration declares it
+#: (``ladder=``, :mod:`trainguard.detectors.registry`).
+DEFAULT_LADDER = default_ladder()
 #: How demanding a step is, for escalation: a ladder is as demanding as its strongest step.
 #: The conditional evictions rank below a restart: they are a "maybe", and a straggler that
 #: *may* be evicted one day must still escalate to a hang's restart.
 STRENGTH = {"alert": 0, "capture": 1, "evict_if_repeated": 2, "evict_suspects": 2,
             "evict_if_persistent": 2, "restart": 3, "rollback": 3, "evict": 4,
             "rollback_if_repeated": 1.5}   # a maybe, and no machine's fault: below those
-JOB_ACTIONS = ("restart", "evict", "rollback")  # what changes the job; dry-run stops these
-ACTIONS = ("alert", "capture_stacks", "restart", "evict", "rollback", "none")
 OVER_EVICT = (None, "tp", "pp", "dp")
-#: Kinds that no restart of ours explains: their alert goes out even when another
-#: incident's restart covers theirs.
-HARDWARE_KINDS = ("gpu_fault", "gpu_degraded", "machine_outlier")
 #: Kinds that are evidence and suspects only: whatever a policy file says, their own ladder
 #: never restarts, rolls back or evicts (a learned model's warning, docs/DETECTION.md)
 EVIDENCE_KINDS = ("machine_outlier",)
-DAY_S = 86400.0
 
 
 class PolicyError(UserError):
@@ -108,12 +95,13 @@ def _positive(owner: str, name: str, value, integer: bool = False) -> None:
 class Limits:
     """Safety caps, per job (restarts) and per service (evictions per day)."""
 
-    max_restarts: int = 3
-    restart_window_s: float = 3600.0
-    restart_settle_s: float = 120.0
-    max_evictions_per_incident: int = 2
-    max_evictions_per_day: int = 8
-    page_cooldown_s: float = 900.0
+    max_restarts: int = setting(3, "restarts of a job per restart_window_s, then a page")
+    restart_window_s: float = setting(3600.0, "window of max_restarts")
+    restart_settle_s: float = setting(120.0, "longest wait for a restart to show in the "
+                                             "lifecycle")
+    max_evictions_per_incident: int = setting(2, "machines evicted per incident at most")
+    max_evictions_per_day: int = setting(8, "machines evicted per 24 h, all jobs")
+    page_cooldown_s: float = setting(900.0, "a job is paged at most once per this")
 
     def __post_init__(self):
         for f in fields(self):
@@ -126,10 +114,11 @@ class CaptureSettings:
     gathered until every expected rank answered or ``deadline_s``; with no known world size,
     until no rank answered for ``quiet_s``."""
 
-    rounds: int = 2
-    interval_s: float = 2.0
-    deadline_s: float = 10.0
-    quiet_s: float = 2.0
+    rounds: int = setting(2, "stack captures per incident")
+    interval_s: float = setting(2.0, "seconds between the rounds")
+    deadline_s: float = setting(10.0, "a round waits this long for every expected rank")
+    quiet_s: float = setting(2.0, "with no known world size: until no rank answered this "
+                                  "long")
 
     def __post_init__(self):
         for f in fields(self):
@@ -143,9 +132,11 @@ class BacklogSettings:
     record), at most ``max_in_flight`` under way (most of them waiting for stacks, which
     costs no thread); ``workers`` threads make the blocking calls (alert sinks)."""
 
-    max_queued: int = 10_000
-    max_in_flight: int = 4096
-    workers: int = 4
+    max_queued: int = setting(10_000, "anomalies waiting at most; then the oldest of the "
+                                      "least severe is dropped, with a record")
+    max_in_flight: int = setting(4096, "anomalies under way at once (waiting for stacks "
+                                       "costs no thread)")
+    workers: int = setting(4, "threads for blocking calls (alert sinks)")
 
     def __post_init__(self):
         for f in fields(self):
@@ -159,8 +150,10 @@ class IncidentSettings:
     no incident came within ``expect_s`` (an older worker, ``publish_incidents`` off), the
     service groups anomalies with its own correlator at once."""
 
-    wait_s: float = 2.0
-    expect_s: float = 3600.0
+    wait_s: float = setting(2.0, "an anomaly waits this long at most for the worker's "
+                                 "incident that lists it")
+    expect_s: float = setting(3600.0, "no incident event within this: group anomalies with "
+                                      "the service's own correlator")
 
     def __post_init__(self):
         for f in fields(self):
@@ -171,19 +164,29 @@ class IncidentSettings:
 class Policy:
     """The whole policy; ``Policy()`` is the documented default."""
 
-    dry_run: bool = False
-    require_approval: tuple = ()
-    ladder: dict = field(default_factory=lambda: dict(DEFAULT_LADDER))
-    over_evict: str | None = None
-    crash_repeats: int = 2
-    crash_window_s: float = 3600.0
-    repeat_count: int = 2
-    repeat_window_s: float = 3600.0
-    max_suspect_fraction: float = 0.5
-    straggler_persist_s: float = 600.0
-    straggler_min_slowdown: float = 1.3
-    max_anomaly_age_s: float = 3600.0
-    confirm_stalled: bool = True
+    dry_run: bool = setting(False, "decide and record everything, carry nothing out")
+    require_approval: tuple = setting((), "job actions (restart, evict, rollback) that wait "
+                                          "for an operator", kind=tuple)
+    ladder: dict = setting(DEFAULT_LADDER, "anomaly kind -> ordered steps (docs/POLICY.md); "
+                                           "kinds left out keep their default ladder")
+    over_evict: str | None = setting(None, "evict the whole tp, pp or dp group of a suspect",
+                                     kind=str, choices=OVER_EVICT)
+    crash_repeats: int = setting(2, "crashes of one rank within crash_window_s that make it "
+                                    "'repeated'")
+    crash_window_s: float = setting(3600.0, "window of crash_repeats")
+    repeat_count: int = setting(2, "incidents of one kind in a job within repeat_window_s "
+                                   "that make rollback_if_repeated roll back")
+    repeat_window_s: float = setting(3600.0, "window of repeat_count")
+    max_suspect_fraction: float = setting(0.5, "never evict more than this fraction of the "
+                                               "job's machines")
+    straggler_persist_s: float = setting(600.0, "a straggler slow this long is 'persistent'")
+    straggler_min_slowdown: float = setting(1.3, "... and at least this much slower than its "
+                                                 "peers")
+    max_anomaly_age_s: float = setting(3600.0, "anomalies older than this are recorded, not "
+                                               "acted on")
+    confirm_stalled: bool = setting(True, "before a restart or eviction for a hang, check the "
+                                          "job is still stalled; one that moved on is closed "
+                                          "as a false alarm")
     limits: Limits = field(default_factory=Limits)
     capture: CaptureSettings = field(default_factory=CaptureSettings)
     backlog: BacklogSettings = field(default_factory=BacklogSettings)
@@ -296,67 +299,6 @@ def load_policy(path: str | Path | None, dry_run: bool = False) -> Policy:
             raise PolicyError(f"policy file {path} is not valid JSON: {exc}") from None
         policy = Policy.from_dict(data)
     return replace(policy, dry_run=True) if dry_run else policy
-
-
-@dataclass(kw_only=True)
-class Incident:
-    """One problem of one job, made of one or more anomalies; ``kind`` is its root cause,
-    ``kinds`` the kinds of its anomalies (empty: just ``kind``)."""
-
-    id: str
-    job: str
-    kind: str
-    severity: str
-    ranks: list
-    nodes: list
-    onset_ts: float
-    detected_ts: float
-    summary: str
-    step: int | None = None
-    anomalies: list = field(default_factory=list)
-    evidence: dict = field(default_factory=dict)
-    kinds: list = field(default_factory=list)
-    #: anomalies of the root kind among its members (episodes: a spike twice is two)
-    same_kind: int = 1
-
-
-@dataclass(kw_only=True, frozen=True)
-class Decision:
-    """One action for one incident; ``status`` starts ``planned`` and the safety stage may
-    turn it into ``dry_run`` or ``rate_limited``; ``reason`` says why, for humans, and
-    ``code`` the same as one word that programs decide on (``restart_cap``, ``dry_run``,
-    ``covered``, ...; the reason starts with it). ``order_id``: the order that carries the
-    decision out, once sent."""
-
-    action: str
-    reason: str
-    targets: dict = field(default_factory=dict)
-    status: str = "planned"
-    severity: str = "warning"
-    code: str | None = None
-    order_id: str | None = None
-
-    def __post_init__(self):
-        if self.action not in ACTIONS:
-            raise ValueError(f"unknown action {self.action!r}")
-
-    def with_status(self, status: str, reason: str, code: str | None = None) -> "Decision":
-        return replace(self, status=status, reason=reason, code=code or self.code)
-
-
-@dataclass(kw_only=True)
-class History:
-    """What the service already knows, for one incident: actions recorded for it
-    (``{action: status}``), when the job's other failures happened per machine
-    (``node_failures``: ``{node: [ts, ...]}``, this incident excluded), the machines
-    already evicted from the job, and when the incident was first seen."""
-
-    done: dict = field(default_factory=dict)
-    node_failures: dict = field(default_factory=dict)
-    excluded_nodes: list = field(default_factory=list)
-    first_seen_ts: float | None = None
-    #: when the job's earlier incidents of the same kind were first seen (this one excluded)
-    same_kind_ts: list = field(default_factory=list)
 
 
 def _job_targets(incident: Incident) -> dict:
@@ -506,130 +448,4 @@ def decide(policy: Policy, incident: Incident, history: History,
                             reason=f"{head}: {incident.summary}",
                             targets={"job": incident.job, "ranks": list(incident.ranks),
                                      "nodes": list(incident.nodes)}))
-    return out
-
-
-def restart_over(ordered_ts: float, launches=(), settle_s: float = 120.0,
-                 satisfied: bool = False) -> float:
-    """When a restart ordered at ``ordered_ts`` is over: the next launch after it (by
-    ``trainguard run``, or the new run's first rank start), at most ``settle_s`` later.
-    Until then, ranks exiting "by signal" are our own doing; a problem beginning later is a
-    new one. A restart that ``trainguard run`` answered ``already_satisfied`` (it had
-    relaunched the job on its own after the incident began) tore nothing down: it was over
-    when it was ordered.
-
-    >>> restart_over(100.0, launches=[50.0, 104.5]), restart_over(100.0, settle_s=30)
-    (104.5, 130.0)
-    >>> restart_over(100.0, launches=[150.0], satisfied=True)
-    100.0
-    """
-    if satisfied:
-        return ordered_ts
-    after = sorted(t for t in launches if t >= ordered_ts)
-    return min(after[0], ordered_ts + settle_s) if after else ordered_ts + settle_s
-
-
-def covering_restart(state, incident: Incident, launches=(), settle_s: float = 120.0,
-                     satisfied=frozenset()):
-    """``(restart entry, code, reason)`` of a restart of the job that already deals with this
-    incident, or None: one ordered for another incident after this one began (``covered``),
-    or one under way when this one began (``expected``; see :func:`restart_over`;
-    ``satisfied``: the incidents whose restart ``trainguard run`` acked
-    ``already_satisfied``)."""
-    for r in state.restarts_since(incident.job, incident.onset_ts):
-        if r["incident"] != incident.id:
-            return r, "covered", (f"covered: job {incident.job} was already restarted for "
-                                  f"incident {r['incident']} after this incident began")
-    for r in state.restarts_since(incident.job, incident.onset_ts - settle_s):
-        if r["incident"] != incident.id and \
-                r["ts"] <= incident.onset_ts <= restart_over(r["ts"], launches, settle_s,
-                                                             r["incident"] in satisfied):
-            return r, "expected", (f"expected: began while job {incident.job} was being "
-                                   f"restarted for incident {r['incident']}")
-    return None
-
-
-def apply_limits(decisions: list, incident: Incident, policy: Policy, state,
-                 now: float, launches=(), satisfied=frozenset()) -> list:
-    """Safety caps, approval and dry-run, in this order, on the planned decisions:
-
-    - restart/rollback: ``covered``/``expected`` (see :func:`covering_restart`; unless
-      machines are evicted now, which needs a new launch: rate-limited and no alert),
-      ``restart_cap`` (``max_restarts`` in ``restart_window_s``: rate-limited, and a human
-      is paged);
-    - evict: ``evict_cap`` per incident and per day (rate-limited, paged; the restart goes
-      on without excluding those machines);
-    - ``approval_required`` (actions in ``require_approval``) and ``dry_run``: recorded as
-      ``dry_run``, an alert tells humans what would have been done.
-    """
-    lim, job = policy.limits, incident.job
-    out, pages, blocked = [], [], set()
-    evicting = any(d.action == "evict" and d.status == "planned"
-                   and d.code != "evict_if_repeated" for d in decisions)
-    cover = None if evicting else covering_restart(state, incident, launches,
-                                                   lim.restart_settle_s, satisfied)
-    for d in decisions:
-        if d.status != "planned" or d.action not in JOB_ACTIONS:
-            out.append(d)
-            continue
-        if d.action == "evict" and cover:  # a repeat that our own restart explains
-            blocked |= set(d.targets.get("nodes", []))
-            out.append(d.with_status("rate_limited", f"{cover[2]} {now - cover[0]['ts']:.0f}s "
-                                                     "ago; not a repeated failure", cover[1]))
-            continue
-        if d.action == "evict":
-            nodes = d.targets.get("nodes", [])
-            per_incident = len(state.incident_evictions(incident.id)) + len(nodes)
-            per_day = len(state.evictions_since(now - DAY_S)) + len(nodes)
-            if per_incident > lim.max_evictions_per_incident:
-                why = (f"evict_cap: evicting {len(nodes)} more machine(s) would make "
-                       f"{per_incident} for incident {incident.id} (limit "
-                       f"{lim.max_evictions_per_incident})")
-            elif per_day > lim.max_evictions_per_day:
-                why = (f"evict_cap: evicting {len(nodes)} more machine(s) would make {per_day} "
-                       f"in 24h (limit {lim.max_evictions_per_day})")
-            else:
-                why = None
-            if why:
-                blocked |= set(nodes)
-                pages.append(why)
-                out.append(d.with_status("rate_limited", why, "evict_cap"))
-                continue
-        else:
-            if blocked:
-                kept = [n for n in d.targets.get("exclude_nodes", []) if n not in blocked]
-                d = replace(d, targets={**d.targets, "exclude_nodes": kept})
-            in_window = state.restarts_since(job, now - lim.restart_window_s)
-            if cover:
-                d = replace(d, targets={**d.targets, "settled_by_ts": cover[0]["ts"]})
-                out.append(d.with_status("rate_limited", (
-                    f"{cover[2]} {now - cover[0]['ts']:.0f}s ago"), cover[1]))
-                continue
-            if len(in_window) >= lim.max_restarts:
-                why = (f"restart_cap: {len(in_window)} restarts of job {job} in the last "
-                       f"{lim.restart_window_s:g}s (limit {lim.max_restarts}); automatic "
-                       f"restarts stop, a human must look")
-                pages.append(why)
-                out.append(d.with_status("rate_limited", why, "restart_cap"))
-                continue
-        if d.action in policy.require_approval:
-            d = d.with_status("dry_run", f"approval_required: {d.action} needs a human's "
-                                         f"approval (policy require_approval); {d.reason}",
-                              "approval_required")
-        elif policy.dry_run:
-            d = d.with_status("dry_run", f"dry_run: would {d.action}; {d.reason}", "dry_run")
-        out.append(d)
-    if cover and incident.kind not in HARDWARE_KINDS and \
-            any(d.code in ("covered", "expected") for d in out):
-        out = [d for d in out if d.action != "alert"]  # the other incident's alert said it
-    last_page = state.last_page(job)
-    if pages and (last_page is None or now - last_page >= lim.page_cooldown_s):
-        out.append(Decision(action="alert", severity="critical", reason="page: " + "; ".join(
-            pages), code="page", targets={"job": job, "ranks": list(incident.ranks),
-                                          "nodes": list(incident.nodes), "page": True}))
-    needs_human = any(d.code == "approval_required" for d in out)
-    if needs_human and not any(d.action == "alert" and d.status == "planned" for d in out):
-        out.append(Decision(action="alert", severity="critical", targets={"job": job},
-                            code="approval_required",
-                            reason=f"approval_required: {incident.kind}: {incident.summary}"))
     return out

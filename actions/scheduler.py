@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from trainguard import events as ev
-from trainguard.actions.pipeline import Work
+from trainguard.actions.interfaces import Work
 from trainguard.actions.policy import BacklogSettings
 from trainguard.logs import context as log_context
 from trainguard.logs import service_logger

@@ -304,7 +304,7 @@ def default_state_path(config, environ=None) -> Path:
 
 
 def _deadletter_writer(producer, topic: str):
-    """The stream worker's dead-letter record (``streams/deadletter.py``), written here too:
+    """The stream worker's dead-letter record (``trainguard/deadletter.py``), written here too:
     ``{"reason", "topic", "partition", "offset", "key_b64", "raw_b64", "ts"}``."""
     def b64(data):
         return None if data is None else base64.b64encode(bytes(data)).decode("ascii")

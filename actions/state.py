@@ -8,7 +8,7 @@ every decision, and it can be rebuilt from the ``action`` records of the actions
 (:meth:`ServiceState.absorb`), which the service reads back at start-up.
 
 >>> state = ServiceState()
->>> from trainguard.actions.policy import Decision, Incident
+>>> from trainguard.actions.model import Decision, Incident
 >>> inc = Incident(id="i1", job="j1", kind="crash", severity="critical", ranks=[1],
 ...                nodes=["n1"], onset_ts=100.0, detected_ts=101.0, summary="rank 1 exited 1")
 >>> state.note_incident(inc, ts=101.0)
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainguard.actions.policy import Decision, History, Incident
+from trainguard.actions.model import RELAUNCHES, Decision, History, Incident
 from trainguard.logs import service_logger
 
 __all__ = ["ServiceState", "FORMAT", "COUNTED"]
@@ -209,14 +209,14 @@ class ServiceState:
         old = entry["actions"].get(action)
         if old is None or _RANK.get(status, 0) >= _RANK.get(old, 0):
             entry["actions"][action] = status
-        if action in ("restart", "rollback") and "settled_ts" not in entry:
+        if action in RELAUNCHES and "settled_ts" not in entry:
             if status in COUNTED:
                 entry["settled_ts"] = ts
             elif isinstance(targets.get("settled_by_ts"), (int, float)):
                 entry["settled_ts"] = targets["settled_by_ts"]
         if old in COUNTED:
             return  # the ledgers below already count this action of this incident
-        if status in COUNTED and action in ("restart", "rollback"):
+        if status in COUNTED and action in RELAUNCHES:
             self.restarts.append({"job": job, "ts": ts, "incident": incident_id,
                                   "status": status})
         if status in COUNTED and action == "evict":

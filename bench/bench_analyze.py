@@ -8,11 +8,21 @@ the standard library's ``json.loads`` of the raw lines, for scale (``ev.decode``
 orjson and validates, and is faster). Rates are per CPU second of this process, the best of
 ROUNDS interleaved rounds; the wall-clock rate of the best run is given too.
 Target: >= 100,000 events/s end to end.
+
+``--workers 2`` against ``--workers 1`` (issue 21 point 4, detectors/parallel.py): the same
+file through ``analyze_file_parallel(path, workers=1)`` and ``workers=2`` in the same rounds, the
+wall-clock time of each (best of ROUNDS), whether their JSON is the same byte for byte, and
+the CPU seconds of the two-process run: this process (the job side) and the other one
+(decoding and the rank side). ``workers_2_cpu_bound_speedup`` is the speedup those CPU seconds
+allow on two idle cores (``cpu_1 / max(job side, rank side)``: each side is one process),
+which the wall clock only shows on a quiet machine. Target: ``workers_2_speedup`` >= 1.7 on a
+2-core machine.
 """
 from __future__ import annotations
 
 import gc
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -26,6 +36,7 @@ from detector_traces import JobSim  # noqa: E402
 
 from trainguard import events as ev  # noqa: E402
 from trainguard.detectors.offline import analyze_events, analyze_file  # noqa: E402
+from trainguard.detectors.parallel import analyze_file_parallel  # noqa: E402
 from trainguard.recording import RecordingWriter, iter_lines, read_events  # noqa: E402
 
 
@@ -35,6 +46,22 @@ def _timed(fn):
     cpu, wall = time.process_time(), time.perf_counter()
     out = fn()
     return time.process_time() - cpu, time.perf_counter() - wall, out
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _workers_round(path, best: dict) -> bool:
+    """One round of ``workers=1`` then ``workers=2``; True when their JSON is the same."""
+    cpu, wall, one = _timed(lambda: analyze_file_parallel(path, workers=1))
+    _keep_best(best, "workers_1", cpu, wall)
+    children = _children_cpu()
+    cpu, wall, two = _timed(lambda: analyze_file_parallel(path, workers=2))
+    _keep_best(best, "workers_2", cpu, wall)
+    _keep_best(best, "workers_2_children", _children_cpu() - children, wall)
+    return json.dumps(one) == json.dumps(two)
 
 
 def _keep_best(best: dict, name: str, cpu: float, wall: float) -> None:
@@ -57,7 +84,9 @@ def run() -> dict:
         path = Path(tmp) / "bench.jsonl"
         n = make_recording(path)
         best: dict = {}
+        same = True
         for _ in range(ROUNDS):     # interleaved, so a noisy spell hits every measure alike
+            same = _workers_round(path, best) and same
             cpu, wall, result = _timed(lambda: analyze_file(path))
             _keep_best(best, "total", cpu, wall)
             _keep_best(best, "json", *_timed(
@@ -71,6 +100,9 @@ def run() -> dict:
             gc.collect()
         t_total, wall = best["total"]
         t_json, t_decode, t_engine = best["json"][0], best["decode"][0], best["engine"][0]
+        cpu_1, wall_1 = best["workers_1"]
+        job_side, wall_2 = best["workers_2"]
+        rank_side = best["workers_2_children"][0]
     return {
         "events": result["events"],
         "invalid": result["invalid"],
@@ -85,6 +117,14 @@ def run() -> dict:
         "json_loads_only_events_per_s": round(n / t_json),
         "ratio_to_json_loads_only": round(t_json / t_total, 3),
         "decode_share_of_time": round(t_decode / t_total, 3),
+        "workers_1_wall_seconds": round(wall_1, 3),
+        "workers_2_wall_seconds": round(wall_2, 3),
+        "workers_2_speedup": round(wall_1 / wall_2, 2),
+        "workers_2_same_json": same,
+        "workers_2_job_side_cpu_seconds": round(job_side, 3),
+        "workers_2_rank_side_cpu_seconds": round(rank_side, 3),
+        "workers_2_cpu_bound_speedup": round(cpu_1 / max(job_side, rank_side), 2),
+        "target_workers_2_speedup": 1.7,
     }
 
 

@@ -27,10 +27,11 @@ from scenarios import recording
 
 from trainguard import events as ev
 from trainguard.detectors.config import DetectorConfig
+from trainguard.setting import with_values
 from trainguard.detectors.machine_outlier import MachineVector
 from trainguard.detectors.offline import analyze_events
 
-RULES = DetectorConfig(machine_outlier_min_machines=0)
+RULES = with_values(DetectorConfig(), {"machine_outlier.min_machines": 0})
 
 
 def _run(events, config=None):

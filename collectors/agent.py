@@ -316,8 +316,9 @@ class Agent:
                  capture_timeout: float = 10.0, flush_timeout: float = 5.0,
                  clock: Callable[[], float] = time.time, keys=None,
                  capture_limits: CaptureLimits = CaptureLimits(),
-                 proc_root: "str | os.PathLike" = "/"):
+                 proc_root: "str | os.PathLike" = "/", snapshots=None):
         self.config = config
+        self.snapshots = snapshots  # a snapshot_store.SnapshotStore (--snapshot-dir) or None
         self.node = node
         self.job = job
         self.interval = interval
@@ -363,7 +364,7 @@ class Agent:
             self.publisher.send(self.topics.telemetry, event, f"{event.job}/{self.node}".encode())
 
     def deadletter(self, value, reason: str, msg=None) -> None:
-        from trainguard.streams.deadletter import deadletter_record
+        from trainguard.deadletter import deadletter_record
 
         key = msg.key() if msg is not None else None
         record = deadletter_record(
@@ -470,6 +471,8 @@ class Agent:
                             f"{exc}; check --bootstrap and --kafka-config") from None
         threads: list = []
         try:
+            if self.snapshots is not None:
+                self.snapshots.start()
             sampler = GpuSampler(self.source, node=self.node,
                                  unavailable_interval=self.unavailable_interval,
                                  on_available=self._nvml_up,
@@ -519,6 +522,8 @@ class Agent:
             self._runner.stop(timeout=1.0)
         if len(threads) > 1:
             threads[1].join(3.0)
+        if self.snapshots is not None:
+            self.snapshots.stop()
         self.publisher.close(self.flush_timeout)
         log.info("stopped")
 
@@ -577,6 +582,9 @@ def main(args, config, keys=None) -> int:
         agent = Agent(config=config, node=node, job=args.job, interval=args.interval,
                       runtime_dir=runtime_dir, kmsg_extra=args.kmsg_extra,
                       native=bool(args.native), keys=keys)
+        from .snapshot_store import store_from_args
+
+        agent.snapshots = store_from_args(args, node, keys)
         return agent.run(stop)
     finally:
         for s, handler in old.items():

@@ -81,7 +81,7 @@ from trainguard.config import Config, ConfigError, Topics
 from .nodename import node_name
 from .producer import BackgroundProducer
 from .registry import Registry, default_runtime_dir
-from .settings import CollectorError, CollectorSettings, env_int
+from .settings import CollectorConfig, CollectorError, CollectorSettings, env_int
 from .shutdown import ExitHooks
 from .timing import DDPWaitTimer
 from .wire import RecordEncoder
@@ -428,13 +428,20 @@ class _Disabled:
         raise ConfigError(self.reason)
 
 
+#: the defaults of the collector's settings (the ``collector`` section of the configuration)
+_DEFAULTS = CollectorConfig()
+
+
 def init(job: str, rank: int | None = None, local_rank: int | None = None,
          world_size: int | None = None, node: str | None = None, topology: dict | None = None,
          bootstrap: str | None = None, config: Config | None = None,
-         heartbeat_interval: float = 1.0, report_every: int = 1,
+         heartbeat_interval: float = _DEFAULTS.heartbeat_interval,
+         report_every: int = _DEFAULTS.report_every,
          runtime_dir: str | os.PathLike | None = None, handle_signals: bool = True,
-         stack_signal: int | None = int(_signal.SIGUSR2), flush_timeout: float = 3.0,
-         max_queue_events: int = 10000, max_queue_bytes: int = 8 << 20,
+         stack_signal: int | None = int(_signal.SIGUSR2),
+         flush_timeout: float = _DEFAULTS.flush_timeout,
+         max_queue_events: int = _DEFAULTS.max_queue_events,
+         max_queue_bytes: int = _DEFAULTS.max_queue_bytes,
          environ=None) -> Collector:
     """Start this rank's collector (see the module docstring); returns it.
 

@@ -18,8 +18,44 @@ import re
 from dataclasses import dataclass
 
 from trainguard.errors import UserError
+from trainguard.setting import setting
 
-__all__ = ["CollectorError", "CollectorSettings", "env_int"]
+__all__ = ["CollectorError", "CollectorSettings", "CollectorConfig", "AgentConfig", "env_int"]
+
+_NAME = r"[A-Za-z0-9._-]{1,100}"
+
+
+@dataclass(kw_only=True)
+class CollectorConfig:
+    """The ``collector`` section of the configuration tree: how a rank's collector reports
+    (the defaults of :func:`trainguard.init`'s arguments of the same names)."""
+
+    heartbeat_interval: float = setting(1.0, "seconds between a rank's heartbeats",
+                                        minimum=0.01)
+    report_every: int = setting(1, "send every n-th step", minimum=1)
+    flush_timeout: float = setting(3.0, "seconds to flush at exit")
+    max_queue_events: int = setting(10000, "events queued while Kafka is away; then the "
+                                           "oldest are dropped")
+    max_queue_bytes: int = setting(8 << 20, "bytes queued while Kafka is away")
+    instrument: bool = setting(False, "`trainguard run` watches an unmodified PyTorch script "
+                                      "through PyTorch's hooks (`--instrument`, "
+                                      "docs/INTEGRATIONS.md)", env="TRAINGUARD_INSTRUMENT")
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    """The ``agent`` section of the configuration tree: the node agent of one machine
+    (:class:`trainguard.collectors.agent.Agent`, ``trainguard agent``)."""
+
+    node: str | None = setting(None, "this machine's name (default: host name)", kind=str,
+                               min_length=1)
+    job: str | None = setting(None, "job id of GPU and Xid events (default: every job seen "
+                                    "locally)", kind=str, pattern=_NAME)
+    runtime_dir: str | None = setting(None, "local registry of rank processes (default: "
+                                            "$TRAINGUARD_HOME/run)", kind=str, min_length=1)
+    interval: float = setting(1.0, "GPU sample period, seconds", minimum=0.01)
+    kmsg_extra: list = setting([], "files also tailed as kernel logs (chaos tests)")
+    native: bool = setting(False, "py-spy --native stacks")
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +76,8 @@ class CollectorSettings:
     world_size: int = 1
     node: str | None = None
     topology: dict | None = None
-    heartbeat_interval: float = 1.0
-    report_every: int = 1
+    heartbeat_interval: float = CollectorConfig.heartbeat_interval
+    report_every: int = CollectorConfig.report_every
     argv: list | None = None
 
     def __post_init__(self):

@@ -1,7 +1,10 @@
-"""trainguard.detectors — pure detection logic and incident correlation (no I/O, no clock).
+"""trainguard.detectors — pure detection logic and incident correlation (no I/O, no clock:
+time comes with the inputs or as ``advance(now)``; only ``offline.py`` and ``parallel.py``,
+the drivers of ``trainguard analyze``, read a recording file).
 
 The stable API, used by ``streams/`` (online, on Faust) and ``offline.py`` (``trainguard
-analyze``):
+analyze``). The state of every stage and detector is plain data and objects of this package:
+the worker snapshots it as data (:mod:`trainguard.streams.statecodec`), never pickled.
 
 ``RankStage(config)`` — one per (job, rank); partition key ``job/rank``.
     ``update(event) -> list[dict]`` takes that rank's ``ev.Step``, ``ev.Heartbeat`` and
@@ -43,14 +46,20 @@ analyze``):
 ``Engine(config)`` — routes raw events through the three stages, per key:
     ``update(event)``, ``advance(now, force=False)``, ``incidents()``.
 
-``DetectorConfig`` — every threshold (kw_only dataclass, validated). All state pickles.
+``DetectorsConfig`` — the ``detectors`` section: each detector's own ``Config`` (a kw_only
+    dataclass beside its code), the stages' and the correlation's; validated.
 
 Detectors (river style; constructor = configuration; ``update(item) -> list[Finding]``,
 ``advance(now)`` for the time-driven ones; ``clone()``). Each declares what it consumes in
 ``CONSUMES`` (words of ``base.INPUTS``: ``step``, ``jobstep``, ``late``, ``hb``, ``life``,
 ``gpu``, ``xid``, ``tick`` for ``advance``, ``end`` for ``finish``); the stages build their
-dispatch from those declarations (``stages.routes``), so a detector added to ``DETECTORS``
-is fed exactly what it declares, and ``checks.check_detector`` holds it to its word. What
+dispatch from those declarations (``stages.routes``), so a registered detector is fed
+exactly what it declares, and ``tests/detector_checks.py`` holds it to its word. Each is
+registered (``@register_detector``, :mod:`~trainguard.detectors.registry`) with its anomaly
+kinds, default ladder, root-cause priority and what its anomalies may cause; ``DETECTORS``,
+the configuration section, ``PRIORITY``, ``CONSEQUENCES`` and the policy's default ladder are
+made from the registrations, and a plug-in detector registers itself alike
+(docs/DETECTORS.md). What
 every detector means alike (where ranks run, when each was last heard, ranks per pipeline
 stage) is one :class:`~trainguard.detectors.view.JobView` per job, kept by the JobStage and
 shared with the detectors that read it (``view.UsesView``): :class:`NanDetector`,
@@ -67,7 +76,8 @@ Incident correlation: :class:`Correlator` (``correlate.py``, root-cause priority
 'crash'
 """
 from .base import Detector, Finding, anomaly_id, make_jobstep, to_anomaly
-from .config import DetectorConfig
+from .config import DetectorConfig, DetectorsConfig, StagesConfig
+from .registry import register_detector
 from .correlate import PRIORITY, Correlator
 from .gpu import FAULT_XIDS, XID_TABLE, GpuDegradedDetector, GpuFaultDetector, xid_info
 from .liveness import CrashDetector, HangDetector, SilentDetector
@@ -79,6 +89,7 @@ from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
 
 __all__ = [
     "Detector", "Finding", "anomaly_id", "to_anomaly", "make_jobstep", "DetectorConfig",
+    "DetectorsConfig", "StagesConfig", "register_detector",
     "Correlator", "PRIORITY", "XID_TABLE", "FAULT_XIDS", "xid_info", "NanDetector",
     "LossSpikeDetector", "GradSpikeDetector", "StragglerDetector", "ThroughputDetector",
     "HangDetector", "SilentDetector", "CrashDetector", "GpuFaultDetector",

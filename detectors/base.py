@@ -18,6 +18,7 @@ a detector ignores items that are not for it.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 from dataclasses import dataclass, field
@@ -77,13 +78,34 @@ INPUTS = {
 }
 
 
-class Detector:
-    """Base class: parameters, cloning, a readable repr; no-op ``update`` and ``advance``."""
+@dataclass(kw_only=True)
+class NoSettings:
+    """The ``Config`` of a detector without settings."""
 
-    #: name used in ``Anomaly.detector`` and as prefix of its :class:`DetectorConfig` fields
+
+class Detector:
+    """Base class: settings, cloning, a readable repr; no-op ``update`` and ``advance``.
+
+    A detector declares its settings once, as its ``Config`` (a ``kw_only`` dataclass of
+    :func:`trainguard.setting.setting` fields: default, meaning, range, live or not); the
+    constructor takes them as keyword arguments, stores each under its own name and calls
+    :meth:`_start` to set up what is learned. (A detector of one's own may instead write
+    its own ``__init__``: its arguments are then its parameters.)"""
+
+    #: name used in ``Anomaly.detector`` and as the key of its section, ``detectors.<PREFIX>``
     PREFIX = ""
     #: what the detector consumes, from :data:`INPUTS`; its stage feeds it exactly these
     CONSUMES: tuple = ()
+    Config = NoSettings
+
+    def __init__(self, **params):
+        self.__dict__.update(vars(self.Config(**params)))
+        self._start()
+
+    __init__.from_config = True
+
+    def _start(self) -> None:
+        """Set up the learned state, from the settings."""
 
     def update(self, item) -> list[Finding]:
         return []
@@ -103,8 +125,7 @@ class Detector:
         """Recompute what the constructor derived from its parameters."""
 
     def _get_params(self) -> dict:
-        names = [n for n in inspect.signature(type(self).__init__).parameters if n != "self"]
-        return {n: getattr(self, n) for n in names}
+        return {n: getattr(self, n) for n in param_names(type(self))}
 
     def clone(self) -> "Detector":
         """A fresh detector with the same configuration and no learned state."""
@@ -113,6 +134,20 @@ class Detector:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._get_params().items())
         return f"{type(self).__name__}({args})"
+
+
+def param_names(cls) -> tuple:
+    """The settings of detector class ``cls``: its ``Config``'s fields, or the arguments of
+    its own ``__init__``."""
+    names = cls.__dict__.get("_param_names")
+    if names is None:
+        if getattr(cls.__init__, "from_config", False):
+            names = tuple(f.name for f in dataclasses.fields(cls.Config))
+        else:
+            names = tuple(n for n in inspect.signature(cls.__init__).parameters
+                          if n != "self")
+        cls._param_names = names
+    return names
 
 
 def item_kind(item) -> str:

@@ -8,25 +8,27 @@
   :data:`~trainguard.detectors.base.INPUTS`): its stage feeds it that and nothing else, and
   calls ``advance``/``finish`` only when it declares ``tick``/``end``;
 - the constructor is the configuration: every argument is stored under its own name, and a
-  built-in detector's defaults are those of :class:`~trainguard.detectors.DetectorConfig`;
+  detector declares its settings once, in its ``Config`` (each with a meaning);
 - :meth:`~trainguard.detectors.Detector.clone` gives a fresh detector of equal settings that
   finds the same as a fresh one;
-- the state pickles mid-stream and the restored detector goes on finding exactly the same;
-- the same inputs give the same findings (no randomness, no wall clock: reading
-  ``time.time`` or ``time.monotonic`` inside ``update``/``advance`` fails);
+- the same inputs give the same findings (no randomness);
 - inputs with every optional field missing or null do not raise;
 - findings are :class:`~trainguard.detectors.Finding` objects that make valid SPEC
-  anomalies (severity known, evidence plain JSON, onset not after detection).
+  anomalies (severity known, evidence plain JSON, onset not after detection);
+- given ``round_trip``, a function that stores a detector and gives it back (the stream
+  worker's snapshot: ``lambda d: load_state(dump_state(d, 0))`` of
+  :mod:`trainguard.streams.snapshots`, with the detector's class in its allowlist), the state
+  survives it mid-stream and the restored detector goes on finding exactly the same.
 
 ``items`` are what a stage gives its detectors: ``("u", item)`` to ``update`` and
 ``("a", now)`` to ``advance``; :func:`stage_items` makes them from telemetry events (a
 recording, say) the way the stages do. Without items the checks use :func:`bare_items`
 (every input kind, optional fields missing). Give items on which the detector finds
-something, so that clone and pickle carry real state.
+something, so that clone and the round trip carry real state.
 
-:func:`state_layout` and :func:`state_changes` guard the worker's snapshots: a detector's
-stored state (the classes and attribute names reachable from it) may only change together
-with its state version.
+trainguard's own tests add what needs a test harness (tests/detector_checks.py): the
+round trip through the worker's snapshots, no wall clock read in ``update``/``advance``,
+and the fingerprints of the state the snapshots store.
 
 >>> from trainguard.detectors import NanDetector
 >>> check_detector(NanDetector())
@@ -42,22 +44,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import json
-import pickle
-import sys
-import time
-import types
-from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterator
-from unittest import mock
 
 from trainguard import events as ev
 
 from .base import INPUTS, Detector, Finding, item_kind, to_anomaly
 
-__all__ = ["check_detector", "yield_checks", "drive", "stage_items", "bare_items",
-           "state_layout", "state_changes", "layout_of_registry", "state_version_of"]
+__all__ = ["check_detector", "yield_checks", "round_trip_check", "drive", "stage_items",
+           "bare_items", "CHECKS"]
 
 SEVERITIES = ("info", "warning", "critical")
 
@@ -85,12 +80,13 @@ def input_of(item) -> str:
 def stage_items(events, config=None) -> list:
     """What a JobStage's detectors see: ``("u", item)`` for summaries, jobsteps and node
     events, ``("a", now)`` for each advance in event time."""
-    from .config import DetectorConfig
+    from .config import DetectorsConfig
     from .stages import RankStage, StepAggregator
 
-    config = config or DetectorConfig()
+    config = config or DetectorsConfig()
     ranks: dict = {}
-    steps = StepAggregator(close_lag=config.step_close_lag, close_s=config.step_close_s)
+    steps = StepAggregator(close_lag=config.stages.step_close_lag,
+                           close_s=config.stages.step_close_s)
     out = []
     now = None
     for e in events:
@@ -150,8 +146,9 @@ def _name(detector) -> str:
 
 
 def _params(detector) -> dict:
-    names = [n for n, p in inspect.signature(type(detector).__init__).parameters.items()
-             if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    from .base import param_names
+
+    names = param_names(type(detector))
     return {n: getattr(detector, n) for n in names if hasattr(detector, n)}
 
 
@@ -183,25 +180,24 @@ def check_declared_inputs(detector, items) -> None:
 
 
 def check_params(detector, items) -> None:
-    for name, p in inspect.signature(type(detector).__init__).parameters.items():
-        if name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
+    from .base import param_names
+
+    for name in param_names(type(detector)):
         assert hasattr(detector, name), (
             f"{_name(detector)}: constructor argument {name!r} is not stored as self.{name}")
 
 
 def check_config_defaults(detector, items) -> None:
-    """A detector known to DetectorConfig (``<PREFIX>_<arg>`` fields) has its defaults."""
-    from .config import DetectorConfig
-
+    """A detector's ``Config`` (its settings, the one place of their defaults) gives each
+    setting a meaning, and a default detector has those defaults."""
     cls = type(detector)
-    try:
-        params = DetectorConfig().params_for(cls)
-    except AttributeError:
-        return  # not configured through DetectorConfig (a user's own detector)
-    defaults = {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items()
-                if n != "self"}
-    assert defaults == params, f"{cls.__name__}: constructor defaults differ from DetectorConfig"
+    if not getattr(cls.__init__, "from_config", False):
+        return  # a user's own detector with its own constructor
+    for f in dataclasses.fields(cls.Config):
+        assert f.metadata.get("help"), (
+            f"{cls.__name__}.Config.{f.name} has no meaning: declare it with setting()")
+    defaults = dataclasses.asdict(cls.Config())
+    assert cls()._get_params() == defaults, f"{cls.__name__}: defaults differ from its Config"
 
 
 def check_clone(detector, items) -> None:
@@ -215,47 +211,26 @@ def check_clone(detector, items) -> None:
         f"{_name(detector)}: a clone of a trained detector kept learned state")
 
 
-def check_pickle_mid_stream(detector, items) -> None:
-    expected = _as_dicts(drive(_fresh(detector), items))
-    for cut in (len(items) // 3, 2 * len(items) // 3):
-        d = _fresh(detector)
-        before = drive(d, items[:cut])
-        try:
-            restored = pickle.loads(pickle.dumps(d))
-        except (pickle.PicklingError, AttributeError, TypeError) as exc:
-            raise AssertionError(f"{_name(detector)}: its state does not pickle: {exc}") \
-                from None
-        assert _as_dicts(before + drive(restored, items[cut:])) == expected, (
-            f"{_name(detector)}: restored from a pickle after {cut} items, it finds "
-            f"something else")
-
-
-_CLOCKS = ("time", "monotonic", "perf_counter", "time_ns", "monotonic_ns")
-
-
-@contextmanager
-def _no_wall_clock(detector):
-    """Clocks refused in the detector's own module (only there: other threads go on)."""
-    def refuse(*args):
-        raise AssertionError(f"{_name(detector)} read the wall clock (time comes from the "
-                             "inputs or advance(now))")
-    module = sys.modules.get(type(detector).__module__)
-    stub = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time)
-                                    if not n.startswith("_")})
-    for name in _CLOCKS:
-        setattr(stub, name, refuse)
-    with ExitStack() as stack:
-        for name, value in list(vars(module).items()) if module else ():
-            if value is time:
-                stack.enter_context(mock.patch.object(module, name, stub))
-            elif any(value is getattr(time, c) for c in _CLOCKS):
-                stack.enter_context(mock.patch.object(module, name, refuse))
-        yield
+def round_trip_check(round_trip: Callable) -> Callable:
+    """The check that a detector stored and given back by ``round_trip`` mid-stream goes on
+    finding exactly what it would have found."""
+    def check_round_trip_mid_stream(detector, items) -> None:
+        expected = _as_dicts(drive(_fresh(detector), items))
+        for cut in (len(items) // 3, 2 * len(items) // 3):
+            d = _fresh(detector)
+            before = drive(d, items[:cut])
+            try:
+                restored = round_trip(d)
+            except Exception as exc:
+                raise AssertionError(f"{_name(detector)}: its state does not survive the round "
+                                     f"trip: {type(exc).__name__}: {exc}") from None
+            assert _as_dicts(before + drive(restored, items[cut:])) == expected, (
+                f"{_name(detector)}: restored after {cut} items, it finds something else")
+    return check_round_trip_mid_stream
 
 
 def check_deterministic(detector, items) -> None:
-    with _no_wall_clock(detector):
-        first = _as_dicts(drive(_fresh(detector), items))
+    first = _as_dicts(drive(_fresh(detector), items))
     assert first == _as_dicts(drive(_fresh(detector), items)), (
         f"{_name(detector)}: the same inputs gave other findings")
 
@@ -273,127 +248,21 @@ def check_findings(detector, items) -> None:
         ev.decode(ev.encode(to_anomaly("j", f)))
 
 
-CHECKS = (check_declared_inputs, check_params, check_config_defaults, check_clone, check_pickle_mid_stream,
+CHECKS = (check_declared_inputs, check_params, check_config_defaults, check_clone,
           check_deterministic, check_missing_optional_fields, check_findings)
 
 
-def yield_checks(detector) -> Iterator[Callable]:
+def yield_checks(detector, round_trip: Callable | None = None) -> Iterator[Callable]:
     """Each check, a function ``(detector, items) -> None`` raising ``AssertionError``."""
     yield from CHECKS
+    if round_trip is not None:
+        yield round_trip_check(round_trip)
 
 
-def check_detector(detector, items=None) -> None:
-    """Run every check on ``detector`` (its settings; it is not changed) over ``items``."""
+def check_detector(detector, items=None, round_trip: Callable | None = None) -> None:
+    """Run every check on ``detector`` (its settings; it is not changed) over ``items``;
+    with ``round_trip``, the round trip of its state mid-stream too."""
     items = list(items) if items is not None else bare_items()
     detector = copy.deepcopy(detector)
-    for check in yield_checks(detector):
+    for check in yield_checks(detector, round_trip):
         check(detector, items)
-
-
-# ------------------------------------------------------------------ state layout
-_PLAIN = (str, bytes, int, float, bool, type(None), complex)
-
-
-def state_layout(obj) -> dict:
-    """``{"module.Class": [attribute names]}`` of ``obj`` and every object with attributes
-    reachable from it (through lists, dicts, sets and tuples): what a snapshot stores.
-
-    >>> from trainguard.detectors import NanDetector
-    >>> sorted(state_layout(NanDetector()))
-    ['trainguard.detectors.training.NanDetector']
-    """
-    out: dict = {}
-    seen: set = set()
-    todo = [obj]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, _PLAIN) or id(x) in seen or isinstance(x, type):
-            continue
-        seen.add(id(x))
-        if isinstance(x, dict):
-            todo += list(x.keys()) + list(x.values())
-            continue
-        if isinstance(x, (list, tuple, set, frozenset)) or type(x).__module__ == "collections":
-            try:
-                todo += list(x.values()) if hasattr(x, "values") else list(x)
-            except TypeError:
-                pass
-            continue
-        attrs = dict(getattr(x, "__dict__", {}))
-        for slot in getattr(type(x), "__slots__", ()):
-            if hasattr(x, slot):
-                attrs[slot] = getattr(x, slot)
-        if not attrs:
-            continue
-        key = f"{type(x).__module__}.{type(x).__qualname__}"
-        out[key] = sorted(set(out.get(key, ())) | set(attrs))
-        todo += list(attrs.values())
-    return dict(sorted(out.items()))
-
-
-def state_version_of(cls) -> int:
-    """A detector's own ``STATE_VERSION``, else the worker's snapshot version."""
-    own = getattr(cls, "STATE_VERSION", None)
-    if own is not None:
-        return own
-    from trainguard.streams import processors
-
-    return processors.STATE_VERSION
-
-
-def layout_of_registry(items=None) -> dict:
-    """``{name: {"version", "layout"}}`` of every registered detector and of the stages that
-    hold them (what the worker's snapshots store), each driven over ``items`` (default
-    :func:`bare_items`) first, so that state made on the way is in."""
-    from . import stages
-
-    items = list(items) if items is not None else bare_items()
-    out = {}
-    for cls in stages.DETECTORS:
-        d = cls()
-        drive(d, items)
-        out[cls.__name__] = {"version": state_version_of(cls), "layout": state_layout(d)}
-    summaries = [(op, x) for op, x in items if op == "a" or item_kind(x) != "jobstep"]
-    job = stages.JobStage()
-    for op, x in summaries:
-        job.update(x) if op == "u" else job.advance(x)
-    for stage in (stages.RankStage(), stages.NodeStage(), job):
-        out[type(stage).__name__] = {"version": state_version_of(type(stage)),
-                                     "layout": state_layout(stage)}
-    return out
-
-
-def state_changes(stored: dict, current: dict) -> list:
-    """What is wrong with ``current`` (:func:`layout_of_registry`) against ``stored``: a
-    layout changed under the same version, or a stored entry not current any more.
-
-    >>> old = {"D": {"version": 3, "layout": {"m.D": ["a", "b"]}}}
-    >>> state_changes(old, {"D": {"version": 3, "layout": {"m.D": ["a", "c"]}}})
-    ['D: its stored state changed (m.D: +c -b) but its state version is still 3; raise it']
-    >>> state_changes(old, {"D": {"version": 4, "layout": {"m.D": ["a", "c"]}}})
-    ['D: state version 4 with a new layout; store the new fingerprint']
-    """
-    problems = []
-    for name, now in current.items():
-        before = stored.get(name)
-        if before is None:
-            problems.append(f"{name}: no stored fingerprint; store the new fingerprint")
-        elif before["layout"] != now["layout"] and before["version"] == now["version"]:
-            diff = []
-            for cls in sorted(set(before["layout"]) | set(now["layout"])):
-                a, b = set(before["layout"].get(cls, ())), set(now["layout"].get(cls, ()))
-                if a != b:
-                    diff.append(f"{cls}: " + " ".join([f"+{x}" for x in sorted(b - a)]
-                                                      + [f"-{x}" for x in sorted(a - b)]))
-            problems.append(f"{name}: its stored state changed ({'; '.join(diff)}) but its "
-                            f"state version is still {now['version']}; raise it")
-        elif before != now:
-            problems.append(f"{name}: state version {now['version']} with a new layout; "
-                            f"store the new fingerprint")
-    problems += [f"{name}: no longer registered; drop its fingerprint"
-                 for name in stored if name not in current]
-    return problems
-
-
-if __name__ == "__main__":  # python -m trainguard.detectors.checks > FILE: the fingerprints
-    print(json.dumps(layout_of_registry(), indent=1, sort_keys=True))

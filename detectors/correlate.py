@@ -55,37 +55,25 @@ stream of anomalies.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from trainguard.setting import setting
+
+from .registry import consequences, priority, priority_ranks
+
 __all__ = ["PRIORITY", "CONSEQUENCES", "Correlator", "summarize", "incident_id_of"]
 
-#: Root-cause priority, most fundamental first.
-PRIORITY = ("gpu_fault", "nan", "crash", "silent", "gpu_degraded", "straggler", "hang",
-            "loss_spike", "grad_spike", "throughput_drop", "machine_outlier")
-_RANK = {k: i for i, k in enumerate(PRIORITY)}
+#: Root-cause priority, most fundamental first: the kinds of the detectors' registrations
+#: (``priority=``, :mod:`~trainguard.detectors.registry`) in the order of their numbers.
+PRIORITY = priority()
+_RANK = priority_ranks()    # kind -> place in PRIORITY, kept current as plug-ins register
 
 ANY, SHARED, SAME_RANK = "any", "shared", "same_rank"
 #: cause kind -> {consequence kind: ANY (anywhere in the job), SHARED (same rank or machine)
-#: or SAME_RANK (same rank only)}
-CONSEQUENCES = {
-    "gpu_fault": {"hang": ANY, "throughput_drop": ANY, "silent": SHARED, "crash": SHARED,
-                  "nan": SHARED, "straggler": SHARED, "gpu_degraded": SHARED,
-                  "gpu_fault": SHARED, "loss_spike": ANY, "grad_spike": ANY,
-                  "machine_outlier": SHARED},
-    "nan": {"nan": ANY, "loss_spike": ANY, "grad_spike": ANY, "crash": SAME_RANK,
-            "hang": SAME_RANK},
-    "crash": {"crash": ANY, "hang": ANY, "silent": ANY, "machine_outlier": SHARED},
-    "silent": {"silent": ANY, "hang": ANY, "machine_outlier": SHARED},
-    "gpu_degraded": {"gpu_degraded": SHARED, "straggler": SHARED, "throughput_drop": ANY,
-                     "machine_outlier": SHARED},
-    "straggler": {"straggler": SHARED, "hang": SHARED, "machine_outlier": SHARED},
-    "hang": {"hang": ANY, "machine_outlier": SHARED},
-    "loss_spike": {"loss_spike": ANY, "grad_spike": ANY},
-    "grad_spike": {"grad_spike": ANY, "loss_spike": ANY},
-    "throughput_drop": {"throughput_drop": ANY, "machine_outlier": ANY},
-    # a machine that drifts from its peers is the likely cause of the slowdown that follows
-    # it there; it is last in PRIORITY, so the incident takes the ladder of that slowdown
-    "machine_outlier": {"machine_outlier": SHARED, "straggler": SHARED, "hang": SHARED,
-                        "throughput_drop": ANY, "gpu_degraded": SHARED},
-}
+#: or SAME_RANK (same rank only)}: the detectors' registrations (``causes=``), kept current
+#: as plug-ins register
+CONSEQUENCES = consequences()
+
 _SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 
 
@@ -210,10 +198,17 @@ class Correlator:
     closed incidents are kept (bounded memory in a long-running worker).
     """
 
-    def __init__(self, window_s: float = 180.0, root_slack_s: float = 2.0,
-                 keep_closed: int = 1000):
-        self.window_s = window_s
-        self.root_slack_s = root_slack_s
+    PREFIX = "correlate"
+
+    @dataclass(kw_only=True)
+    class Config:
+        window_s: float = setting(180.0, "anomalies this close in time may share a root")
+        root_slack_s: float = setting(2.0, "root-kind anomalies this close are co-suspects")
+
+    def __init__(self, keep_closed: int = 1000, **settings):
+        config = self.Config(**settings)
+        self.window_s = config.window_s
+        self.root_slack_s = config.root_slack_s
         self.keep_closed = keep_closed
         self._open: list = []
         self._closed: list = []
@@ -290,3 +285,8 @@ def summarize(incident_id: str, members: list, root_slack_s: float = 2.0) -> dic
     for member in members[1:]:
         incident.add(member)
     return incident.to_dict(root_slack_s)
+
+
+# The settings class at module level, so that a snapshot may hold it (its allowlist is the
+# classes of the detectors' modules).
+CorrelateConfig = Correlator.Config

@@ -25,19 +25,22 @@ that report no ``samples`` are never checked.
 from __future__ import annotations
 
 from .base import Detector, Finding
+from .registry import register_detector
 
 __all__ = ["DataPositionDetector"]
 
 KEEP_STEPS = 512  # steps of samples remembered per rank: enough to reach back to a checkpoint
 
 
+# evidence for people (no priority): it is the root cause of no other anomaly
+@register_detector(kinds="data_position", ladder=("alert",))
 class DataPositionDetector(Detector):
     """Checks each rank's first step after a restart against its earlier data position."""
 
     PREFIX = "data_position"
     CONSUMES = ("step", "life")
 
-    def __init__(self):
+    def _start(self) -> None:
         self._samples: dict = {}   # rank -> {step: samples}
         self._delta: dict = {}     # rank -> the last per-step increment seen
         self._last: dict = {}      # rank -> last step seen

@@ -18,8 +18,12 @@ detectors run per machine in a ``NodeStage``, which sees no rank summaries: ther
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+
+from trainguard.setting import setting
 
 from .base import Detector, Finding
+from .registry import register_detector
 
 __all__ = ["XID_TABLE", "FAULT_XIDS", "APPLICATION_XIDS", "xid_info", "is_fault_xid",
            "Placement", "GpuFaultDetector", "GpuDegradedDetector"]
@@ -118,7 +122,7 @@ class Placement:
 
 
 class _GpuDetector(Detector):
-    def __init__(self):
+    def _start(self) -> None:
         self._placement = Placement()
 
     def _learn(self, item) -> bool:
@@ -139,6 +143,12 @@ class _GpuDetector(Detector):
                        detector=self.PREFIX, summary=summary, evidence=evidence, key=key)
 
 
+@register_detector(kinds="gpu_fault", ladder=("evict", "restart", "alert"), priority=10,
+                   stage="node", causes={
+                       "hang": "any", "throughput_drop": "any", "silent": "shared",
+                       "crash": "shared", "nan": "shared", "straggler": "shared",
+                       "gpu_degraded": "shared", "gpu_fault": "shared", "loss_spike": "any",
+                       "grad_spike": "any", "machine_outlier": "shared"})
 class GpuFaultDetector(_GpuDetector):
     """Hardware faults: a hardware Xid of :data:`XID_TABLE`, a rise in ``ecc_dbe``,
     ``remapped_failure``, a GPU entry with ``lost``, or a GPU missing from its machine's
@@ -149,10 +159,14 @@ class GpuFaultDetector(_GpuDetector):
     PREFIX = "gpu_fault"
     CONSUMES = ("gpu", "xid")
 
-    def __init__(self, missing_samples: int = 2, repeat_s: float = 300.0):
-        super().__init__()
-        self.missing_samples = missing_samples
-        self.repeat_s = repeat_s
+    @dataclass(kw_only=True)
+    class Config:
+        missing_samples: int = setting(2, 'samples a GPU must be absent to be "missing"',
+                                       minimum=1)
+        repeat_s: float = setting(300.0, "the same Xid on the same GPU within this is one")
+
+    def _start(self) -> None:
+        super()._start()
         self._xid_last: dict = {}       # (node, gpu, xid) -> ts
         self._dbe: dict = {}            # (node, index) -> count
         self._flags: set = set()        # (node, index, what) currently reported
@@ -301,6 +315,9 @@ class _Window:
         return rose
 
 
+@register_detector(kinds="gpu_degraded", ladder=("alert",), priority=50, stage="node",
+                   causes={"gpu_degraded": "shared", "straggler": "shared",
+                           "throughput_drop": "any", "machine_outlier": "shared"})
 class GpuDegradedDetector(_GpuDetector):
     """Sustained trouble short of a fault, per GPU over the last ``window_s`` seconds:
 
@@ -326,17 +343,20 @@ class GpuDegradedDetector(_GpuDetector):
     PREFIX = "gpu_degraded"
     CONSUMES = ("gpu",)
 
-    def __init__(self, window_s: float = 60.0, throttle_fraction: float = 0.8,
-                 min_samples: int = 10, pcie_replays: int = 50, nvlink_increments: int = 3,
-                 sbe_increase: int = 10, sbe_increments: int = 2):
-        super().__init__()
-        self.window_s = window_s
-        self.throttle_fraction = throttle_fraction
-        self.min_samples = min_samples
-        self.pcie_replays = pcie_replays
-        self.nvlink_increments = nvlink_increments
-        self.sbe_increase = sbe_increase
-        self.sbe_increments = sbe_increments
+    @dataclass(kw_only=True)
+    class Config:
+        window_s: float = setting(60.0, "seconds of samples each condition is judged over")
+        throttle_fraction: float = setting(0.8, "hardware throttling in this fraction of the "
+                                                "samples ...", above=0, maximum=1)
+        min_samples: int = setting(10, "... of at least this many samples")
+        pcie_replays: int = setting(50, "PCIe replays per window")
+        nvlink_increments: int = setting(3, "samples in the window in which NVLink errors "
+                                            "rose")
+        sbe_increase: int = setting(10, "single-bit ECC errors per window ...")
+        sbe_increments: int = setting(2, "... rising in at least this many samples")
+
+    def _start(self) -> None:
+        super()._start()
         self._windows: dict = {}  # (node, index) -> _Window
         self._active: set = set()
 

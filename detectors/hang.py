@@ -83,15 +83,22 @@ waits in ``backward``; it is named 20 s after rank 0 began to wait (its own cloc
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from river import stats
+
+from trainguard.setting import MONTH_S, setting
 
 from .base import Detector, Finding, fmt_ranks, rank_nodes, whole_nodes
 from .view import UsesView
+from .registry import register_detector
 
 __all__ = ["HangDetector", "STEP_PHASES", "is_allowed_phase"]
 
 #: Phases of the step itself (SPEC names, and the collector's ``step`` and ``idle``): time
 #: spent in them is the step's, not an allowance.
+_SECONDS = (0.1, MONTH_S)
+_FACTOR = (1.0, 100.0)
 STEP_PHASES = frozenset(("data", "forward", "backward", "optimizer", "collective", "idle",
                          "step"))
 
@@ -110,33 +117,44 @@ def is_allowed_phase(phase) -> bool:
     return type(phase) is str and phase not in STEP_PHASES
 
 
+@register_detector(kinds="hang", ladder=("capture", "evict_suspects", "restart", "alert"),
+                   priority=70, causes={"hang": "any", "machine_outlier": "shared"})
 class HangDetector(UsesView, Detector):
     """No new step from the job for longer than its learned timeout (see the module)."""
 
     PREFIX = "hang"
     CONSUMES = ("step", "hb", "life", "tick")
 
-    def __init__(self, floor_s: float = 20.0, factor: float = 2.0, quantile: float = 0.99,
-                 window: int = 500, max_margin: float = 1.0, min_intervals: int = 5,
-                 checkpoint_s: float = 1800.0, eval_s: float = 1800.0,
-                 phase_s: float = 1800.0, first_step_s: float = 1800.0,
-                 phase_factor: float = 3.0, stale_s: float = 10.0,
-                 early_margin: float = 6.0, peer_factor: float = 2.0):
-        self.floor_s = floor_s
-        self.factor = factor
-        self.quantile = quantile
-        self.window = window
-        self.max_margin = max_margin
-        self.min_intervals = min_intervals
-        self.checkpoint_s = checkpoint_s
-        self.eval_s = eval_s
-        self.phase_s = phase_s
-        self.first_step_s = first_step_s
-        self.phase_factor = phase_factor
-        self.stale_s = stale_s
-        self.early_margin = early_margin
-        self.peer_factor = peer_factor
-        self._intervals = stats.RollingQuantile(q=quantile, window_size=window)
+    @dataclass(kw_only=True)
+    class Config:
+        floor_s: float = setting(20.0, "the hang timeout is never below this many seconds",
+                                 live=_SECONDS)
+        factor: float = setting(2.0, "timeout: factor x the quantile of the job's step "
+                                     "intervals", live=_FACTOR)
+        quantile: float = setting(0.99, "quantile of the step intervals the timeout scales",
+                                  above=0, maximum=1)
+        window: int = setting(500, "step intervals the quantile is learned over", minimum=1)
+        max_margin: float = setting(1.0, "... and never below this x the longest of them",
+                                    live=(0.0, 100.0))
+        min_intervals: int = setting(5, "before, the first-step budget applies",
+                                     live=(0, 100_000))
+        checkpoint_s: float = setting(1800.0, "default allowance of a `checkpoint` phase",
+                                      live=_SECONDS)
+        eval_s: float = setting(1800.0, "... of `eval`", live=_SECONDS)
+        phase_s: float = setting(1800.0, "... of a user-declared phase", live=_SECONDS)
+        first_step_s: float = setting(1800.0, "budget of `init` and the first step after a "
+                                              "start", live=_SECONDS)
+        phase_factor: float = setting(3.0, "allowance >= this x the longest seen in the job",
+                                      live=(0.0, 100.0))
+        stale_s: float = setting(10.0, "a rank with no heartbeat for this long is a suspect",
+                                 live=_SECONDS)
+        early_margin: float = setting(6.0, "timeout >= (max_margin + factor x this / sqrt(n)) "
+                                           "x longest step", live=(0.0, 100.0))
+        peer_factor: float = setting(2.0, "ranks left behind: peers waited this x the longest "
+                                          "step", minimum=1, live=_FACTOR)
+
+    def _start(self) -> None:
+        self._intervals = stats.RollingQuantile(q=self.quantile, window_size=self.window)
         self._recent = []              # the last `window` intervals, for their maximum
         self._recent_max = 0.0
         self._n_intervals = 0

@@ -12,9 +12,14 @@ tear-down; offline ``now`` is the recording's event time, online the job's clock
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from trainguard.setting import MONTH_S, setting
+
 from .base import Detector, Finding, fmt_ranks, rank_nodes
 from .view import UsesView
 from .hang import HangDetector
+from .registry import register_detector
 
 __all__ = ["HangDetector", "SilentDetector", "CrashDetector"]
 
@@ -26,6 +31,138 @@ TEARDOWN_SIGNALS = frozenset(("SIGTERM", "SIGINT", "TERM", "INT"))
 TEARDOWN_CODES = {-15: "SIGTERM", 143: "SIGTERM", -2: "SIGINT", 130: "SIGINT"}
 
 
+@register_detector(kinds="silent", ladder=("alert",), priority=40,
+                   causes={"silent": "any", "hang": "any", "machine_outlier": "shared"})
+class SilentDetector(UsesView, Detector):
+    """A rank, or a whole machine, that stops sending anything while the rest go on.
+
+    A rank is silent after ``timeout_s`` without any summary from it while some other rank
+    was heard within ``timeout_s``. "Heard" is on the job's clock (the newest event time of any
+    rank or machine) when its summary came, not the rank's own time stamp: a machine whose
+    clock runs seconds behind the others', or whose collector sends in bursts, is not quiet
+    for that. When every known rank of a machine is silent and that
+    machine's GPU samples stopped too (or it never sent any), the machine is named. Ranks that
+    exited are not silent. A rank is reported again only after it was heard from again.
+
+    >>> d = SilentDetector(timeout_s=10.0)
+    >>> for t in range(30):
+    ...     for r in range(4):
+    ...         if r < 2 or t < 5:      # n2 (ranks 2, 3) stops at t=4
+    ...             _ = d.update({"k": "hb", "rank": r, "node": f"n{1 + r // 2}", "ts": float(t)})
+    ...     found = d.advance(float(t))
+    ...     if found:
+    ...         print(t, found[0].nodes, found[0].ranks)
+    14 ['n2'] [2, 3]
+    """
+
+    PREFIX = "silent"
+    CONSUMES = ("step", "hb", "life", "gpu", "tick")
+
+    @dataclass(kw_only=True)
+    class Config:
+        timeout_s: float = setting(15.0, "a rank or machine silent this long while others go "
+                                         "on", live=(0.1, MONTH_S))
+
+    def _start(self) -> None:
+        self._init_view()          # where ranks run, when each was last heard
+        self._gpu_seen: dict = {}  # node -> job clock at its last gpu sample
+        self._clock = None         # the newest event time of the job
+        self._heard: dict = {}     # rank -> job clock when it was last heard from
+        self._exited: set = set()
+        self._reported: set = set()
+        self._next = None
+
+    def update(self, item) -> list[Finding]:
+        if type(item) is dict:
+            if self._own_view:
+                self.view.learn(item)
+            rank = item.get("rank")
+            ts = item.get("ts")
+            k = item.get("k")
+            clock = self._tick(ts) if ts is not None else None
+            if rank is None or ts is None or k not in ("step", "hb", "life"):
+                if k == "gpu" and item.get("node") and ts is not None:
+                    self._gpu_sample(item["node"], clock)    # a NodeStage's gpu summary
+                return []
+            self._heard[rank] = clock
+            if k == "life":
+                if item.get("event") == "exit":
+                    self._exited.add(rank)
+                else:
+                    self._exited.discard(rank)
+            if rank in self._reported:
+                self._reported.discard(rank)
+        elif getattr(item, "TYPE", "") == "gpu" and item.node:
+            self._gpu_sample(item.node, self._tick(item.ts))
+        return []
+
+    def _tick(self, ts: float) -> float:
+        """The job's clock, moved on to ``ts`` when that is newer."""
+        clock = self._clock
+        if clock is None or ts > clock:
+            self._clock = clock = ts
+        return clock
+
+    def _gpu_sample(self, node, ts) -> None:
+        prev = self._gpu_seen.get(node)
+        if prev is None or ts > prev:
+            self._gpu_seen[node] = ts
+
+    def advance(self, now: float) -> list[Finding]:
+        if self._next is not None and now < self._next:
+            return []
+        self._next = now + min(1.0, self.timeout_s / 10)
+        limit = now - self.timeout_s
+        quiet, pending, alive = [], set(), False
+        for rank, ts in self._heard.items():
+            if rank in self._exited:
+                continue
+            if ts > limit:
+                alive = True
+                if ts <= now - self.timeout_s / 2:
+                    pending.add(rank)
+            elif rank not in self._reported:
+                quiet.append(rank)
+        if not quiet or not alive:
+            return []
+        by_node: dict = {}
+        for rank in quiet:
+            by_node.setdefault(self.view.where.get(rank), []).append(rank)
+        findings = []
+        for node, ranks in sorted(by_node.items(), key=lambda kv: str(kv[0])):
+            oldest = min(self._heard[r] for r in ranks)
+            if node is not None and now - oldest < self.timeout_s * 1.5 and any(
+                    self.view.where.get(r) == node for r in pending):
+                continue   # more ranks of this machine are going quiet: wait for them
+            findings.append(self._finding(node, ranks, now))
+        return findings
+
+    def _finding(self, node, ranks, now) -> Finding:
+        node_ranks = [r for r, n in self.view.where.items() if n == node and r not in self._exited]
+        all_quiet = node is not None and all(
+            r in ranks or r in self._reported for r in node_ranks)
+        gpu = self._gpu_seen.get(node)
+        machine = all_quiet and (gpu is None or now - gpu >= self.timeout_s / 2)
+        self._reported.update(ranks)
+        onset = min(self.view.last_seen[r] for r in ranks)
+        if machine:
+            ranks = sorted(node_ranks)
+            summary = (f"machine {node} went silent: its {len(ranks)} rank(s) and its GPU samples "
+                       f"stopped {now - onset:.0f}s ago while the rest of the job goes on")
+        else:
+            summary = (f"{fmt_ranks(ranks)}{' on ' + node if node else ''} stopped sending "
+                       f"{now - onset:.0f}s ago while the rest of the job goes on")
+        return Finding(kind="silent", severity="critical", ranks=sorted(ranks),
+                       nodes=[node] if machine else [], step=None, onset_ts=onset,
+                       detected_ts=now, detector=self.PREFIX, summary=summary,
+                       evidence={"last_seen": {str(r): self.view.last_seen[r] for r in sorted(ranks)},
+                                 "gpu_last_seen": gpu, "machine": machine,
+                                 "rank_nodes": rank_nodes(ranks, self.view.where)})
+
+
+@register_detector(kinds="crash", ladder=("evict_if_repeated", "restart", "alert"),
+                   priority=30, causes={"crash": "any", "hang": "any", "silent": "any",
+                                        "machine_outlier": "shared"})
 class CrashDetector(UsesView, Detector):
     """A rank that failed: a lifecycle ``exit`` with a non-zero code or a signal, or a rank
     that vanished without one while the launcher tore the job down.
@@ -79,9 +216,14 @@ class CrashDetector(UsesView, Detector):
     PREFIX = "crash"
     CONSUMES = ("step", "hb", "life", "tick", "end")
 
-    def __init__(self, grace_s: float = 3.0, vanish_s: float = 10.0):
-        self.grace_s = grace_s
-        self.vanish_s = vanish_s
+    @dataclass(kw_only=True)
+    class Config:
+        grace_s: float = setting(3.0, "wait after a SIGTERM/SIGINT exit for the rest",
+                                 live=(0.0, 3600.0))
+        vanish_s: float = setting(10.0, "ranks heard this shortly before it, with no exit, "
+                                        "vanished (SIGKILL, OOM killer)", live=(0.0, 3600.0))
+
+    def _start(self) -> None:
         self._last: dict = {}      # rank -> last event time
         self._step: dict = {}      # rank -> last step
         self._init_view()          # where ranks run
@@ -279,126 +421,3 @@ class CrashDetector(UsesView, Detector):
                        key=f"t{ts:.3f}",
                        evidence={"exit_code": code, "signal": sig,
                                  "rank_nodes": {str(rank): node} if node and ranks else {}})
-
-
-class SilentDetector(UsesView, Detector):
-    """A rank, or a whole machine, that stops sending anything while the rest go on.
-
-    A rank is silent after ``timeout_s`` without any summary from it while some other rank
-    was heard within ``timeout_s``. "Heard" is on the job's clock (the newest event time of any
-    rank or machine) when its summary came, not the rank's own time stamp: a machine whose
-    clock runs seconds behind the others', or whose collector sends in bursts, is not quiet
-    for that. When every known rank of a machine is silent and that
-    machine's GPU samples stopped too (or it never sent any), the machine is named. Ranks that
-    exited are not silent. A rank is reported again only after it was heard from again.
-
-    >>> d = SilentDetector(timeout_s=10.0)
-    >>> for t in range(30):
-    ...     for r in range(4):
-    ...         if r < 2 or t < 5:      # n2 (ranks 2, 3) stops at t=4
-    ...             _ = d.update({"k": "hb", "rank": r, "node": f"n{1 + r // 2}", "ts": float(t)})
-    ...     found = d.advance(float(t))
-    ...     if found:
-    ...         print(t, found[0].nodes, found[0].ranks)
-    14 ['n2'] [2, 3]
-    """
-
-    PREFIX = "silent"
-    CONSUMES = ("step", "hb", "life", "gpu", "tick")
-
-    def __init__(self, timeout_s: float = 15.0):
-        self.timeout_s = timeout_s
-        self._init_view()          # where ranks run, when each was last heard
-        self._gpu_seen: dict = {}  # node -> job clock at its last gpu sample
-        self._clock = None         # the newest event time of the job
-        self._heard: dict = {}     # rank -> job clock when it was last heard from
-        self._exited: set = set()
-        self._reported: set = set()
-        self._next = None
-
-    def update(self, item) -> list[Finding]:
-        if type(item) is dict:
-            if self._own_view:
-                self.view.learn(item)
-            rank = item.get("rank")
-            ts = item.get("ts")
-            k = item.get("k")
-            clock = self._tick(ts) if ts is not None else None
-            if rank is None or ts is None or k not in ("step", "hb", "life"):
-                if k == "gpu" and item.get("node") and ts is not None:
-                    self._gpu_sample(item["node"], clock)    # a NodeStage's gpu summary
-                return []
-            self._heard[rank] = clock
-            if k == "life":
-                if item.get("event") == "exit":
-                    self._exited.add(rank)
-                else:
-                    self._exited.discard(rank)
-            if rank in self._reported:
-                self._reported.discard(rank)
-        elif getattr(item, "TYPE", "") == "gpu" and item.node:
-            self._gpu_sample(item.node, self._tick(item.ts))
-        return []
-
-    def _tick(self, ts: float) -> float:
-        """The job's clock, moved on to ``ts`` when that is newer."""
-        clock = self._clock
-        if clock is None or ts > clock:
-            self._clock = clock = ts
-        return clock
-
-    def _gpu_sample(self, node, ts) -> None:
-        prev = self._gpu_seen.get(node)
-        if prev is None or ts > prev:
-            self._gpu_seen[node] = ts
-
-    def advance(self, now: float) -> list[Finding]:
-        if self._next is not None and now < self._next:
-            return []
-        self._next = now + min(1.0, self.timeout_s / 10)
-        limit = now - self.timeout_s
-        quiet, pending, alive = [], set(), False
-        for rank, ts in self._heard.items():
-            if rank in self._exited:
-                continue
-            if ts > limit:
-                alive = True
-                if ts <= now - self.timeout_s / 2:
-                    pending.add(rank)
-            elif rank not in self._reported:
-                quiet.append(rank)
-        if not quiet or not alive:
-            return []
-        by_node: dict = {}
-        for rank in quiet:
-            by_node.setdefault(self.view.where.get(rank), []).append(rank)
-        findings = []
-        for node, ranks in sorted(by_node.items(), key=lambda kv: str(kv[0])):
-            oldest = min(self._heard[r] for r in ranks)
-            if node is not None and now - oldest < self.timeout_s * 1.5 and any(
-                    self.view.where.get(r) == node for r in pending):
-                continue   # more ranks of this machine are going quiet: wait for them
-            findings.append(self._finding(node, ranks, now))
-        return findings
-
-    def _finding(self, node, ranks, now) -> Finding:
-        node_ranks = [r for r, n in self.view.where.items() if n == node and r not in self._exited]
-        all_quiet = node is not None and all(
-            r in ranks or r in self._reported for r in node_ranks)
-        gpu = self._gpu_seen.get(node)
-        machine = all_quiet and (gpu is None or now - gpu >= self.timeout_s / 2)
-        self._reported.update(ranks)
-        onset = min(self.view.last_seen[r] for r in ranks)
-        if machine:
-            ranks = sorted(node_ranks)
-            summary = (f"machine {node} went silent: its {len(ranks)} rank(s) and its GPU samples "
-                       f"stopped {now - onset:.0f}s ago while the rest of the job goes on")
-        else:
-            summary = (f"{fmt_ranks(ranks)}{' on ' + node if node else ''} stopped sending "
-                       f"{now - onset:.0f}s ago while the rest of the job goes on")
-        return Finding(kind="silent", severity="critical", ranks=sorted(ranks),
-                       nodes=[node] if machine else [], step=None, onset_ts=onset,
-                       detected_ts=now, detector=self.PREFIX, summary=summary,
-                       evidence={"last_seen": {str(r): self.view.last_seen[r] for r in sorted(ranks)},
-                                 "gpu_last_seen": gpu, "machine": machine,
-                                 "rank_nodes": rank_nodes(ranks, self.view.where)})

@@ -39,12 +39,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
 from river import stats
+
+from trainguard.setting import setting
 
 from .base import Detector, Finding
 from .hang import STEP_PHASES
 from .view import UsesView
+from .registry import register_detector
 
 __all__ = ["MachineOutlierDetector", "MachineVector", "FEATURES"]
 
@@ -162,25 +166,31 @@ class _Normal:
         self.last_ts = 0.0
 
 
+# A machine that drifts from its peers is the likely cause of the slowdown that follows it
+# there; it is last in priority, so the incident takes the ladder of that slowdown.
+@register_detector(kinds="machine_outlier", ladder=("alert",), priority=110, causes={
+    "machine_outlier": "shared", "straggler": "shared", "hang": "shared",
+    "throughput_drop": "any", "gpu_degraded": "shared"})
 class MachineOutlierDetector(UsesView, Detector):
     """See the module docstring."""
 
     PREFIX = "machine_outlier"
     CONSUMES = ("gpu", "hb", "life", "jobstep", "tick")
 
-    def __init__(self, every_s: float = 5.0, stale_s: float = 15.0, min_machines: int = 3,
-                 warmup: int = 30, threshold: float = 8.0, min_std: float = 0.5,
-                 k: int = 4, n: int = 6, top: int = 3, forget_s: float = 3600.0):
-        self.every_s = every_s
-        self.stale_s = stale_s
-        self.min_machines = min_machines
-        self.warmup = warmup
-        self.threshold = threshold
-        self.min_std = min_std
-        self.k = k
-        self.n = n
-        self.top = top
-        self.forget_s = forget_s
+    @dataclass(kw_only=True)
+    class Config:
+        every_s: float = setting(5.0, "a round (peers' medians, scores) this often")
+        stale_s: float = setting(15.0, "a machine's sample older than this is not compared")
+        min_machines: int = setting(3, "machines (of a role) needed to compare (0: off)")
+        warmup: int = setting(30, "rounds each machine's usual deviations are learned over")
+        threshold: float = setting(8.0, "flagged: a counter this many of its own std off")
+        min_std: float = setting(0.5, "... the std (in peer MADs) taken as at least this")
+        k: int = setting(4, "an outlier: flagged in k ...", minimum=1, at_most="n")
+        n: int = setting(6, "... of the machine's last n rounds")
+        top: int = setting(3, "counters named in a finding")
+        forget_s: float = setting(3600.0, "a machine unheard this long is forgotten")
+
+    def _start(self) -> None:
         self._init_view()
         self._vectors: dict = {}     # node -> MachineVector (raw ev.Gpu input)
         self._latest: dict = {}      # node -> (ts, x)

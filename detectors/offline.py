@@ -25,7 +25,7 @@ from trainguard.recording import ReadStats, read_events
 from .config import DetectorConfig
 from .stages import Engine
 
-__all__ = ["analyze_file", "analyze_events"]
+__all__ = ["analyze_file", "analyze_events", "result_of"]
 
 _INCIDENT_KEYS = ("id", "kind", "job", "ranks", "nodes", "step", "onset_ts", "detected_ts",
                   "severity", "summary", "anomalies")
@@ -99,14 +99,21 @@ def analyze_file(path, config: DetectorConfig | None = None,
     ``events`` counts the events analyzed, ``invalid`` the lines that were not: those that
     failed validation and those refused for an implausible ``ts`` or ``step``, which, when
     there are any, ``rejected`` counts and ``rejections`` lists (the first 100, with their
-    reasons). ``on_read`` follows the reading of the file (:func:`read_events`).
+    reasons). ``on_read`` follows the reading of the file (:func:`read_events`). In one
+    process; :func:`~.parallel.analyze_file_parallel` gives the same result over several.
     """
     stats = ReadStats()
     engine, summary = analyze_events(read_events(path, stats, on_read), config,
                                      tune_stage=_overrides_book(overrides, config))
+    return result_of(engine, summary, stats.events, stats.invalid)
+
+
+def result_of(engine, summary: dict, valid: int, invalid: int) -> dict:
+    """The SPEC §4 dict of an analysis: ``valid`` and ``invalid`` lines read, ``engine`` and
+    ``summary`` as :func:`analyze_events` returns them."""
     incidents = [{k: inc[k] for k in _INCIDENT_KEYS} for inc in engine.incidents()]
     rejected = summary["rejected"]
-    out = {"events": stats.events - rejected, "invalid": stats.invalid + rejected,
+    out = {"events": valid - rejected, "invalid": invalid + rejected,
            "incidents": incidents}
     if rejected:
         out.update(rejected=rejected, rejections=summary["rejections"])

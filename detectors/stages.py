@@ -31,28 +31,23 @@ from trainguard import events as ev
 
 from .base import INPUTS, Detector, Finding, json_number, to_anomaly
 from .clock import JobClock
-from .config import DetectorConfig
+from .config import DETECTORS, DetectorsConfig
 from .correlate import Correlator
-from .data_position import DataPositionDetector
-from .gpu import GpuDegradedDetector, GpuFaultDetector, Placement
+from .gpu import Placement
 from .hang import STEP_PHASES
 from .view import LEARNS_FROM, JobView
-from .liveness import CrashDetector, HangDetector, SilentDetector
 from .lessons import Lessons
-from .machine_outlier import MachineOutlierDetector, MachineVector
-from .timing import StragglerDetector, ThroughputDetector
-from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
+from .machine_outlier import MachineVector
+from .registry import detector_classes, plugins
 
 __all__ = ["RankStage", "NodeStage", "launcher_summary", "on_grid", "JobStage", "Engine", "StepAggregator", "DETECTORS",
            "JOB_DETECTORS", "NODE_DETECTORS", "routes"]
 
-#: Every detector class, in the order they run.
-DETECTORS = (NanDetector, LossSpikeDetector, GradSpikeDetector, StragglerDetector,
-             ThroughputDetector, HangDetector, SilentDetector, CrashDetector, GpuFaultDetector,
-             GpuDegradedDetector, DataPositionDetector, MachineOutlierDetector)
-#: The per-machine ones, which a NodeStage runs; a JobStage runs the others.
-NODE_DETECTORS = (GpuFaultDetector, GpuDegradedDetector)
-JOB_DETECTORS = tuple(cls for cls in DETECTORS if cls not in NODE_DETECTORS)
+#: The per-machine ones (registered with ``stage="node"``), which a NodeStage runs; a
+#: JobStage runs the others. Both also run the plug-in detectors of their stage
+#: (:func:`~.registry.plugins`), loaded before the stage was made.
+NODE_DETECTORS = detector_classes("node", builtin_only=True)
+JOB_DETECTORS = detector_classes("job", builtin_only=True)
 
 
 #: The summary kinds a JobStage passes to detectors as they are (``step`` also goes on to
@@ -107,10 +102,11 @@ class RankStage:
     'Infinity'
     """
 
-    def __init__(self, config: DetectorConfig | None = None):
+    def __init__(self, config: DetectorsConfig | None = None):
         # Only the one setting is kept: a worker snapshots thousands of these every few
-        # seconds, and a pickled DetectorConfig is ten times the size of the rest.
-        self._every = (config if config is not None else DetectorConfig()).heartbeat_summary_s
+        # seconds, and a DetectorsConfig in each would be ten times the size of the rest.
+        config = config if config is not None else DetectorsConfig()
+        self._every = config.stages.heartbeat_summary_s
         self._last_step = None
         self._hb_key = 0
         self._hb_ts = None
@@ -207,9 +203,10 @@ class NodeStage:
     [('gpu', None), ('finding', 'uncorrectable ECC errors on GPU 0 of n1: ecc_dbe rose 0 -> 1')]
     """
 
-    def __init__(self, config: DetectorConfig | None = None):
-        c = config if config is not None else DetectorConfig()
-        self.detectors = [cls(**c.params_for(cls)) for cls in NODE_DETECTORS]
+    def __init__(self, config: DetectorsConfig | None = None):
+        c = config if config is not None else DetectorsConfig()
+        self.detectors = [cls(**c.params_for(cls))
+                          for cls in (*NODE_DETECTORS, *plugins("node"))]
         self.vector = MachineVector()   # the machine's counters, for machine_outlier
 
     def update(self, event) -> list[dict]:
@@ -335,13 +332,16 @@ class JobStage:
     ``ev.Xid`` event (or its SPEC dict), which goes through a NodeStage of its own;
     ``advance(now)`` runs the time-driven checks (``final=True`` once the input ended, to
     decide what waits for more evidence). Both return new ``ev.Anomaly`` objects; an
-    anomaly id is emitted once. The whole object pickles (for snapshots).
+    anomaly id is emitted once. Its whole state is plain data and objects of
+    ``trainguard.detectors``, which the worker snapshots as data (never pickled:
+    :mod:`trainguard.streams.statecodec`).
     """
 
-    def __init__(self, config: DetectorConfig | None = None):
-        self.config = config if config is not None else DetectorConfig()
+    def __init__(self, config: DetectorsConfig | None = None):
+        self.config = config if config is not None else DetectorsConfig()
         c = self.config
-        self.detectors = {cls.PREFIX: cls(**c.params_for(cls)) for cls in JOB_DETECTORS}
+        self.detectors = {cls.PREFIX: cls(**c.params_for(cls))
+                          for cls in (*JOB_DETECTORS, *plugins("job"))}
         self._routes = routes(self.detectors.values())
         self.view = JobView()          # the job as every detector sees it, kept here
         for detector in self.detectors.values():
@@ -349,10 +349,10 @@ class JobStage:
                 detector.share_view(self.view)
         self.placement = Placement()   # names the rank of a GPU in NodeStage findings
         self._nodes: dict = {}         # node -> NodeStage, for node events given directly
-        self.steps = StepAggregator(close_lag=c.step_close_lag, close_s=c.step_close_s)
+        self.steps = StepAggregator(close_lag=c.stages.step_close_lag,
+                                    close_s=c.stages.step_close_s)
         self.clock = JobClock()        # machines' clock offsets, learned from step numbers
-        self.correlator = Correlator(window_s=c.correlate_window_s,
-                                     root_slack_s=c.correlate_root_slack_s)
+        self.correlator = Correlator(**c.params_for(Correlator))
         self.job = None
         self.lessons = Lessons()       # what people's verdicts taught (trainguard feedback)
         self._emitted: set = set()
@@ -464,7 +464,7 @@ class JobStage:
                 continue
             self._emitted.add(anomaly.id)
             self._emitted_order.append(anomaly.id)
-            if len(self._emitted_order) > self.config.emitted_ids_kept:
+            if len(self._emitted_order) > self.config.stages.emitted_ids_kept:
                 self._emitted.discard(self._emitted_order.popleft())
             incident = self.correlator.add(anomaly)
             self._changed[incident["id"]] = incident
@@ -482,14 +482,14 @@ class Engine:
     """Routes raw events through one RankStage per (job, rank) and one JobStage per job,
     which passes a machine's gpu and xid events through its NodeStage for that machine.
 
-    ``advance(now)`` does work at most every ``config.advance_interval_s`` of ``now``, at
+    ``advance(now)`` does work at most every ``config.stages.advance_grid_s`` of ``now``, at
     the latest point of that event-time grid (:func:`on_grid`), as the worker does (pass ``force=True`` for the final sweep at the end of the input: it also decides what
     still waits for more evidence, such as a tear-down within its grace period). Events other than step, heartbeat, lifecycle,
     gpu and xid are ignored, as are rank events without a rank.
     """
 
-    def __init__(self, config: DetectorConfig | None = None, tune_stage=None):
-        self.config = config if config is not None else DetectorConfig()
+    def __init__(self, config: DetectorsConfig | None = None, tune_stage=None):
+        self.config = config if config is not None else DetectorsConfig()
         #: called with (job, stage) for each new job stage: per-job overrides
         #: (``trainguard analyze --overrides``, :mod:`trainguard.overrides`)
         self.tune_stage = tune_stage
@@ -540,8 +540,8 @@ class Engine:
     def advance(self, now: float, force: bool = False) -> list[ev.Anomaly]:
         if not force and now < self.next_advance_ts:
             return []
-        at = now if force else on_grid(now, self.config.advance_interval_s)
-        self.next_advance_ts = at + self.config.advance_interval_s
+        at = now if force else on_grid(now, self.config.stages.advance_grid_s)
+        self.next_advance_ts = at + self.config.stages.advance_grid_s
         out = []
         for stage in self._jobs.values():
             out += stage.advance(at, final=force)

@@ -18,12 +18,16 @@ from __future__ import annotations
 import math
 import operator
 from collections import deque
+from dataclasses import dataclass
 
 from river import stats
+
+from trainguard.setting import setting
 
 from .base import (Detector, Finding, fmt_ranks, make_jobstep, median, num, rank_nodes,
                    whole_nodes)
 from .view import UsesView
+from .registry import register_detector
 
 __all__ = ["StragglerDetector", "ThroughputDetector", "PageHinkleyUp", "peer_ratios",
            "make_jobstep"]
@@ -124,6 +128,9 @@ def _compute_times(item) -> dict:
     return out
 
 
+@register_detector(kinds="straggler", ladder=("capture", "evict_if_persistent", "alert"),
+                   priority=60, causes={"straggler": "shared", "hang": "shared",
+                                        "machine_outlier": "shared"})
 class StragglerDetector(UsesView, Detector):
     """Ranks persistently slower than their peers of the same role, and than their own past.
 
@@ -162,19 +169,25 @@ class StragglerDetector(UsesView, Detector):
     PREFIX = "straggler"
     CONSUMES = ("jobstep", "life")
 
-    def __init__(self, ratio: float = 1.2, min_excess_s: float = 0.002, k: int = 6,
-                 n: int = 10, settle: int = 2, min_ranks: int = 3, warmup: int = 10,
-                 baseline_step: float = 0.002, noise_z: float = 3.0):
-        self.ratio = ratio
-        self.min_excess_s = min_excess_s
-        self.k = k
-        self.n = n
-        self.settle = settle
-        self.min_ranks = min_ranks
-        self.warmup = warmup
-        self.baseline_step = baseline_step
-        self.noise_z = noise_z
-        self._log_ratio = math.log(ratio)
+    @dataclass(kw_only=True)
+    class Config:
+        ratio: float = setting(1.2, "slow in a step: compute_time >= ratio x usual", above=1,
+                               live=(1.001, 100.0))
+        min_excess_s: float = setting(0.002, "... and at least this many seconds more",
+                                      live=(0.0, 3600.0))
+        k: int = setting(6, "persistent: slow in k ...", minimum=1, at_most="n",
+                         live=(1, 100_000))
+        n: int = setting(10, "... of the last n steps it reported")
+        settle: int = setting(2, "steps to wait for more ranks before naming them",
+                              live=(0, 1000))
+        min_ranks: int = setting(3, "ranks needed in a step (and a stage) to compare",
+                                 minimum=2)
+        warmup: int = setting(10, "steps each rank's own baseline is learned over")
+        baseline_step: float = setting(0.002, "... then moved this much (log) per step")
+        noise_z: float = setting(3.0, "slow also needs >= z x the rank's own spread")
+
+    def _start(self) -> None:
+        self._log_ratio = math.log(self.ratio)
         self._history: dict = {}       # rank -> deque of (slow, step, ts, ratio)
         self._slow_steps: dict = {}    # rank -> how many of its _history steps were slow
         self._base: dict = {}          # rank -> [log of its usual share, steps learned, share,
@@ -364,6 +377,8 @@ NOISE_REF = 0.15
 _SIGMA_PER_MAD, _MEDIAN_SE = 1.4826, 1.2533
 
 
+@register_detector(kinds="throughput_drop", ladder=("alert",), priority=100,
+                   causes={"throughput_drop": "any", "machine_outlier": "any"})
 class ThroughputDetector(Detector):
     """The whole job slower than its own recent past, while no rank stands out.
 
@@ -395,17 +410,21 @@ class ThroughputDetector(Detector):
     PREFIX = "throughput"
     CONSUMES = ("jobstep",)
 
-    def __init__(self, warmup: int = 50, baseline_window: int = 200, window: int = 20,
-                 ratio: float = 1.25, clip: float = 4.0, delta: float = 0.05,
-                 threshold: float = 4.0, standout_ratio: float = 1.2):
-        self.warmup = warmup
-        self.baseline_window = baseline_window
-        self.window = window
-        self.ratio = ratio
-        self.clip = clip
-        self.delta = delta
-        self.threshold = threshold
-        self.standout_ratio = standout_ratio
+    @dataclass(kw_only=True)
+    class Config:
+        warmup: int = setting(50, "steps before learning starts (compile, warm-up)")
+        baseline_window: int = setting(200, "steps in the protected baseline median",
+                                       minimum=1)
+        window: int = setting(20, "steps in the recent median compared with it", minimum=1)
+        ratio: float = setting(1.25, "confirmed when recent median >= ratio x baseline",
+                               above=1, live=(1.001, 100.0))
+        clip: float = setting(4.0, "one step counts at most clip x baseline", above=1)
+        delta: float = setting(0.05, "Page-Hinkley delta, in log step time")
+        threshold: float = setting(4.0, "Page-Hinkley threshold, in log step time")
+        standout_ratio: float = setting(1.2, 'a rank slower than this vs peers "stands out"',
+                                        above=1, live=(1.001, 100.0))
+
+    def _start(self) -> None:
         self._per_token = None     # the job reports tokens: judged per token (first step)
         self._reset(0)
 

@@ -11,15 +11,23 @@ Both work on ``jobstep`` items, one closed step of all ranks, so they judge the 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from river import stats
 
+from trainguard.setting import setting
+
 from .base import Detector, Finding, fmt_ranks, is_finite, make_jobstep, median, num
+from .registry import register_detector
 
 __all__ = ["NanDetector", "LossSpikeDetector", "GradSpikeDetector", "SpikeDetector",
            "make_jobstep"]
 
 
+# A NaN is one rank's arithmetic: it explains a crash or a hang blamed on that rank only.
+@register_detector(kinds="nan", ladder=("rollback_if_repeated", "alert"), priority=20,
+                   causes={"nan": "any", "loss_spike": "any", "grad_spike": "any",
+                           "crash": "same_rank", "hang": "same_rank"})
 class NanDetector(Detector):
     """A non-finite loss or gradient norm.
 
@@ -62,8 +70,14 @@ class NanDetector(Detector):
     #: steps the scale may stay put during the start-up search (hysteresis 2, plus one)
     SEARCH_HOLD = 3
 
-    def __init__(self, scaler_patience: int = 8):
-        self.scaler_patience = scaler_patience
+    @dataclass(kw_only=True)
+    class Config:
+        scaler_patience: int = setting(
+            8, "with a dynamic loss scaler in use (``loss_scale`` reported), a non-finite "
+               "gradient norm alone is the scaler's normal overflow skip; reported only after "
+               "this many steps in a row", live=(0, 100_000))
+
+    def _start(self) -> None:
         self._active = False
         self._grad_streak = 0
         self._grad_onset = None
@@ -218,24 +232,30 @@ class SpikeDetector(Detector):
     #: a value this far (log) above the baseline, or the tail quantile, is above normal
     BAND_FLOOR = math.log(1.5)
 
-    def __init__(self, window: int = 50, tail_window: int = 1000, tail_quantile: float = 0.995,
-                 tail_factor: float = 4.0, min_ratio: float = 1.1, warmup: int = 20,
-                 cooldown: int = 20, early_steps: int = 250, early_min_ratio: float = 1.5):
-        self.window = window
-        self.tail_window = tail_window
-        self.tail_quantile = tail_quantile
-        self.tail_factor = tail_factor
-        self.min_ratio = min_ratio
-        self.warmup = warmup
-        self.cooldown = cooldown
-        self.early_steps = early_steps
-        self.early_min_ratio = early_min_ratio
-        self._log_early_ratio = math.log(max(min_ratio, early_min_ratio))
-        self._median = stats.RollingQuantile(q=0.5, window_size=window)
-        self._tail = stats.RollingQuantile(q=tail_quantile, window_size=tail_window)
-        self._log_min_ratio = math.log(min_ratio)
+    @dataclass(kw_only=True)
+    class Config:
+        window: int = setting(50, "steps in the rolling median baseline", minimum=1)
+        tail_window: int = setting(1000, "steps over which the tail of deviations is learned",
+                                   minimum=1)
+        tail_quantile: float = setting(0.995, "quantile of the deviations' tail", above=0,
+                                       maximum=1)
+        tail_factor: float = setting(4.0, "spike: log deviation > factor x tail quantile ...",
+                                     live=(1.0, 100.0))
+        min_ratio: float = setting(1.1, "... and value > min_ratio x baseline", above=1,
+                                   live=(1.001, 100.0))
+        warmup: int = setting(20, "steps learned before any report")
+        cooldown: int = setting(20, "quiet steps that end a spike episode")
+        early_steps: int = setting(250, "young curves are rough: in these first steps ...")
+        early_min_ratio: float = setting(1.5, "... a spike must be at least this x baseline",
+                                         above=1, live=(1.001, 100.0))
+
+    def _start(self) -> None:
+        self._log_early_ratio = math.log(max(self.min_ratio, self.early_min_ratio))
+        self._median = stats.RollingQuantile(q=0.5, window_size=self.window)
+        self._tail = stats.RollingQuantile(q=self.tail_quantile, window_size=self.tail_window)
+        self._log_min_ratio = math.log(self.min_ratio)
         self._n = 0
-        self._quiet = cooldown
+        self._quiet = self.cooldown
         self._episode = None
 
     def _derive(self) -> None:
@@ -327,6 +347,8 @@ class SpikeDetector(Detector):
         return None
 
 
+@register_detector(kinds="loss_spike", ladder=("rollback_if_repeated", "alert"),
+                   priority=80, causes={"loss_spike": "any", "grad_spike": "any"})
 class LossSpikeDetector(SpikeDetector):
     """Loss spikes (see :class:`SpikeDetector`).
 
@@ -342,6 +364,8 @@ class LossSpikeDetector(SpikeDetector):
     KIND = "loss_spike"
 
 
+@register_detector(kinds="grad_spike", ladder=("rollback_if_repeated", "alert"),
+                   priority=90, causes={"grad_spike": "any", "loss_spike": "any"})
 class GradSpikeDetector(SpikeDetector):
     """Gradient-norm spikes (see :class:`SpikeDetector`); needs a bigger jump (``min_ratio``).
 
@@ -381,17 +405,18 @@ class GradSpikeDetector(SpikeDetector):
     FIELD = "grad_norm"
     KIND = "grad_spike"
 
-    def __init__(self, window: int = 50, tail_window: int = 1000, tail_quantile: float = 0.995,
-                 tail_factor: float = 4.0, min_ratio: float = 2.5, warmup: int = 20,
-                 cooldown: int = 20, early_steps: int = 250, early_min_ratio: float = 5.0,
-                 rise_ratio: float = 10.0, rise_steps: int = 4):
-        super().__init__(window=window, tail_window=tail_window, tail_quantile=tail_quantile,
-                         tail_factor=tail_factor, min_ratio=min_ratio, warmup=warmup,
-                         cooldown=cooldown, early_steps=early_steps,
-                         early_min_ratio=early_min_ratio)
-        self.rise_ratio = rise_ratio
-        self.rise_steps = rise_steps
-        self._log_rise_ratio = math.log(rise_ratio)
+    @dataclass(kw_only=True)
+    class Config(SpikeDetector.Config):
+        min_ratio: float = setting(2.5, "... and value > min_ratio x baseline", above=1,
+                                   live=(1.001, 100.0))
+        early_min_ratio: float = setting(5.0, "... a spike must be at least this x baseline",
+                                         above=1, live=(1.001, 100.0))
+        rise_ratio: float = setting(10.0, "a norm this x its level before a rise ...", above=1)
+        rise_steps: int = setting(4, "... of 2 to this many steps is a spike (0: off)")
+
+    def _start(self) -> None:
+        super()._start()
+        self._log_rise_ratio = math.log(self.rise_ratio)
         self._run = 0                  # consecutive steps above the normal band, up to now
         self._run_base = 0.0           # the log level before the first of them
         self._last = None              # the log value of the step before

@@ -25,6 +25,15 @@ checkpoint directory starts a new run. Batches are a function of (seed, step, ra
 resumed run sees the same data it would have seen; each step reports ``samples``, the rank's
 data position, so trainguard can check that a restart neither repeats nor skips data.
 
+In-memory checkpoints (``--snapshot-every N``, docs/RECOVERY.md): every N steps each rank
+snapshots model, optimizer, RNG and data position into host memory held by the node agent
+(``--snapshot-dir``, default ``$TRAINGUARD_SNAPSHOT_DIR``, else /dev/shm/trainguard-snapshots),
+copied off the training thread; ``--persist-every-min M`` also writes one to
+``<checkpoint dir>/dcp`` with torch.distributed.checkpoint every M minutes. A restart restores the
+newest step every rank has (from memory, the buddy machine's copy, or disk), or the rollback
+step, unless a ``torch.save`` checkpoint is newer. Under ``examples/inplace.py`` a failed rank is
+taken over by a warm standby process instead of a relaunch (docs/RECOVERY.md).
+
 Chaos: faults from ``TRAINGUARD_CHAOS`` are injected by ``trainguard.apps.chaos`` (see
 docs/CHAOS.md); each fires once per run, tracked in ``<checkpoint dir>/chaos-state`` unless
 ``TRAINGUARD_CHAOS_STATE`` says otherwise.
@@ -74,6 +83,14 @@ def parse_args(argv=None):
     p.add_argument("--step-log", default=None, metavar="FILE",
                    help="rank 0 appends {step, start, end} per step (for ETTR)")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--snapshot-every", type=int, default=0, metavar="N",
+                   help="in-memory snapshot every N steps (0: none)")
+    p.add_argument("--snapshot-dir", default=os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
+                   or "/dev/shm/trainguard-snapshots", help="the node agent's --snapshot-dir")
+    p.add_argument("--persist-every-min", type=float, default=10.0, metavar="M",
+                   help="write a snapshot to <checkpoint dir>/dcp every M minutes")
+    # Under examples/inplace.py (TRAINGUARD_INPLACE=1) a rank whose peer died exits, and warm
+    # standby processes take the ranks over, restoring from the in-memory snapshots.
     return p.parse_args(argv)
 
 
@@ -145,10 +162,39 @@ def init_distributed(timeout: float):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
+def restore_snapshot(args, model, opt, rank, world, node, log):
+    """The in-memory checkpoint of this rank, and the step it restored (-1: none)."""
+    from trainguard.checkpoint import InMemoryCheckpoint, SnapshotConfig
+    from trainguard.collectors.resume import requested_resume_step
+
+    config = SnapshotConfig(every=args.snapshot_every, dir=args.snapshot_dir,
+                            persist_dir=str(Path(args.checkpoint_dir) / "dcp"),
+                            persist_every_s=args.persist_every_min * 60.0)
+    snapshots = InMemoryCheckpoint(config, job=args.job, rank=rank, world=world, node=node)
+    snapshots.track(model=model, optimizer=opt,
+                    extra=lambda done: {"samples": done * args.batch})  # the data position
+    newest = max(snapshots.sources.steps(), default=-1)
+    began = time.perf_counter()
+    restored = snapshots.restore(at_most=requested_resume_step())
+    if restored is None:
+        return snapshots, -1
+    print(f"[snapshot] rank {rank} on {node}: newest {newest}, restored step {restored.step} "
+          f"from {restored.source} in {(time.perf_counter() - began) * 1000:.0f} ms", flush=True)
+    log(f"restored step {restored.step} from in-memory snapshots")
+    return snapshots, restored.step
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    init_distributed(args.timeout)
+    inplace = None
+    if os.environ.get("TRAINGUARD_INPLACE") == "1":   # under examples/inplace.py
+        from inplace import InPlace
+
+        inplace = InPlace(args)
+        inplace.join()                     # a standby waits here for the rank it takes
+    else:
+        init_distributed(args.timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     tg = trainguard.init(job=args.job)
     ckpt_dir = Path(args.checkpoint_dir)
@@ -161,13 +207,23 @@ def main(argv=None):
     model = GPT(context=args.context)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
+    snapshots, from_memory = None, -1
+    if args.snapshot_every > 0:
+        snapshots, from_memory = restore_snapshot(args, model, opt, rank, world, tg.settings.node,
+                                                  log)
+
     # Rank 0 picks the checkpoint, so that all ranks resume from the same one: the newest, or
     # after a rollback the newest at or before TRAINGUARD_RESUME_STEP (trainguard.resume_step).
     chosen = trainguard.resume_step(checkpoint_steps(ckpt_dir)) if rank == 0 else None
     start = torch.tensor([chosen if chosen is not None else -1])
-    dist.broadcast(start, src=0)
+    if inplace is not None and inplace.generation > 0:
+        start[0] = -1                      # a standby joins survivors that restore in memory
+    else:
+        dist.broadcast(start, src=0)
     start = int(start.item())
-    if start >= 0:
+    if 0 <= from_memory and start <= from_memory:
+        start = from_memory
+    elif start >= 0:
         state = torch.load(ckpt_dir / f"ckpt_{start:08d}.pt", weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
@@ -182,59 +238,79 @@ def main(argv=None):
 
     t_log, n_log = time.perf_counter(), 0
     step_log = open(args.step_log, "a", buffering=1) if args.step_log and rank == 0 else None
-    for step in range(start, args.steps):
-        began = time.time()
-        with tg.step(step) as s:
-            with tg.phase("data"):
-                chaos.in_data(step)
-                x, y = get_batch(corpus, step, rank, args)
-            with tg.phase("forward"):
-                chaos.before_forward(step)
-                if args.step_sleep:
-                    time.sleep(args.step_sleep)  # stands in for the compute of a bigger model
-                logits = ddp(x)
-                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-                loss = chaos.loss(step, loss)
-            with tg.phase("backward"):
-                opt.zero_grad(set_to_none=True)
-                loss.backward()  # DDP all-reduces the gradients in here
-            with tg.phase("optimizer"):
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                if torch.isfinite(grad_norm):
-                    opt.step()  # a non-finite gradient skips the update, as loss scalers do
-            with tg.phase("collective"):
-                mean_loss = loss.detach().clone()
-                dist.all_reduce(mean_loss)  # the job-wide loss, for the log
-            # samples: this rank's data position, sequences consumed since the start of
-            # training (a function of the step here, so a resume restores it exactly)
-            s.report(loss=loss.item(), grad_norm=grad_norm.item(), tokens=x.numel(), lr=args.lr,
-                     samples=(step + 1) * args.batch)
-        if step_log:
-            step_log.write(f'{{"step": {step}, "start": {began}, "end": {time.time()}}}\n')
-        chaos.after_step(step)
-        done = step + 1
-        finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
-        due = done % args.checkpoint_every == 0 or done == args.steps
-        if due and rank != 0 and args.sharded_checkpoint:
-            with tg.phase("checkpoint"):         # each rank writes its shard (a sleep here)
-                chaos.in_checkpoint(step)
-                time.sleep(args.checkpoint_sleep)
-        if due and rank == 0:
-            with tg.phase("checkpoint"):
-                chaos.in_checkpoint(step)
-                if args.checkpoint_sleep:
+    step = start
+    while step < args.steps:
+        try:
+            began = time.time()
+            with tg.step(step) as s:
+                with tg.phase("data"):
+                    chaos.in_data(step)
+                    x, y = get_batch(corpus, step, rank, args)
+                with tg.phase("forward"):
+                    chaos.before_forward(step)
+                    if args.step_sleep:
+                        time.sleep(args.step_sleep)  # stands in for the compute of a bigger model
+                    logits = ddp(x)
+                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                    loss = chaos.loss(step, loss)
+                with tg.phase("backward"):
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()  # DDP all-reduces the gradients in here
+                with tg.phase("optimizer"):
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    if torch.isfinite(grad_norm):
+                        if snapshots is not None:
+                            snapshots.before_update()  # waits only while a copy is unfinished
+                        opt.step()  # a non-finite gradient skips the update, as loss scalers do
+                with tg.phase("collective"):
+                    mean_loss = loss.detach().clone()
+                    dist.all_reduce(mean_loss)  # the job-wide loss, for the log
+                # samples: this rank's data position, sequences consumed since the start of
+                # training (a function of the step here, so a resume restores it exactly)
+                s.report(loss=loss.item(), grad_norm=grad_norm.item(), tokens=x.numel(), lr=args.lr,
+                         samples=(step + 1) * args.batch)
+            if snapshots is not None and snapshots.after_step(step + 1) and step + 1 == \
+                    args.snapshot_every:
+                log(f"snapshots every {args.snapshot_every} steps into {args.snapshot_dir}")
+            if step_log:
+                step_log.write(f'{{"step": {step}, "start": {began}, "end": {time.time()}}}\n')
+            chaos.after_step(step)
+            done = step + 1
+            finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
+            due = done % args.checkpoint_every == 0 or done == args.steps
+            if due and rank != 0 and args.sharded_checkpoint:
+                with tg.phase("checkpoint"):         # each rank writes its shard (a sleep here)
+                    chaos.in_checkpoint(step)
                     time.sleep(args.checkpoint_sleep)
-                if finite:
-                    log(f"checkpoint {save_checkpoint(ckpt_dir, done, model, opt)}")
-                else:
-                    log(f"step {step}: loss or gradient norm not finite, checkpoint skipped")
-        n_log += 1
-        if done % args.log_every == 0:
-            elapsed, t_log = time.perf_counter() - t_log, time.perf_counter()
-            log(f"step {step} loss {mean_loss.item() / world:.4f} grad_norm {grad_norm.item():.3f} "
-                f"{elapsed / n_log * 1000:.0f} ms/step")
-            n_log = 0
+            if due and rank == 0:
+                with tg.phase("checkpoint"):
+                    chaos.in_checkpoint(step)
+                    if args.checkpoint_sleep:
+                        time.sleep(args.checkpoint_sleep)
+                    if finite:
+                        log(f"checkpoint {save_checkpoint(ckpt_dir, done, model, opt)}")
+                    else:
+                        log(f"step {step}: loss or gradient norm not finite, checkpoint skipped")
+            n_log += 1
+            if done % args.log_every == 0:
+                elapsed, t_log = time.perf_counter() - t_log, time.perf_counter()
+                log(f"step {step} loss {mean_loss.item() / world:.4f} "
+                    f"grad_norm {grad_norm.item():.3f} "
+                    f"{elapsed / n_log * 1000:.0f} ms/step")
+                n_log = 0
+        except RuntimeError as exc:  # a peer died: its collective failed here
+            if inplace is None:
+                raise
+            inplace.leave(exc, snapshots)       # a warm standby takes this rank over
+        step += 1
+
     log(f"done: steps {start}..{args.steps - 1}")
+    if snapshots is not None:
+        snapshots.close()
+        st = snapshots.stats
+        log(f"snapshots: {st['committed']} taken, {st['bytes']} bytes each, "
+            f"{st['refused']} refused, training waited "
+            f"{st['stall_s'] * 1000:.1f} ms for them")
     dist.barrier()
     dist.destroy_process_group()
     tg.close()

@@ -131,7 +131,7 @@ class OrderPublisher:
             self.producer.flush(1.0)
 
     def deadletter(self, delivery: Delivery, reason: str) -> None:
-        from trainguard.streams.deadletter import deadletter_record
+        from trainguard.deadletter import deadletter_record
 
         self.producer.produce(self.config.topics.deadletter, key=delivery.key,
                               value=deadletter_record(

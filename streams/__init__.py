@@ -12,7 +12,7 @@ topic                              key        what
                                               per job (:mod:`.logic`); as many partitions
                                               as telemetry; retention one day
 ``<prefix>.anomalies``             job        ``ev.encode(anomaly)``
-``<prefix>.deadletter``            original   invalid input (:mod:`.deadletter`)
+``<prefix>.deadletter``            original   invalid input (:mod:`trainguard.deadletter`)
 ``<app>-rank-state``               job/rank   compacted; rank and node slots (data-only
                                               JSON, :mod:`.snapshots`)
                                               (partition of their telemetry; a node slot's
@@ -39,7 +39,7 @@ id; consumers de-duplicate by ``id``.
 Time: rank-side input is merged across partitions in event-time order (pausing partitions
 that run ahead), and ``JobStage.advance`` runs every second on each job's own clock, its
 newest event time moved on by the wall clock since it arrived (see
-:meth:`.processors.JobSlot.now`): a backlog is judged in its own time, a job that goes
+:meth:`.snapshots.JobSlot.now`): a backlog is judged in its own time, a job that goes
 quiet is still found hung or silent.
 
 Dead letters: JSON ``{"reason", "topic", "partition", "offset", "key_b64", "raw_b64",

@@ -6,10 +6,11 @@ Declared by :func:`make_app` (names depend on the prefix and id of the run):
   :mod:`~trainguard.streams.rank_side`;
 - agent ``jobs`` (``concurrency=1``): one ``JobStage`` per job, anomalies to
   ``<prefix>.anomalies`` as ``ev.encode(anomaly)`` keyed by job;
-- table ``job-state`` (changelog ``<app>-job-state-changelog``, compacted): pickled job
-  slots, co-partitioned with the summaries topic, so a job's state moves with its partition;
-- timer (every ``advance_interval_s``): ``JobStage.advance`` for hang and silent (on each
-  job's clock, :meth:`~trainguard.streams.processors.JobSlot.now`), the gauges of
+- table ``job-state`` (changelog ``<app>-job-state-changelog``, compacted): job slots as
+  data-only snapshots (:mod:`~trainguard.streams.snapshots`, never pickled), co-partitioned
+  with the summaries topic, so a job's state moves with its partition;
+- timer (every ``advance_timer_s``): ``JobStage.advance`` for hang and silent (on each
+  job's clock, :meth:`~trainguard.streams.snapshots.JobSlot.now`), the gauges of
   :mod:`~trainguard.streams.metrics` (served by ``trainguard worker`` itself on
   ``--metrics-port``, not by Faust, whose web server is off), and every
   ``job_snapshot_interval_s`` a checkpoint.
@@ -316,7 +317,7 @@ def make_app(*, settings, topics, runtime: JobRuntime, faust_broker: str, creden
         async for event in stream.noack().events():
             await runtime.on_event(event)
 
-    @app.timer(settings.advance_interval_s, name="advance")
+    @app.timer(settings.advance_timer_s, name="advance")
     async def advance():
         await runtime.tick()
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 import time
 
+from trainguard.deadletter import deadletter_record
 from trainguard.overrides import (Accepted, OverrideBook, audit_action, check_record,
                                   topic_ends)
 
-from .deadletter import deadletter_record
 from .feed_client import FeedClient
 
 __all__ = ["ConfigFeed"]

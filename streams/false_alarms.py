@@ -23,8 +23,8 @@ import logging
 import math
 
 from trainguard import events as ev
+from trainguard.deadletter import deadletter_record
 
-from .deadletter import deadletter_record
 from .feed_client import FeedClient
 
 __all__ = ["FalseAlarmFeed", "learned_from", "MAX_STALLED_S"]

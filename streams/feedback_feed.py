@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 
 from trainguard import events as ev
+from trainguard.deadletter import deadletter_record
 
-from .deadletter import deadletter_record
 from .feed_client import FeedClient
 
 __all__ = ["FeedbackFeed", "FeedGroup", "AUDIT_CODE"]

@@ -29,77 +29,12 @@ from __future__ import annotations
 
 import bisect
 
-from trainguard.metrics import Metric, add_histogram, exposition, histogram_family, \
-    parse_exposition
+from trainguard.metrics import add_histogram, exposition, histogram_family, parse_exposition
+from trainguard.service_metrics import (WORKER_COUNTERS as COUNTERS, WORKER_GAUGES as GAUGES,
+                                        WORKER_LABELS, WORKER_LAG_BUCKETS as LAG_BUCKETS,
+                                        WORKER_LAG_HELP as LAG_HELP, worker_declared as declared)
 
 __all__ = ["Metrics", "COUNTERS", "GAUGES", "LAG_BUCKETS", "declared", "parse_exposition"]
-
-COUNTERS = {
-    "events_in": "Telemetry messages consumed.",
-    "invalid": "Telemetry messages sent to the dead-letter topic.",
-    "ignored": "Valid rank events without a rank, ignored.",
-    "anomalies_out": "Anomalies delivered to the anomalies topic (confirmed by the broker).",
-    "false_alarms_learned": "The action service's false alarms (a hang whose job moved on) "
-                            "that widened a live job stage's hang allowance.",
-    "false_alarms_refused": "False-alarm records refused (unsigned, forged, stale, replayed or "
-                            "malformed) and dead-lettered.",
-    "incidents_out": "Incident events (SPEC §6) delivered to the anomalies topic.",
-    "anomalies_failed": "Anomaly deliveries that failed (each is sent again; offsets wait).",
-    "deliveries_failed": "Rank-side deliveries (summaries, dead letters, state) that failed "
-                         "(each is produced again; offsets wait).",
-    "deadletters_out": "Dead-letter records delivered to the dead-letter topic.",
-    "time_rejected": "Telemetry events dead-lettered for an implausible ts or step.",
-    "evictions": "Stages evicted from memory to their snapshot (idle, or beyond the cap).",
-    "summaries_out": "Messages produced to the internal summaries topic.",
-    "summaries_in": "Messages consumed from the internal summaries topic.",
-    "summaries_invalid": "Unreadable summaries messages skipped.",
-    "items_applied": "Summary items and node events given to job stages.",
-    "replayed": "Messages or items skipped because restored state already had them.",
-    "stage_errors": "Inputs on which a rank or job stage raised (logged, skipped).",
-    "snapshots": "State snapshots written (rank and job side).",
-    "snapshot_failures": "State snapshots whose flush failed (offsets not committed).",
-    "snapshot_cpu_seconds": "CPU seconds spent encoding state snapshots (rank and job side); "
-                            "each side spaces its snapshots so that this stays within "
-                            "snapshot_cpu_share of a core.",
-    "restore_failures": "Snapshots that could not be loaded (state started afresh).",
-    "gc_collections": "Scheduled garbage collections (one every gc_interval_s, 30 s).",
-    "config_overrides_applied": "Per-job overrides read from the config topic and applied.",
-    "config_overrides_refused": "Config topic records refused (unsigned, forged, malformed, "
-                                "out of range, replayed) and dead-lettered.",
-    "feedback_learned": "People's verdicts on incidents (trainguard feedback: false alarm, "
-                        "confirmed, reset) that a live job stage learned from.",
-    "feedback_refused": "Feedback records refused (unsigned, forged, stale, replayed, "
-                        "malformed, or for an incident the job does not know) and "
-                        "dead-lettered.",
-    "gc_seconds": "Seconds spent in scheduled garbage collections.",
-    "rank_side_cpu_seconds": "CPU seconds of the rank side: decoding, aligning, the rank and "
-                             "node stages, producing summaries.",
-    "job_side_cpu_seconds": "CPU seconds of the job side: the job stages (apply and advance). "
-                            "One job's job side runs on one worker: its share of the CPU "
-                            "bounds what more workers gain for that job.",
-}
-GAUGES = {
-    "consumer_lag_messages": "Messages not yet read on this worker's partitions.",
-    "assigned_partitions": "Partitions assigned to this worker.",
-    "rank_stages": "Rank stages held in memory.",
-    "job_stages": "Job stages held in memory.",
-    "evicted_stages": "Snapshots of evicted (idle) stages held until their key speaks again "
-                      "or idle_ttl_s passes.",
-    "late_step_records": "Step records that reached their job stage after the step was closed "
-                         "(a lagging rank worker); checked for a non-finite loss only.",
-}
-LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
-               60.0, 300.0)
-LAG_HELP = "Wall time of a job stage's update minus the event's ts."
-_LABELS = {"consumer_lag_messages": ("topic",), "assigned_partitions": ("topic",)}
-
-
-def declared() -> list:
-    """The worker's metrics as :class:`~trainguard.metrics.Metric` declarations (docs,
-    dashboard checks)."""
-    return ([Metric(n, "counter", h) for n, h in COUNTERS.items()]
-            + [Metric(n, "gauge", h, labels=_LABELS.get(n, ())) for n, h in GAUGES.items()]
-            + [Metric("event_lag_seconds", "histogram", LAG_HELP, buckets=LAG_BUCKETS)])
 
 
 class Metrics:
@@ -146,7 +81,7 @@ class Metrics:
             family.add_metric([], counters[name])
             out.append(family)
         for name, help_text in GAUGES.items():
-            labels = _LABELS.get(name, ())
+            labels = WORKER_LABELS.get(name, ())
             family = GaugeMetricFamily(f"trainguard_{name}", help_text, labels=list(labels))
             for (gname, pairs), value in sorted(gauges.items()):
                 if gname == name:

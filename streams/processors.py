@@ -34,53 +34,21 @@ from typing import Any, Callable, Iterable
 
 from trainguard import events as ev
 from trainguard.eventtime import EventTimeFilter
+from trainguard.deadletter import deadletter_record
 from trainguard.detectors.stages import launcher_summary, on_grid
 
-from .deadletter import deadletter_record
-from .logic import (NODE_TYPES, InvalidSummaries, SourceMarks, classify, decode_summaries,
-                    encode_summaries, node_key, stage_key, trusted_event)
-from .snapshots import (STATE_VERSION, Slots, StateError, dump_state, load_state, state_header,
-                        state_partition)
+from .logic import (NODE_TYPES, InvalidSummaries, classify, decode_summaries, encode_summaries,
+                    node_key, stage_key, trusted_event)
+from .snapshots import (STATE_VERSION, JobSlot, RankSlot, Slots, StateError, dump_state,
+                        load_state, state_header, state_partition)
 
-__all__ = ["RankProcessor", "JobProcessor", "RankOutput", "dump_state", "load_state",
-           "state_partition", "STATE_VERSION"]
+__all__ = ["RankProcessor", "JobProcessor", "RankOutput", "RankSlot", "JobSlot", "dump_state",
+           "load_state", "state_partition", "STATE_VERSION"]
 
 log = logging.getLogger(__name__)
 DEFAULT_IDLE_TTL_S = 6 * 3600.0
 #: an event stamped further ahead of the worker's clock than this moves a job's clock no more
 FUTURE_SLACK_S = 5.0
-
-
-@dataclass
-class RankSlot:
-    stage: Any
-    partition: int        # telemetry partition of the last applied message
-    offset: int           # its offset
-    touched: float = 0.0  # wall time of the last message (for eviction; not restored)
-
-
-@dataclass
-class JobSlot:
-    stage: Any
-    partition: int        # summaries partition of the job
-    marks: SourceMarks = field(default_factory=SourceMarks)
-    touched: float = 0.0
-    watermark: float = -math.inf   # newest event time seen (at most FUTURE_SLACK_S ahead)
-    applied_at: float = 0.0        # wall time when items last arrived
-    clock: float = -math.inf       # last time given to advance()
-
-    def now(self, wall: float) -> float:
-        """The job's clock for ``advance``: its newest event time, moved on by the wall
-        time since then. Live, that is the wall clock less the pipeline's delay (and any
-        skew of the senders' clocks); while a backlog is read it is the backlog's own time,
-        so no hang is found in data that is merely late; when the job sends nothing at all
-        it runs on with the wall clock, so a job that went quiet is still found."""
-        if self.watermark == -math.inf:
-            return wall
-        t = self.watermark + max(0.0, wall - self.applied_at)
-        if t > self.clock:
-            self.clock = t
-        return self.clock
 
 
 @dataclass

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from trainguard.config import Config, ConfigError
+from trainguard.setting import setting
 from trainguard.topics import TopicPlan, create_topics, replication
 
 __all__ = ["WorkerSettings", "aiokafka_security", "faust_credentials", "ensure_topics"]
@@ -43,33 +44,45 @@ LOGLEVELS = {"crit": "CRITICAL", "error": "ERROR", "warn": "WARNING", "info": "I
 @dataclass(kw_only=True)
 class WorkerSettings:
     prefix: str = "tg"
-    worker_id: str = "trainguard-worker"
-    web_port: int = 6066
-    web_bind: str = "127.0.0.1"      # Faust's web also serves /router and /table pages
-    data_dir: str = ".tg/worker"
-    loglevel: str = "warn"
-    batch_max: int = 5000            # telemetry records per batch of the rank side
-    poll_ms: int = 100               # longest wait for a batch
-    snapshot_interval_s: float = 2.0  # rank state snapshot, then offset commit
-    job_snapshot_interval_s: float = 5.0  # job state (large for large jobs), then commit
-    snapshot_cpu_share: float = 0.02  # snapshots take at most this share of a core (a
-                                      # costly one puts the next off)
-    snapshot_max_interval_s: float = 10.0  # longest that puts a snapshot off (what a crash
-                                           # re-reads at most)
-    advance_interval_s: float = 1.0   # JobStage.advance(wall clock)
-    session_timeout_s: float = 10.0   # consumer group session (a killed worker's partitions
-                                      # move after this long)
-    align_hold_s: float = 3.0        # longest the aligner waits for a stalled partition
-    grace_s: float = 20.0            # after SIGTERM/SIGINT, hard exit if not stopped by then
-    idle_ttl_s: float = 6 * 3600.0   # stages without input this long are dropped
-    evict_idle_s: float = 1800.0     # stages without input this long leave memory for their
-                                     # snapshot, and come back when their key speaks again
-    max_live_jobs: int = 2000        # job stages in memory at most (least recently used go)
-    max_live_ranks: int = 200_000    # rank and node stages in memory at most
-    partitions: int = 0              # of the summaries topic; 0: as many as telemetry
-    gc_interval_s: float = 30.0      # full garbage collection this often; 0: CPython's own
-    publish_incidents: bool = True   # incident events (SPEC §6) on the anomalies topic
-                                     # beside the anomalies; off for readers of v1 only
+    worker_id: str = setting("trainguard-worker", "Faust app id; workers with one id share "
+                                                  "the work")
+    web_port: int = setting(6066, "port of /metrics (flag --metrics-port, or --web-port)",
+                            minimum=1, maximum=65535)
+    # Faust's web also serves /router and /table pages
+    web_bind: str = setting("127.0.0.1", "address /metrics listens on (flag --metrics-bind); "
+                                         "0.0.0.0 for every interface")
+    data_dir: str = setting(".tg/worker", "Faust data folder (default: "
+                                          "$TRAINGUARD_HOME/worker)")
+    loglevel: str = setting("warn", "log level (flag --log-level, or --loglevel)",
+                            choices=tuple(LOGLEVELS))
+    batch_max: int = setting(5000, "telemetry records per batch of the rank side")
+    poll_ms: int = setting(100, "longest wait for a batch")
+    snapshot_interval_s: float = setting(2.0, "rank state snapshot, then offset commit")
+    job_snapshot_interval_s: float = setting(5.0, "job state (large for large jobs), then "
+                                                  "commit")
+    snapshot_cpu_share: float = setting(0.02, "snapshots take at most this share of a core (a "
+                                              "costly one puts the next off)")
+    snapshot_max_interval_s: float = setting(10.0, "longest that puts a snapshot off (what a "
+                                                   "crash re-reads at most)")
+    advance_timer_s: float = setting(1.0, "the worker's wall-clock timer advances every job "
+                                          "(time-driven checks: hang, silent) this often")
+    session_timeout_s: float = setting(10.0, "consumer group session (a killed worker's "
+                                             "partitions move after this long)")
+    align_hold_s: float = setting(3.0, "longest the aligner waits for a stalled partition")
+    grace_s: float = setting(20.0, "after SIGTERM/SIGINT, hard exit if not stopped by then")
+    idle_ttl_s: float = setting(6 * 3600.0, "stages without input this long are dropped")
+    evict_idle_s: float = setting(1800.0, "stages without input this long leave memory for "
+                                          "their snapshot, and come back when their key "
+                                          "speaks again")
+    max_live_jobs: int = setting(2000, "job stages in memory at most (least recently used "
+                                       "go)")
+    max_live_ranks: int = setting(200_000, "rank and node stages in memory at most")
+    partitions: int = setting(0, "of the summaries topic; 0: as many as telemetry")
+    gc_interval_s: float = setting(30.0, "full garbage collection this often; 0: CPython's "
+                                         "own")
+    publish_incidents: bool = setting(True, "incident events (SPEC §6) on the anomalies "
+                                            "topic beside the anomalies; off for readers of "
+                                            "v1 only")
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -91,7 +104,7 @@ class WorkerSettings:
                 raise ValueError(f"{name} must be at least 1")
         if not 0 < self.snapshot_cpu_share <= 1:
             raise ValueError("snapshot_cpu_share must be above 0 and at most 1")
-        for name in ("snapshot_interval_s", "job_snapshot_interval_s", "advance_interval_s",
+        for name in ("snapshot_interval_s", "job_snapshot_interval_s", "advance_timer_s",
                      "session_timeout_s", "snapshot_max_interval_s",
                      "grace_s", "idle_ttl_s", "align_hold_s"):
             if not getattr(self, name) > 0:

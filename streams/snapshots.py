@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import struct
 import zlib
+from dataclasses import dataclass, field
+from typing import Any
 
 from . import statecodec
-from .statecodec import StateError
+from .logic import SourceMarks
+from .statecodec import Allowlist, StateError
 
-__all__ = ["dump_state", "load_state", "state_header", "state_partition", "Slots",
-           "STATE_VERSION", "StateError", "snapshot_pause"]
+__all__ = ["dump_state", "load_state", "state_header", "state_partition", "Slots", "RankSlot",
+           "JobSlot", "state_allowlist", "STATE_VERSION", "StateError", "snapshot_pause"]
 
 log = logging.getLogger(__name__)
 _MAGIC = b"tg"
@@ -40,7 +44,76 @@ COMPRESS_ABOVE = 128
 MAX_STATE_BYTES = 64 * 1024 * 1024
 #: the stages' layout; raise it when what a stage keeps changes meaning without changing
 #: its attribute names (a new attribute changes the layout digest by itself)
-STATE_VERSION = 13
+STATE_VERSION = 14
+
+
+# -- the slots: a stage and where its input came from (what a snapshot holds) --------------
+
+@dataclass
+class RankSlot:
+    stage: Any
+    partition: int        # telemetry partition of the last applied message
+    offset: int           # its offset
+    touched: float = 0.0  # wall time of the last message (for eviction; not restored)
+
+
+@dataclass
+class JobSlot:
+    stage: Any
+    partition: int        # summaries partition of the job
+    marks: SourceMarks = field(default_factory=SourceMarks)
+    touched: float = 0.0
+    watermark: float = -math.inf   # newest event time seen (a bounded step ahead)
+    applied_at: float = 0.0        # wall time when items last arrived
+    clock: float = -math.inf       # last time given to advance()
+
+    def now(self, wall: float) -> float:
+        """The job's clock for ``advance``: its newest event time, moved on by the wall
+        time since then. Live, that is the wall clock less the pipeline's delay (and any
+        skew of the senders' clocks); while a backlog is read it is the backlog's own time,
+        so no hang is found in data that is merely late; when the job sends nothing at all
+        it runs on with the wall clock, so a job that went quiet is still found."""
+        if self.watermark == -math.inf:
+            return wall
+        t = self.watermark + max(0.0, wall - self.applied_at)
+        if t > self.clock:
+            self.clock = t
+        return self.clock
+
+
+_ALLOWLIST = None
+
+
+def state_allowlist() -> Allowlist:
+    """The classes a worker's snapshot may hold: those of every module of
+    ``trainguard.detectors`` and of the registered detectors (plug-ins included), with their
+    ``Config`` classes (a new detector is allowed without a list to keep), the slots,
+    the event classes, the summaries' bookkeeping (:mod:`.logic`) and ``river.stats``."""
+    global _ALLOWLIST
+    if _ALLOWLIST is None:
+        import importlib
+        import inspect
+        import pkgutil
+        import sys
+
+        import river.stats
+
+        import trainguard.detectors as detectors
+        from trainguard import events
+        from trainguard.detectors.registry import registrations
+
+        from . import logic
+
+        modules = [importlib.import_module(f"{detectors.__name__}.{info.name}")
+                   for info in pkgutil.iter_modules(detectors.__path__)]
+        # the registered detectors' (plug-ins' too): their modules' classes and their Configs
+        registered = registrations()
+        modules += [sys.modules[r.cls.__module__] for r in registered]
+        river_stats = [obj for obj in vars(river.stats).values() if inspect.isclass(obj)]
+        _ALLOWLIST = Allowlist.of_modules(
+            [*dict.fromkeys(modules), events, logic],
+            classes=[RankSlot, JobSlot, *river_stats, *(r.config for r in registered)])
+    return _ALLOWLIST
 
 
 def _stage_layout() -> str:
@@ -61,7 +134,7 @@ def _stage_layout() -> str:
     import orjson
 
     for stage in (RankStage(), NodeStage(), JobStage()):
-        walk(orjson.loads(statecodec.encode(stage)))
+        walk(orjson.loads(statecodec.encode(stage, state_allowlist())))
     return hashlib.sha1(repr(sorted(names)).encode()).hexdigest()[:16]
 
 
@@ -88,20 +161,22 @@ def _zdict() -> bytes:
     if _ZDICT_BYTES is None:
         from trainguard.detectors import DetectorConfig, JobStage, NodeStage, RankStage
 
-        from .processors import JobSlot, RankSlot
-
         config = DetectorConfig()
         shared = {"detector_config": config}
-        parts = [statecodec.encode(("tg-state", STATE_VERSION, layout(), slot), shared=shared)
+        parts = [statecodec.encode(("tg-state", STATE_VERSION, layout(), slot),
+                                   state_allowlist(), shared)
                  for slot in (RankSlot(NodeStage(config), 0, 0), RankSlot(RankStage(config), 0, 0),
                               JobSlot(JobStage(config), 0))]
         _ZDICT_BYTES = b"".join(parts)[-32768:]
     return _ZDICT_BYTES
 
 
-def dump_state(obj, partition: int, touched: float = 0.0, shared: dict | None = None) -> bytes:
-    """``obj`` behind a header naming its source partition and last input time."""
-    data = statecodec.encode(("tg-state", STATE_VERSION, layout(), obj), shared=shared)
+def dump_state(obj, partition: int, touched: float = 0.0, shared: dict | None = None,
+               allowlist: Allowlist | None = None) -> bytes:
+    """``obj`` behind a header naming its source partition and last input time; its objects
+    of the classes of ``allowlist`` (default :func:`state_allowlist`) only."""
+    data = statecodec.encode(("tg-state", STATE_VERSION, layout(), obj),
+                             allowlist or state_allowlist(), shared)
     if len(data) > COMPRESS_ABOVE:
         small = len(data) <= SMALL_BLOB
         primed = _DEFLATE.get(small)
@@ -128,7 +203,7 @@ def state_partition(blob) -> int:
     return state_header(blob)[0]
 
 
-def load_state(blob, shared: dict | None = None):
+def load_state(blob, shared: dict | None = None, allowlist: Allowlist | None = None):
     """The object of :func:`dump_state`; raises :class:`StateError`."""
     state_header(blob)
     data = bytes(blob[_HEADER.size:])
@@ -140,7 +215,7 @@ def load_state(blob, shared: dict | None = None):
             raise StateError(f"corrupt snapshot: {exc}") from None
         if inflate.unconsumed_tail:
             raise StateError(f"snapshot larger than {MAX_STATE_BYTES} bytes")
-    loaded = statecodec.decode(data, shared=shared)
+    loaded = statecodec.decode(data, allowlist or state_allowlist(), shared)
     if type(loaded) is not tuple or len(loaded) != 4 or loaded[0] != "tg-state":
         raise StateError("not a trainguard snapshot")
     if loaded[1] != STATE_VERSION or loaded[2] != layout():

@@ -18,18 +18,20 @@ JSON value:
   shared references and cycles survive, e.g. a JobStage's detector lists that name the
   detectors of its ``detectors`` dict).
 
-:func:`decode` rebuilds objects only of the classes of an :class:`Allowlist` (by default
-trainguard's detectors and stages, the stream worker's slots, the event classes and
-``river.stats``), with ``cls.__new__`` and attribute assignment: no constructor,
-``__setstate__`` or ``__reduce__`` runs, and any other class is refused. What a decoded
-object holds is data an attacker may have chosen, but only data.
+:func:`decode` rebuilds objects only of the classes of the :class:`Allowlist` its caller
+gives (the worker's is :func:`trainguard.streams.snapshots.state_allowlist`: the detectors and
+stages, the worker's slots, the event classes and ``river.stats``), with ``cls.__new__`` and
+attribute assignment: no constructor, ``__setstate__`` or ``__reduce__`` runs, and any other
+class is refused. What a decoded object holds is data an attacker may have chosen, but only
+data. The codec itself knows no trainguard class: it imports nothing of trainguard.
 
 >>> from collections import deque
+>>> plain = Allowlist()
 >>> state = {"window": deque([1.5, float("nan")], maxlen=4), (1, "a"): {3}, "big": 2**70}
->>> back = decode(encode(state))
+>>> back = decode(encode(state, plain), plain)
 >>> back["window"], back[(1, "a")], back["big"] == 2**70
 (deque([1.5, nan], maxlen=4), {3}, True)
->>> decode(b'["o","os:system"]')
+>>> decode(b'["o","os:system"]', plain)
 Traceback (most recent call last):
 ...
 trainguard.streams.statecodec.StateError: class 'os:system' is not allowed in a snapshot
@@ -37,16 +39,14 @@ trainguard.streams.statecodec.StateError: class 'os:system' is not allowed in a 
 from __future__ import annotations
 
 import base64
-import importlib
 import inspect
 import math
-import pkgutil
 from collections import deque
 from itertools import chain
 
 import orjson
 
-__all__ = ["encode", "decode", "StateError", "Allowlist", "default_allowlist", "class_tag"]
+__all__ = ["encode", "decode", "StateError", "Allowlist", "class_tag"]
 
 #: the rolling quantile of ``river.stats``; its window lives in native (Rust) state, which
 #: is encoded as its values in insertion order and replayed into a fresh one
@@ -70,6 +70,15 @@ class Allowlist:
         self._layouts: dict = {}    # class -> (tag, slot attribute names), once checked
         for cls in classes:
             self.add(cls)
+
+    @classmethod
+    def of_modules(cls, modules, classes=()) -> "Allowlist":
+        """The classes defined in each of ``modules`` (not those they import, nor
+        exceptions), and ``classes``."""
+        found = [obj for module in modules for obj in vars(module).values()
+                 if inspect.isclass(obj) and obj.__module__ == module.__name__
+                 and not issubclass(obj, BaseException)]
+        return cls([*found, *classes])
 
     def add(self, cls) -> None:
         self.classes[class_tag(cls)] = cls
@@ -95,49 +104,16 @@ class Allowlist:
         return cls
 
 
-def _module_classes(module) -> list:
-    return [obj for obj in vars(module).values()
-            if inspect.isclass(obj) and obj.__module__ == module.__name__
-            and not issubclass(obj, BaseException)]
-
-
-_DEFAULT = None
-
-
-def default_allowlist() -> Allowlist:
-    """trainguard's detector and stage classes (every module of ``trainguard.detectors``,
-    so a new detector is allowed without a list to keep), the worker's slots, the event
-    classes, and the classes of ``river.stats``."""
-    global _DEFAULT
-    if _DEFAULT is not None:
-        return _DEFAULT
-    import river.stats
-
-    import trainguard.detectors as detectors
-    from trainguard import events
-
-    from . import logic, processors
-
-    modules = [importlib.import_module(f"{detectors.__name__}.{info.name}")
-               for info in pkgutil.iter_modules(detectors.__path__)]
-    classes = []
-    for module in (*modules, events, processors, logic):
-        classes += _module_classes(module)
-    classes += [obj for obj in vars(river.stats).values() if inspect.isclass(obj)]
-    _DEFAULT = Allowlist(classes)
-    return _DEFAULT
-
-
 # -- encoding ----------------------------------------------------------------------------
 
-def encode(obj, allowlist: Allowlist | None = None, shared: dict | None = None) -> bytes:
+def encode(obj, allowlist: Allowlist, shared: dict | None = None) -> bytes:
     """JSON bytes of ``obj``; raises :class:`StateError` for a value it cannot encode (an
-    object of a class not allowed, a function, native state it does not know).
+    object of a class not in ``allowlist``, a function, native state it does not know).
 
     ``shared`` names objects that are not part of the state but of the process (the
-    worker's DetectorConfig, which every JobStage holds): they are written as ``["x",
+    worker's detector configuration, which every JobStage holds): they are written as ``["x",
     name]`` and :func:`decode` puts in its own object of that name."""
-    enc = _Encoder(allowlist or default_allowlist())
+    enc = _Encoder(allowlist)
     if shared:
         enc.memo.update({id(o): name for name, o in shared.items()})
         enc.keep.extend(shared.values())
@@ -286,13 +262,14 @@ def _rolling_values(state: bytes) -> list:
 
 # -- decoding ----------------------------------------------------------------------------
 
-def decode(data, allowlist: Allowlist | None = None, shared: dict | None = None):
-    """The object of :func:`encode`; raises :class:`StateError` for anything else."""
+def decode(data, allowlist: Allowlist, shared: dict | None = None):
+    """The object of :func:`encode`, with objects of the classes of ``allowlist`` only;
+    raises :class:`StateError` for anything else."""
     try:
         tree = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise StateError(f"not JSON: {str(exc)[:100]}") from None
-    dec = _Decoder(allowlist or default_allowlist(), shared or {})
+    dec = _Decoder(allowlist, shared or {})
     try:
         return dec.value(tree)
     except StateError:

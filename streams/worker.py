@@ -96,7 +96,7 @@ def build(settings: WorkerSettings, config: Config, detector_config=None, keys=N
     book = OverrideBook(base=detector_config)      # per-job overrides at runtime
     jobs = JobProcessor(partial(JobStage, detector_config), idle_ttl_s=settings.idle_ttl_s,
                         observe_lag=metrics.observe_lag,
-                        advance_every_s=detector_config.advance_interval_s,
+                        advance_every_s=detector_config.stages.advance_grid_s,
                         evict_idle_s=settings.evict_idle_s,
                         max_live=settings.max_live_jobs, shared=shared,
                         incidents=settings.publish_incidents, tune_stage=book.tune)

@@ -5,7 +5,8 @@
   and crashes or hangs once (or always) when ``CHILD_MODE`` says so;
 - :class:`Procs`: starts trainguard commands as subprocesses (each under ``timeout -s KILL``)
   and stops them all, SIGTERM then SIGKILL, whatever happens;
-- Kafka helpers: produce events, collect events of a topic, wait for a condition.
+- Kafka helpers: produce events, collect events of a topic, wait for a condition;
+- :class:`ListRecorder`: the action service's audit log kept in a list.
 """
 from __future__ import annotations
 
@@ -20,6 +21,21 @@ from pathlib import Path
 from trainguard import events as ev
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+class ListRecorder:
+    """A recorder (``write(action_event)``, ``flush()``) that keeps the action events in a
+    list, for the pipeline and order-desk tests."""
+
+    def __init__(self):
+        self.events: list[ev.Action] = []
+
+    def write(self, event: ev.Action) -> None:
+        self.events.append(event)
+
+    def flush(self) -> None:
+        pass
+
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv").exists() else sys.executable
 
 CHILD_SCRIPT = r'''

@@ -58,12 +58,14 @@ def pytest_collection_modifyitems(config, items):
     """Order and group the tests for lanes (``pytest -n N --dist loadgroup``, scripts/test.sh).
 
     Slow tests go first so that the lanes start on them and no lane ends on a long tail. The
-    tests of a module that shares a module-scoped fixture (a real job, a Slurm cluster, a fresh
-    venv) stay in one lane, so the fixture runs once. The order is stable, so every lane
-    collects the same list.
+    tests of a module that shares a module-scoped fixture (a real job, a fresh venv) stay in one
+    lane, so the fixture runs once, and the Slurm tests share one lane. The order is stable, so
+    every lane collects the same list.
     """
     for item in items:
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if any(d.scope == "module" for fixturedefs in defs.values() for d in fixturedefs):
+        if "slurm" in defs:  # two loopback Slurm clusters at once name the same nodes
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif any(d.scope == "module" for fixturedefs in defs.values() for d in fixturedefs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)

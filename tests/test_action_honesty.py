@@ -8,10 +8,12 @@ from types import SimpleNamespace as NS
 from trainguard import events as ev
 from trainguard.actions.drivers import KubernetesDriver, SlurmDriver
 from trainguard.actions.orders import check_targets, outcome_status
-from trainguard.actions.pipeline import ListRecorder, build_pipeline, driver_actions
+from trainguard.actions.pipeline import build_pipeline, driver_actions
 from trainguard.actions.policy import Decision, Incident, Policy
 from trainguard.actions.state import ServiceState
 from trainguard.launcher.supervisor import Supervisor
+
+from actions_harness import ListRecorder
 
 INCIDENT = Incident(id="inc-1", job="j1", kind="gpu_fault", severity="critical", ranks=[0],
                     nodes=["n1"], onset_ts=1.0, detected_ts=2.0, summary="Xid 79 on n1")

@@ -6,11 +6,12 @@ import pytest
 from trainguard import events as ev
 from trainguard.actions.capture import StackCapture, StackGatherer
 from trainguard.actions.confirm import JobProgress, false_alarm_of
-from trainguard.actions.pipeline import ListRecorder, build_pipeline
+from trainguard.actions.pipeline import build_pipeline
 from trainguard.actions.policy import CaptureSettings, Policy
 from trainguard.actions.state import ServiceState
 from trainguard.detectors.correlate import Correlator
 
+from actions_harness import ListRecorder
 from fakes import FakeClock, ListSource
 
 T0 = 1_764_680_000.0

@@ -3,12 +3,13 @@ the incident book, the bounded wait, the fallback, the two refinements, and what
 incident can and cannot do. Without Kafka (tests/test_actions_kafka.py has the broker)."""
 from trainguard import events as ev
 from trainguard.actions.incidents import IncidentBook
-from trainguard.actions.pipeline import ListRecorder, build_pipeline
+from trainguard.actions.pipeline import build_pipeline
 from trainguard.actions.policy import BacklogSettings, Limits, Policy
 from trainguard.actions.scheduler import Scheduler
 from trainguard.actions.state import ServiceState
 from trainguard.detectors.correlate import Correlator
 
+from actions_harness import ListRecorder
 from fakes import FakeClock
 
 T0 = 1_764_680_000.0

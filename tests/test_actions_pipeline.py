@@ -8,12 +8,13 @@ from trainguard.actions.alerts import SendResult
 from trainguard.actions.capture import JobDirectory, StackCapture, StackGatherer
 from trainguard.actions.order_desk import OrderDesk
 from trainguard.actions.orders import ack_of
-from trainguard.actions.pipeline import (Dedup, ListRecorder, Work, action_event, apply_limits,
-                                         build_pipeline, incident_of)
+from trainguard.actions.pipeline import (Dedup, Work, action_event, apply_limits, build_pipeline,
+                                         incident_of)
 from trainguard.actions.policy import CaptureSettings, Decision, Limits, Policy
 from trainguard.actions.state import ServiceState
 from trainguard.detectors.correlate import Correlator
 
+from actions_harness import ListRecorder
 from fakes import FakeClock, ListSource
 
 T0 = 1_764_680_000.0

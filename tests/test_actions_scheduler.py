@@ -9,12 +9,13 @@ import pytest
 
 from trainguard import events as ev
 from trainguard.actions.capture import StackCapture, StackGatherer
-from trainguard.actions.pipeline import ListRecorder, build_pipeline
+from trainguard.actions.pipeline import build_pipeline
 from trainguard.actions.policy import BacklogSettings, CaptureSettings, Policy
 from trainguard.actions.scheduler import Backlog, OffsetTracker, Scheduler
 from trainguard.actions.service import ActionService
 from trainguard.actions.state import ServiceState
 
+from actions_harness import ListRecorder
 from fakes import FakeClock, ListSource
 
 T0 = 1_764_680_000.0

@@ -139,9 +139,12 @@ def test_a_rise_and_fall_as_the_model_leaves_its_init_is_no_spike(seed):
 def test_the_rise_rule_is_configured_like_the_rest():
     config = DetectorConfig()
     assert config.params_for(GradSpikeDetector) == GradSpikeDetector()._get_params()
-    assert (config.grad_spike_rise_ratio, config.grad_spike_rise_steps) == (10.0, 4)
-    with pytest.raises(ValueError):
-        DetectorConfig(grad_spike_rise_ratio=1.0)
+    assert (config.grad_spike.rise_ratio, config.grad_spike.rise_steps) == (10.0, 4)
+    from trainguard.config import ConfigError
+    from trainguard.setting import with_values
+
+    with pytest.raises(ConfigError):
+        with_values(config, {"grad_spike.rise_ratio": 1.0})
     values = with_rise(noisy(70, 0, 0.03), 30, 1.0)
     assert [f.step for f in found(values, rise_ratio=20.0)] == [32]     # 60x, not 15x
     d = GradSpikeDetector()

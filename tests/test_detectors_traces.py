@@ -3,6 +3,7 @@ fault is found, named and timed right."""
 import pytest
 
 from trainguard.detectors import DetectorConfig
+from trainguard.setting import with_values
 
 from detector_traces import JobSim, by_kind, run_engine
 
@@ -129,12 +130,12 @@ def test_25_second_checkpoints_and_long_evals_are_not_hangs():
     events = sim.events()
     assert run_engine(events)[0] == []
     # ... because of the phase allowances: without them the same trace would hang.
-    blind = DetectorConfig(hang_checkpoint_s=0.0, hang_eval_s=0.0)
+    blind = with_values(DetectorConfig(), {"hang.checkpoint_s": 0.0, "hang.eval_s": 0.0})
     assert kinds(run_engine(events, blind)[0]) == ["hang"]
 
 
 def test_checkpoint_longer_than_its_allowance_is_a_hang():
-    config = DetectorConfig(hang_checkpoint_s=60.0)
+    config = with_values(DetectorConfig(), {"hang.checkpoint_s": 60.0})
     sim = JobSim(steps=300, checkpoint_every=100, checkpoint_s=200.0)
     found, _ = run_engine(sim.events(), config)
     assert kinds(found) == ["hang"] and found[0].step == 100

@@ -9,6 +9,7 @@ import pytest
 from trainguard.actions.policy import History, Incident, Policy, decide
 from trainguard.detectors.offline import analyze_events
 from trainguard.streams import statecodec
+from trainguard.streams.snapshots import state_allowlist
 
 from machine_library import MACHINE_FAULTS, MACHINE_HEALTHY
 from scenarios import recording
@@ -54,7 +55,8 @@ def test_the_model_carries_over_a_snapshot():
     whole, _ = analyze_events(events)
     cut = len(events) // 2
     first, _ = analyze_events(events[:cut])
-    stage = statecodec.decode(statecodec.encode(first._jobs["j"]))
+    allow = state_allowlist()
+    stage = statecodec.decode(statecodec.encode(first._jobs["j"], allow), allow)
     model = stage.detectors["machine_outlier"]._models["n1"]
     assert model.rounds > 30 and model.vars[1].mean.n > 0
     first._jobs["j"] = stage

@@ -9,12 +9,14 @@ from hypothesis import strategies as st
 from trainguard import events as ev
 from trainguard.actions.order_desk import OrderDesk
 from trainguard.actions.orders import InvalidTarget, ack_of, check_targets, outcome_status
-from trainguard.actions.pipeline import ListRecorder, build_pipeline
+from trainguard.actions.pipeline import build_pipeline
 from trainguard.actions.policy import Decision, Incident, Policy
 from trainguard.actions.state import ServiceState
 from trainguard.config import Topics
 from trainguard.signing import (Freshness, SigningError, SigningKeys, Verifier, canonical,
                                 sign, signing_key_from_env)
+
+from actions_harness import ListRecorder
 
 T0 = 1_764_680_000.0
 KEYS = SigningKeys.parse("orders-unit-test-key-0123456789")

@@ -7,7 +7,8 @@ import pytest
 from trainguard import events as ev
 from trainguard.config import ConfigError
 from trainguard.detectors import DetectorConfig, Engine, JobStage
-from trainguard.overrides import (LIVE_KEYS, Accepted, OverrideBook, audit_action,
+from trainguard.setting import with_values
+from trainguard.overrides import (live_keys, Accepted, OverrideBook, audit_action,
                                   check_record, check_values, make_record, parse_assignments,
                                   read_overrides_file)
 from trainguard.signing import SigningKeys, Verifier
@@ -45,14 +46,14 @@ def test_a_bad_setting_is_one_line_naming_key_value_and_what_is_allowed(text, wo
 
 
 def test_cross_checks_use_the_workers_own_configuration():
-    check_values({"detectors.straggler.k": 12}, DetectorConfig(straggler_n=20))
+    check_values({"detectors.straggler.k": 12}, with_values(DetectorConfig(), {"straggler.n": 20}))
     with pytest.raises(ConfigError, match="detectors.straggler.k"):
         check_values({"detectors.straggler.k": 12}, DetectorConfig())
 
 
 def test_every_live_key_is_a_detector_attribute_of_a_job_stage():
     stage = JobStage()
-    for path in LIVE_KEYS:
+    for path in live_keys():
         _, name, arg = path.split(".")
         assert hasattr(stage.detectors[name], arg), path
 
@@ -120,7 +121,8 @@ def test_a_tombstone_reverts_when_no_key_is_configured():
 
 # -- applying -----------------------------------------------------------------------------
 
-BASE = DetectorConfig(hang_floor_s=2.0, hang_checkpoint_s=3.0, advance_interval_s=0.5)
+BASE = with_values(DetectorConfig(), {"hang.floor_s": 2.0, "hang.checkpoint_s": 3.0,
+                                      "stages.advance_grid_s": 0.5})
 
 
 def checkpoint_job(engine, job="j1", checkpoint_s=10.0):
@@ -318,6 +320,6 @@ def test_no_bytes_on_the_topic_make_the_check_raise():
                               now=NOW, latest_ts=NOW - 100)
         assert isinstance(result, Accepted) or (result.code and result.reason)
         if isinstance(result, Accepted):
-            assert set(result.values) <= set(LIVE_KEYS)
+            assert set(result.values) <= set(live_keys())
 
     never_raises()

@@ -10,12 +10,13 @@ from actions_harness import Collector, producer, wait_for
 from trainguard import events as ev
 from trainguard.detectors import DetectorConfig, JobStage
 from trainguard.overrides import OverrideBook, make_record
+from trainguard.setting import with_values
 from trainguard.signing import KEY_ENV, SigningKeys, Verifier
 
 pytestmark = pytest.mark.broker
 
 KEY = "0123456789abcdef0123456789abcdef"
-BASE = DetectorConfig(hang_checkpoint_s=3.0)
+BASE = with_values(DetectorConfig(), {"hang.checkpoint_s": 3.0})
 
 
 def cli(kafka_config, *args):

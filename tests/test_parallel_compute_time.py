@@ -127,6 +127,7 @@ def test_trainguard_analyze_names_the_slow_rank_a_straggler(parallel_job):
 
 def test_a_pipeline_stage_compares_its_own_ranks(parallel_job):
     from trainguard.detectors.config import DetectorConfig
+    from trainguard.setting import with_values
     from trainguard.detectors.offline import analyze_file
 
     name, _, recording = parallel_job
@@ -135,7 +136,8 @@ def test_a_pipeline_stage_compares_its_own_ranks(parallel_job):
     # two ranks a stage are below the default straggler_min_ranks (3), and a peer's 10 ms
     # compute wobbles by more than the default 2 ms of excess on this shared CPU (rank 3 at
     # 13 ms against rank 2 at 8 ms was named once): the slow rank is 200 ms over
-    stage_of_two = DetectorConfig(straggler_min_ranks=2, straggler_min_excess_s=0.02)
+    stage_of_two = with_values(DetectorConfig(), {"straggler.min_ranks": 2,
+                                                  "straggler.min_excess_s": 0.02})
     stragglers = [i for i in analyze_file(str(recording), stage_of_two)["incidents"]
                   if i["kind"] == "straggler"]
     assert {tuple(i["ranks"]) for i in stragglers} == {(1,)}, stragglers

@@ -169,7 +169,9 @@ def test_the_action_service_is_counted_around_its_pipeline():
     from types import SimpleNamespace
 
     from trainguard.actions.alerts.base import SendResult
-    from trainguard.actions.pipeline import ListRecorder, build_pipeline
+    from trainguard.actions.pipeline import build_pipeline
+
+    from actions_harness import ListRecorder
     from trainguard.actions.policy import Policy
     from trainguard.actions.state import ServiceState
     from trainguard.service_metrics import instrument_action_service

@@ -17,7 +17,7 @@ import trainguard.detectors as detectors
 from trainguard.detectors import DetectorConfig, Engine
 from trainguard.detectors.base import Detector
 from trainguard.streams import statecodec
-from trainguard.streams.snapshots import StateError, dump_state, load_state
+from trainguard.streams.snapshots import StateError, dump_state, load_state, state_allowlist
 
 from detector_traces import JobSim, drive, stage_items
 
@@ -54,7 +54,8 @@ def test_every_detector_round_trips_mid_run_and_finds_the_same(cls):
     drive(straight, items[:cut])
     restored = round_trip(straight)
     assert type(restored) is cls
-    assert statecodec.encode(restored) == statecodec.encode(straight)
+    allow = state_allowlist()
+    assert statecodec.encode(restored, allow) == statecodec.encode(straight, allow)
     rest = items[cut:]
     assert [f.__dict__ for f in drive(restored, rest)] == \
         [f.__dict__ for f in drive(straight, rest)]
@@ -116,7 +117,7 @@ def test_a_hostile_pickle_is_refused_and_runs_nothing(tmp_path):
 ])
 def test_malformed_or_foreign_state_is_refused(payload, why):
     with pytest.raises(StateError):
-        statecodec.decode(payload)
+        statecodec.decode(payload, state_allowlist())
 
 
 def test_a_zlib_bomb_is_refused():
@@ -127,6 +128,6 @@ def test_a_zlib_bomb_is_refused():
 
 def test_values_the_codec_cannot_write_fail_loudly():
     with pytest.raises(StateError, match="not allowed"):
-        statecodec.encode({"f": lambda: 1})
+        statecodec.encode({"f": lambda: 1}, state_allowlist())
     with pytest.raises(StateError, match="not allowed"):
-        statecodec.encode([Exploit()])
+        statecodec.encode([Exploit()], state_allowlist())

@@ -9,7 +9,7 @@ import pytest
 
 from trainguard import events as ev
 from trainguard.detectors import DetectorConfig, Engine, JobStage, NodeStage, RankStage
-from trainguard.streams.deadletter import original_value, parse_deadletter
+from trainguard.deadletter import original_value, parse_deadletter
 from trainguard.streams.logic import (EventTimeAligner, InvalidSummaries, SourceMarks, classify,
                                       decode_summaries, encode_summaries, node_key)
 from trainguard.streams.metrics import Metrics, parse_exposition

@@ -23,7 +23,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from trainguard import events as ev
 from trainguard.config import Config, Topics
 from trainguard.detectors import Engine
-from trainguard.streams.deadletter import original_value, parse_deadletter
+from trainguard.deadletter import original_value, parse_deadletter
 from trainguard.streams.metrics import parse_exposition
 from trainguard.topics import TopicPlan, create_topics
 

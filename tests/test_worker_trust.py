@@ -14,7 +14,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from trainguard import events as ev
-from trainguard.streams.deadletter import parse_deadletter
+from trainguard.deadletter import parse_deadletter
 from trainguard.streams.settings import WorkerSettings
 
 from test_streams_worker import (TopicReader, WorkerProcess, new_config, produce, steps,  # noqa: F401

@@ -8,31 +8,9 @@ import sys
 
 from . import __version__
 from .errors import UserError
+from .kafka_args import add_kafka_flags as _add_kafka_flags, config_from
 
 EXIT_USER_ERROR = 2
-
-
-def _add_kafka_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("Kafka")
-    group.add_argument("--bootstrap", metavar="HOST:PORT[,...]",
-                       help="bootstrap servers (default: $TRAINGUARD_BOOTSTRAP or 127.0.0.1:9092)")
-    group.add_argument("--prefix", metavar="PREFIX",
-                       help="topic prefix (default: $TRAINGUARD_TOPIC_PREFIX or tg)")
-    group.add_argument("--kafka-config", metavar="FILE",
-                       help="librdkafka key=value settings (SASL/SSL) for real clusters "
-                            "(default: $TRAINGUARD_KAFKA_CONFIG)")
-
-
-def config_from(args):
-    from .config import Config
-
-    if getattr(args, "tree", None) is not None and "kafka.bootstrap" in args.tree.keys:
-        from .configsections import kafka_config
-
-        return kafka_config(args.tree)
-    return Config.from_env(bootstrap=getattr(args, "bootstrap", None),
-                           prefix=getattr(args, "prefix", None),
-                           kafka_config=getattr(args, "kafka_config", None))
 
 
 def cmd_broker(args) -> int:
@@ -105,8 +83,19 @@ def check_output_file(path, flag: str) -> None:
         raise UserError(f"{flag} {path} is a folder; give a file name")
 
 
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--workers wants a number of processes >= 1, "
+                                         f"not {text!r}")
+    return value
+
+
 def cmd_analyze(args) -> int:
-    from .detectors.offline import analyze_file
+    from .detectors.parallel import analyze_file_parallel
 
     if args.report:
         check_output_file(args.report, "--report")
@@ -117,9 +106,18 @@ def cmd_analyze(args) -> int:
         overrides = read_overrides_file(args.overrides)
     from .progress import reading, wanted
 
+    if getattr(args, "detector_module", None):
+        from .detectors.registry import load_detector_modules
+
+        try:
+            load_detector_modules(args.detector_module)
+        except (ImportError, ValueError, SyntaxError) as exc:
+            raise UserError(f"--detector-module: {exc}; give an importable module or a .py "
+                            f"file that registers a detector (docs/DETECTORS.md)") from None
     with reading(args.file, "analyze", enabled=wanted(args.json)) as on_read:
-        result = analyze_file(args.file, getattr(args, "detector_config", None), overrides,
-                              on_read=on_read)
+        result = analyze_file_parallel(args.file, getattr(args, "detector_config", None),
+                                       overrides, on_read=on_read,
+                                       workers=getattr(args, "workers", 1))
     if args.report:
         write_analysis_report(args.file, result, args.report)
     if args.json:
@@ -237,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--overrides", metavar="FILE", default=None,
                          help="per-job overrides, as `trainguard config set` makes them "
                               "(TOML [jobs.J.detectors.hang] tables, or JSON)")
+    analyze.add_argument("--detector-module", metavar="MODULE", action="append", default=[],
+                         help="also run the detectors a plug-in module registers: a module "
+                              "name or a .py file; repeatable (docs/DETECTORS.md)")
+    analyze.add_argument("--workers", metavar="N", type=_workers, default=None,
+                         help="processes: one for the job side, the others for the rank "
+                              "side (default: the cores, at most 8; under 4 MiB: 1); the "
+                              "same result whatever N (docs/WORKER.md)")
     analyze.set_defaults(func=cmd_analyze)
 
     stacks = sub.add_parser("stacks", help="aggregate stack dumps of all ranks")

@@ -53,6 +53,16 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
     agent.add_argument("--runtime-dir", metavar="DIR", default=None,
                        help="local registry of rank processes (default: $TRAINGUARD_HOME/run)")
     agent.add_argument("--native", action="store_true", help="py-spy --native stacks")
+    agent.add_argument("--snapshot-dir", metavar="DIR", default=None,
+                       help="hold the ranks' in-memory snapshots here (under /dev/shm; "
+                            "docs/RECOVERY.md)")
+    agent.add_argument("--snapshot-listen", metavar="HOST:PORT", default=None,
+                       help="where the other agents reach this one for snapshot replicas")
+    agent.add_argument("--snapshot-peers", metavar="NODE=HOST:PORT,...", default="",
+                       help="the other agents (a snapshot's buddy is chosen among them)")
+    agent.add_argument("--snapshot-domains", metavar="NODE=DOMAIN,...", default="",
+                       help="eviction domains: machines evicted together (a snapshot's "
+                            "replica is never in its machine's domain)")
     add_kafka_flags(agent)
     add_metrics_flags(agent, "agent")
     agent.set_defaults(func=delegate(".collectors.agent", needs=("pynvml",)))

@@ -112,7 +112,7 @@ def cmd_config(args) -> int:
         sys.stdout.write(reference_markdown())
         return 0
     if args.config_action in ("set", "unset", "overrides"):
-        from .cli import config_from
+        from .kafka_args import config_from
         from .overridecli import cmd_overrides
 
         return cmd_overrides(args, config_from(args))
@@ -126,7 +126,7 @@ def cmd_config(args) -> int:
     tree = args.tree
     check_tree(tree, os.environ)
     if getattr(args, "job", None):
-        from .cli import config_from
+        from .kafka_args import config_from
         from .feedbackcli import show_job
 
         return show_job(args, config_from(args))
@@ -180,9 +180,17 @@ One job's detector settings can also change while it runs, without restarting an
 `config overrides`); only the settings a detector reads when it decides may change so. See
 "Per-job overrides at runtime" in [WORKER.md](WORKER.md).
 
-The defaults are not repeated here by hand: each key is derived from the component that
-uses it (the worker's `WorkerSettings`, each detector's constructor, the action service's
-`Policy`, ...), with the meaning written beside it there.
+The defaults are not repeated here by hand: each key is a field of the `Config` dataclass of
+the component that uses it (the worker's `WorkerSettings`, each detector's own `Config`,
+e.g. `HangDetector.Config`, the action service's `Policy`, ...), declared there with its
+meaning, its range and whether it may change while a job runs (`trainguard.setting`).
+
+Renamed keys (earlier files still load, with one deprecation line): the flat
+`[detectors] <detector>_<setting>` keys are now `[detectors.<detector>] <setting>`;
+`worker.advance_interval_s` is `worker.advance_timer_s` (the worker's wall-clock timer);
+`detectors.stages.advance_interval_s` is `detectors.stages.advance_grid_s` (the grid of a
+job's event time its detectors advance on). The JSON policy file (`--policy FILE`) is
+deprecated: its settings belong in this file's `[policy]`, `[alerts]` and `[driver]`.
 """
 
 

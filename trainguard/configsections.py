@@ -1,37 +1,45 @@
 """The sections of the configuration tree, and what each becomes for its component.
 
-Sections are derived, not re-declared: the keys of ``worker`` are the fields of
-:class:`~trainguard.streams.settings.WorkerSettings`, those of ``detectors.<name>`` the
-constructor arguments of each detector, ``policy`` the fields of
-:class:`~trainguard.actions.policy.Policy`, and so on, with their defaults and, as the
-meaning, the comment written beside them. So a default is written once, in its component,
-and a constructor argument a detector gains shows up here by itself. Each section is a
-``kw_only`` dataclass (:func:`section_class`), validated by :mod:`trainguard.fields`
-checkers; the adapters below (:func:`kafka_config`, :func:`detector_config`,
-:func:`worker_settings`, :func:`service_config`, ...) build the settings objects the
-components already take, and their own checks run too (:func:`check_tree`).
+Sections are derived, not re-declared: every key is a field of the ``Config`` dataclass of
+the component that owns its section, a ``kw_only`` dataclass of
+:func:`~trainguard.setting.setting` declarations (default, meaning, range, live or not):
+``kafka`` is :class:`~trainguard.kafka_settings.KafkaSettings`, ``security``
+:class:`~trainguard.signing.SecuritySettings`, ``topics``
+:class:`~trainguard.topics.TopicsSettings`, ``worker``
+:class:`~trainguard.streams.settings.WorkerSettings`, ``detectors``
+:class:`~trainguard.detectors.DetectorsConfig` (which nests each detector's own ``Config``),
+``policy`` :class:`~trainguard.actions.policy.Policy`, ``alerts`` and ``driver`` the tables
+of :class:`ServiceTables`, ``collector`` and ``agent``
+:class:`~trainguard.collectors.settings.CollectorConfig` and ``AgentConfig``. So a default
+is written once, in its component. The root, ``TrainguardConfig`` (:func:`root_class`), nests
+them all; :func:`root` builds it from a tree, so that every component's own checks run
+(:func:`check_tree`). A command loads only the sections it reads (``load(sections=...)``),
+and imports only their rooms; the adapters below (:func:`kafka_config`,
+:func:`detector_config`, :func:`worker_settings`, :func:`service_config`, ...) build the
+settings objects the components take.
 
 >>> tree = load(environ={"TRAINGUARD_DETECTORS__HANG__FLOOR_S": "45"})
->>> detector_config(tree).hang_floor_s, tree.source("detectors.hang.floor_s")
+>>> detector_config(tree).hang.floor_s, tree.source("detectors.hang.floor_s")
 (45.0, 'env TRAINGUARD_DETECTORS__HANG__FLOOR_S')
->>> section_class(tree, "worker")(**tree.section("worker")).web_bind
-'127.0.0.1'
+>>> config = root(tree)
+>>> type(config).__name__, config.detectors.hang.floor_s, config.topics.prefix
+('TrainguardConfig', 45.0, 'tg')
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import re
+import sys
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from .config import (DEFAULT_BOOTSTRAP, DEFAULT_PREFIX, Config, ConfigError, Topics,
-                     check_client_settings, load_client_settings)
-from .configtree import Key, Tree, read_toml, resolve
+from .config import Config, ConfigError, Topics, check_client_settings, load_client_settings
+from .configtree import Key, Tree, env_name, read_toml, resolve
 from .errors import UserError
 from .fields import AnyObject, Bool, Int, ListOf, Nullable, Num, Str
+from .setting import table, validate, walk
 
-__all__ = ["all_keys", "keys_of", "load", "section_class", "kafka_config", "topic_plan",
+__all__ = ["all_keys", "keys_of", "load", "root", "root_class", "section_class", "kafka_config",
+           "topic_plan",
            "detector_config", "worker_settings", "service_config", "collector_kwargs",
            "signing_key", "check_tree", "SECTIONS", "COMMAND_FLAGS", "KAFKA_FLAGS"]
 
@@ -62,311 +70,164 @@ COMMAND_FLAGS = {
 
 # -- derivation ------------------------------------------------------------------------------
 
-_FIELD_RE = re.compile(r"^(\s*)(\w+)\s*(?::[^=#]*)?=[^#]*?(?:#(?!:)\s*(.*))?$")
-_COMMENT_RE = re.compile(r"^\s*#(:?)\s?(.*)$")
-
-
-@lru_cache(maxsize=None)
-def comments(obj) -> dict[str, str]:
-    """Meanings written beside a class's fields: ``name = x  # meaning`` with its
-    continuation lines, or ``#: meaning`` lines above it."""
-    try:
-        lines = inspect.getsource(obj).splitlines()
-    except (OSError, TypeError):
-        return {}
-    out: dict[str, str] = {}
-    above: list[str] = []
-    last, indent = None, 0
-    for line in lines:
-        comment = _COMMENT_RE.match(line)
-        if comment:
-            if comment.group(1):
-                above.append(comment.group(2).strip())
-            elif last is not None and line.index("#") > indent + 8:
-                out[last] = f"{out[last]} {comment.group(2).strip()}".strip()
-            else:
-                last = None
-            continue
-        match = _FIELD_RE.match(line)
-        if match and not line.lstrip().startswith(("def ", "return", "class ", "@")):
-            name, trailing = match.group(2), (match.group(3) or "").strip()
-            text = " ".join(above + ([trailing] if trailing else []))
-            if text:
-                out[name] = text
-            last, indent = (name if trailing else None), len(match.group(1))
-        else:
-            last = None
-        above = []
-    return out
-
-
-def checker_for(default, annotation: str = "") -> Any:
-    """The checker of a setting, from its default (or, for ``None``, its annotation)."""
-    if isinstance(default, bool):
-        return Bool()
-    if isinstance(default, int):
-        return Int(minimum=0)
-    if isinstance(default, float):
-        return Num(minimum=0)
-    if isinstance(default, str):
-        return Str()
-    if isinstance(default, (tuple, list)):
-        return ListOf(Str())
-    if isinstance(default, dict):
-        return AnyObject()
-    annotation = str(annotation)
-    for word, inner in (("float", Num(minimum=0)), ("int", Int(minimum=0)), ("str", Str())):
-        if word in annotation:
-            return Nullable(inner)
-    return AnyObject()
-
-
 def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def from_dataclass(prefix: str, cls, *, exclude=(), overrides: Mapping[str, dict] = {},
-                   helps: Mapping[str, str] | None = None) -> list[Key]:
-    helps = comments(cls) if helps is None else helps
-    keys = []
-    for f in dataclasses.fields(cls):
-        if f.name in exclude or f.name.startswith("_"):
-            continue
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not
-                                    dataclasses.MISSING else None):
-            keys += from_dataclass(f"{prefix}.{f.name}", f.default_factory)
-            continue
-        default = (f.default if f.default is not dataclasses.MISSING else
-                   f.default_factory() if f.default_factory is not dataclasses.MISSING
-                   else None)
-        spec = {"path": f"{prefix}.{f.name}", "default": _plain(default),
-                "check": checker_for(default, f.type), "help": helps.get(f.name, "")}
-        spec.update(overrides.get(f.name, {}))
-        keys.append(Key(**spec))
-    return keys
-
-
-def from_signature(prefix: str, func: Callable, *, only=None, exclude=(),
-                   overrides: Mapping[str, dict] = {}, helps: Mapping[str, str] = {}
+def from_dataclass(prefix: str, cls, *, exclude=(), overrides: Mapping[str, dict] = {}
                    ) -> list[Key]:
+    """The keys of a component's ``Config`` dataclass: its :func:`~trainguard.setting.setting`
+    fields (nested ``Config`` objects walked into), with their metadata; ``overrides``
+    changes a key's spec where the tree shows it differently (a default filled in later).
+    ``prefix`` "": the fields are sections of their own (tables)."""
     keys = []
-    for name, p in inspect.signature(func).parameters.items():
-        if name == "self" or name in exclude or (only is not None and name not in only):
+    for path, f, default in walk(cls):
+        if path.split(".")[0] in exclude:
             continue
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        default = None if p.default is inspect.Parameter.empty else p.default
-        spec = {"path": f"{prefix}.{name}", "default": _plain(default),
-                "check": checker_for(default, p.annotation), "help": helps.get(name, "")}
-        spec.update(overrides.get(name, {}))
+        spec = {"path": f"{prefix}.{path}" if prefix else path, "default": _plain(default),
+                "check": checker_of(f, default), "help": f.metadata["help"],
+                "env": f.metadata.get("env"), "secret": f.metadata.get("secret", False)}
+        spec.update(overrides.get(path, {}))
         keys.append(Key(**spec))
     return keys
 
 
-# -- the sections ------------------------------------------------------------------------------
-
-def _kafka_keys() -> list[Key]:
-    return [
-        Key(path="kafka.bootstrap", default=DEFAULT_BOOTSTRAP, check=Str(min_length=1),
-            env="TRAINGUARD_BOOTSTRAP", help="bootstrap servers, host:port[,host:port]"),
-        Key(path="kafka.client_config", default=None, check=Nullable(Str(min_length=1)),
-            env="TRAINGUARD_KAFKA_CONFIG",
-            help="file of librdkafka key=value settings (SASL, SSL); ${VAR} is expanded"),
-        Key(path="kafka.client", default={}, check=AnyObject(),
-            help="librdkafka settings as a table, over those of client_config"),
-        Key(path="security.signing_key", default=None, check=Nullable(Str(min_length=1)),
-            env="TRAINGUARD_SIGNING_KEY", secret=True,
-            help="shared key that signs orders and commands (HMAC); masked when shown"),
-    ]
-
-
-def _topic_keys() -> list[Key]:
-    from .topics import TopicPlan
-
-    return [Key(path="topics.prefix", default=DEFAULT_PREFIX, check=Str(pattern=_NAME),
-                env="TRAINGUARD_TOPIC_PREFIX", help="topic prefix: <prefix>.telemetry, ...")
-            ] + from_dataclass("topics", TopicPlan, overrides={
-                n: {"check": Int(minimum=1)} for n in ("telemetry_partitions",
-                                                        "other_partitions",
-                                                        "deadletter_partitions")},
-                helps={"telemetry_partitions": "partitions of the telemetry topic",
-                       "other_partitions": "partitions of the other topics",
-                       "deadletter_partitions": "partitions of the dead-letter topic"})
+def checker_of(f: dataclasses.Field, default) -> Any:
+    """The checker of a :func:`~trainguard.setting.setting` field, from its metadata (the
+    rest of its range, an open bound or a bound between siblings, is
+    :func:`~trainguard.setting.validate`'s)."""
+    meta = f.metadata
+    kind = meta.get("kind")
+    bounds = meta["bounds"]
+    lo = None if bounds.lo_open else bounds.lo
+    if kind is bool:
+        inner = Bool()
+    elif kind is int:
+        inner = Int(minimum=lo, maximum=bounds.hi)
+    elif kind is float:
+        inner = Num(minimum=lo)
+    elif kind is str:
+        inner = Str(enum=meta["choices"] or None, pattern=meta.get("pattern"),
+                    min_length=meta.get("min_length", 0))
+    elif kind in (list, tuple):
+        inner = ListOf(Str())
+    else:
+        inner = AnyObject()
+    return Nullable(inner) if default is None else inner
 
 
-def _worker_keys() -> list[Key]:
-    from .streams.settings import LOGLEVELS, WorkerSettings
+# -- the sections: each one a component's own Config ------------------------------------------
+# (a function each, importing its room only when the section is wanted)
 
-    return from_dataclass("worker", WorkerSettings, exclude=("prefix", "extra"), overrides={
-        "worker_id": {"check": Str(pattern=_NAME),
-                      "help": "Faust app id; workers with one id share the work"},
-        "web_port": {"check": Int(minimum=1, maximum=65535),
-                     "help": "port of /metrics (flag --metrics-port, or --web-port)"},
-        "web_bind": {"help": "address /metrics listens on (flag --metrics-bind); 0.0.0.0 "
-                             "for every interface"},
-        "data_dir": {"default": None, "check": Nullable(Str(min_length=1)),
-                     "help": "Faust data folder (default: $TRAINGUARD_HOME/worker)"},
-        "loglevel": {"check": Str(enum=LOGLEVELS),
-                     "help": "log level (flag --log-level, or --loglevel)"},
-    })
+def _kafka():
+    from .kafka_settings import KafkaSettings
+
+    return KafkaSettings, {}
 
 
-#: meanings of the settings whose components carry none beside them
-_MEANINGS = {
-    "detectors.hang.floor_s": "the hang timeout is never below this many seconds",
-    "detectors.hang.factor": "timeout: factor x the quantile of the job's step intervals",
-    "detectors.hang.quantile": "quantile of the step intervals the timeout scales",
-    "detectors.silent.timeout_s": "a rank or machine silent this long while others go on",
-    "detectors.gpu_degraded.window_s": "seconds of samples each condition is judged over",
-    "detectors.gpu_degraded.throttle_fraction": "hardware throttling in this fraction of "
-                                                "the samples ...",
-    "detectors.gpu_degraded.min_samples": "... of at least this many samples",
-    "detectors.loss_spike.tail_quantile": "quantile of the deviations' tail",
-    "detectors.grad_spike.tail_quantile": "quantile of the deviations' tail",
-    "policy.limits.max_restarts": "restarts of a job per restart_window_s, then a page",
-    "policy.limits.restart_window_s": "window of max_restarts",
-    "policy.limits.restart_settle_s": "longest wait for a restart to show in the lifecycle",
-    "policy.limits.max_evictions_per_incident": "machines evicted per incident at most",
-    "policy.limits.max_evictions_per_day": "machines evicted per 24 h, all jobs",
-    "policy.limits.page_cooldown_s": "a job is paged at most once per this",
-    "policy.capture.rounds": "stack captures per incident",
-    "policy.capture.interval_s": "seconds between the rounds",
-    "policy.capture.deadline_s": "a round waits this long for every expected rank",
-    "policy.capture.quiet_s": "with no known world size: until no rank answered this long",
-    "policy.backlog.max_queued": "anomalies waiting at most; then the oldest of the least "
-                                 "severe is dropped, with a record",
-    "policy.backlog.max_in_flight": "anomalies under way at once (waiting for stacks costs "
-                                    "no thread)",
-    "policy.backlog.workers": "threads for blocking calls (alert sinks)",
-    "policy.incidents.wait_s": "an anomaly waits this long at most for the worker's incident "
-                               "that lists it",
-    "policy.incidents.expect_s": "no incident event within this: group anomalies with the "
-                                 "service's own correlator",
-}
+def _security():
+    from .signing import SecuritySettings
+
+    return SecuritySettings, {}
 
 
-def _detector_keys() -> list[Key]:
-    from .detectors import DETECTORS, DetectorConfig
+def _topics():
+    from .topics import TopicsSettings
 
-    helps = comments(DetectorConfig)
-    by_arg: dict[str, str] = {}
-    keys, claimed = [], set()
-    for cls in DETECTORS:
-        params = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
-        own = {n: helps.get(f"{cls.PREFIX}_{n}", "") for n in params}
-        for n, text in own.items():
-            by_arg.setdefault(n, text) if text else None
-        keys += from_signature(f"detectors.{cls.PREFIX}", cls.__init__, helps=own)
-        claimed |= {f"{cls.PREFIX}_{n}" for n in params}
-    keys = [dataclasses.replace(k, help=k.help or by_arg.get(k.path.rsplit(".", 1)[1], ""))
-            for k in keys]
-    for f in dataclasses.fields(DetectorConfig):     # the stages' and correlation's settings
-        if f.name in claimed:
-            continue
-        group, name = ("correlate", f.name[len("correlate_"):]) \
-            if f.name.startswith("correlate_") else ("stages", f.name)
-        keys.append(Key(path=f"detectors.{group}.{name}", default=f.default,
-                        check=checker_for(f.default, f.type), help=helps.get(f.name, "")))
-    return keys
+    return TopicsSettings, {}
 
 
-def _flat_detector_name(path: str) -> str:
-    _, group, name = path.split(".")
-    return name if group == "stages" else f"{group}_{name}"
+def _worker():
+    from .streams.settings import WorkerSettings
+
+    return WorkerSettings, {"worker_id": {"check": Str(pattern=_NAME)},
+                            "data_dir": {"default": None, "check": Nullable(Str(min_length=1))}}
 
 
-def _policy_keys() -> list[Key]:
+def _detectors():
+    from .detectors import DetectorsConfig
+
+    return DetectorsConfig, {}
+
+
+def _policy():
     from .actions.policy import OVER_EVICT, Policy
 
-    return from_dataclass("policy", Policy, overrides={
-        "dry_run": {"help": "decide and record everything, carry nothing out"},
-        "require_approval": {"help": "job actions (restart, evict, rollback) that wait for "
-                                     "an operator"},
-        "ladder": {"help": "anomaly kind -> ordered steps (docs/POLICY.md); kinds left out "
-                           "keep their default ladder"},
-        "over_evict": {"check": Nullable(Str(enum=[o for o in OVER_EVICT if o])),
-                       "help": "evict the whole tp, pp or dp group of a suspect"},
-    }, helps={**comments(Policy), **_POLICY_HELP})
+    return Policy, {"over_evict": {"check": Nullable(Str(enum=[o for o in OVER_EVICT if o]))}}
 
 
-_POLICY_HELP = {
-    "crash_repeats": "crashes of one rank within crash_window_s that make it 'repeated'",
-    "crash_window_s": "window of crash_repeats",
-    "repeat_count": "incidents of one kind in a job within repeat_window_s that make "
-                    "rollback_if_repeated roll back",
-    "repeat_window_s": "window of repeat_count",
-    "max_suspect_fraction": "never evict more than this fraction of the job's machines",
-    "straggler_persist_s": "a straggler slow this long is 'persistent'",
-    "straggler_min_slowdown": "... and at least this much slower than its peers",
-    "max_anomaly_age_s": "anomalies older than this are recorded, not acted on",
-    "confirm_stalled": "before a restart or eviction for a hang, check the job is still "
-                       "stalled; one that moved on is closed as a false alarm",
-}
+@dataclasses.dataclass(kw_only=True)
+class ServiceTables:
+    """The action service's free-form tables, taken whole from the file."""
+
+    alerts: dict = table("alert sinks: name -> table (docs/ALERTS.md); secrets as X_env or "
+                         "X_file")
+    driver: dict = table("scheduler driver: type = \"slurm\" or \"kubernetes\" and its "
+                         "settings (docs/DRIVERS.md); empty: orders go to `trainguard run`")
 
 
-def _collector_keys() -> list[Key]:
-    from .collectors.api import init
+def _collector():
+    from .collectors.settings import CollectorConfig
 
-    return from_signature("collector", init, only=(
-        "heartbeat_interval", "report_every", "flush_timeout", "max_queue_events",
-        "max_queue_bytes"), overrides={
-        "report_every": {"check": Int(minimum=1)},
-        "heartbeat_interval": {"check": Num(minimum=0.01)}}, helps={
-        "heartbeat_interval": "seconds between a rank's heartbeats",
-        "report_every": "send every n-th step",
-        "flush_timeout": "seconds to flush at exit",
-        "max_queue_events": "events queued while Kafka is away; then the oldest are dropped",
-        "max_queue_bytes": "bytes queued while Kafka is away"}) + [
-        Key(path="collector.instrument", default=False, check=Bool(),
-            env="TRAINGUARD_INSTRUMENT",
-            help="`trainguard run` watches an unmodified PyTorch script through PyTorch's "
-                 "hooks (`--instrument`, docs/INTEGRATIONS.md)")]
+    return CollectorConfig, {}
 
 
+def _agent():
+    from .collectors.settings import AgentConfig
+
+    return AgentConfig, {}
+
+
+#: section -> its ``Config`` class and how the tree shows some of its keys differently (None:
+#: a table of :class:`ServiceTables`), in the order of the tree
+_SECTIONS = {"kafka": _kafka, "security": _security, "topics": _topics, "worker": _worker,
+             "detectors": _detectors, "policy": _policy, "alerts": None, "driver": None,
+             "collector": _collector, "agent": _agent}
+#: sections loaded with another's (a command that reads ``kafka`` may sign)
+_GROUPS = {"kafka": ("kafka", "security"), "alerts": ("alerts", "driver")}
+_OWNER = {member: owner for owner, members in _GROUPS.items() for member in members
+          if member != owner}
 #: keys of the ``collector`` section that are not arguments of :func:`trainguard.init`
 _NOT_INIT = ("instrument",)
 
 
-def _agent_keys() -> list[Key]:
-    from .collectors.agent import Agent
-
-    return [Key(path="agent.node", default=None, check=Nullable(Str(min_length=1)),
-                help="this machine's name (default: host name)"),
-            Key(path="agent.job", default=None, check=Nullable(Str(pattern=_NAME)),
-                help="job id of GPU and Xid events (default: every job seen locally)"),
-            Key(path="agent.runtime_dir", default=None, check=Nullable(Str(min_length=1)),
-                help="local registry of rank processes (default: $TRAINGUARD_HOME/run)"),
-            ] + from_signature("agent", Agent.__init__, only=("interval", "kmsg_extra",
-                                                               "native"), overrides={
-                "interval": {"check": Num(minimum=0.01)}}, helps={
-                "interval": "GPU sample period, seconds",
-                "kmsg_extra": "files also tailed as kernel logs (chaos tests)",
-                "native": "py-spy --native stacks"})
-
-
-def _service_tables() -> list[Key]:
-    return [Key(path="alerts", default={}, check=AnyObject(),
-                help="alert sinks: name -> table (docs/ALERTS.md); secrets as X_env or X_file"),
-            Key(path="driver", default={}, check=AnyObject(),
-                help="scheduler driver: type = \"slurm\" or \"kubernetes\" and its settings "
-                     "(docs/DRIVERS.md); empty: orders go to `trainguard run`")]
-
-
-#: top-level section -> the function that declares its keys (``security`` comes with kafka)
-_BUILDERS = {"kafka": _kafka_keys, "topics": _topic_keys, "worker": _worker_keys,
-             "detectors": _detector_keys, "policy": _policy_keys, "alerts": _service_tables,
-             "collector": _collector_keys, "agent": _agent_keys}
-_OWNER = {"security": "kafka", "driver": "alerts"}
+def _section_keys(name: str) -> list[Key]:
+    builder = _SECTIONS[name]
+    if builder is None:
+        return [k for k in from_dataclass("", ServiceTables) if k.path == name]
+    cls, overrides = builder()
+    return from_dataclass(name, cls, overrides=overrides)
 
 
 @lru_cache(maxsize=None)
 def keys_of(builders: tuple[str, ...]) -> tuple[Key, ...]:
-    keys = [k for name in builders for k in _BUILDERS[name]()]
-    return tuple(dataclasses.replace(k, help=k.help or _MEANINGS.get(k.path, "")) for k in keys)
+    """The keys of sections ``builders`` (with those loaded with them, :data:`_GROUPS`)."""
+    return tuple(k for name in builders for section in _GROUPS.get(name, (name,))
+                 for k in _section_keys(section))
 
 
 def all_keys() -> tuple[Key, ...]:
-    return keys_of(tuple(_BUILDERS))
+    return keys_of(tuple(s for s in _SECTIONS if s not in _OWNER))
+
+
+@lru_cache(maxsize=None)
+def root_class():
+    """``TrainguardConfig``: the whole configuration tree, one field per section, each the
+    ``Config`` dataclass of the component that owns it (:func:`root` makes one of a tree).
+    Made on demand: it imports every room."""
+    fields = []
+    for name, builder in _SECTIONS.items():
+        if builder is None:
+            f = next(f for f in dataclasses.fields(ServiceTables) if f.name == name)
+            fields.append((name, dict, dataclasses.field(default_factory=dict,
+                                                         metadata=f.metadata)))
+        else:
+            cls = builder()[0]
+            fields.append((name, cls, dataclasses.field(default_factory=cls)))
+    root = dataclasses.make_dataclass("TrainguardConfig", fields, kw_only=True)
+    root.__module__ = __name__
+    root.__doc__ = root_class.__doc__.split("(:func:")[0].strip()
+    return root
 
 
 def load(config_file: str | None = None, environ: Mapping[str, str] | None = None,
@@ -377,10 +238,22 @@ def load(config_file: str | None = None, environ: Mapping[str, str] | None = Non
     ``sections`` (default: all) limits what is declared and checked; the file's other
     sections are then left to ``trainguard config check`` (importing every component takes
     a second a short-lived command need not spend)."""
+    from .configlegacy import RENAMED, upgrade
+
     environ = {} if environ is None else environ
     config_file = config_file or environ.get("TRAINGUARD_CONFIG") or None
     data = read_toml(config_file) if config_file else None
-    builders = tuple(_BUILDERS) if sections is None else tuple(
+    if data:
+        data, line = upgrade(data, str(config_file))
+        if line:
+            print(line, file=sys.stderr)
+    renamed = {env_name(old): env_name(new) for old, new in RENAMED.items()}
+    if any(var in environ for var in renamed):
+        print(f"trainguard: warning: deprecated variables: "
+              f"{', '.join(f'{v} -> {renamed[v]}' for v in renamed if v in environ)}",
+              file=sys.stderr)
+        environ = {renamed.get(var, var): text for var, text in environ.items()}
+    builders = tuple(s for s in _SECTIONS if s not in _OWNER) if sections is None else tuple(
         dict.fromkeys(_OWNER.get(s, s) for s in sections))
     if data and sections is not None:
         loaded = set(builders) | {s for s, owner in _OWNER.items() if owner in builders}
@@ -432,28 +305,39 @@ def topic_plan(tree: Tree):
     return TopicPlan(**{k: v for k, v in tree.section("topics").items() if k != "prefix"})
 
 
-def detector_config(tree: Tree):
-    """The :class:`DetectorConfig` of the ``detectors`` sections."""
-    from .detectors import DetectorConfig
+def nested(tree: Tree, prefix: str) -> dict:
+    """The values under ``prefix`` as nested tables: ``{"hang": {"floor_s": 20.0, ...}}``."""
+    out: dict = {}
+    for path, (value, _) in tree.values.items():
+        if path.startswith(prefix + "."):
+            *parents, name = path[len(prefix) + 1:].split(".")
+            table = out
+            for parent in parents:
+                table = table.setdefault(parent, {})
+            table[name] = value
+    return out
 
-    known = {f.name for f in dataclasses.fields(DetectorConfig)}
-    flat = {}
-    for path in tree.keys:
-        if not path.startswith("detectors."):
+
+def build_config(cls, values: dict):
+    """An instance of the ``Config`` class ``cls`` from nested tables of values."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
             continue
-        name = _flat_detector_name(path)
-        if name in known:
-            flat[name] = tree.value(path)
-        elif tree.source(path) != "default":
-            raise ConfigError(f"{path} is not used by this build's detectors")
-    try:
-        return DetectorConfig(**flat)
-    except (TypeError, ValueError) as exc:
-        text = str(exc)
-        for path in tree.keys:
-            if path.startswith("detectors."):
-                text = re.sub(rf"\b{_flat_detector_name(path)}\b", path, text)
-        raise ConfigError(text) from None
+        nested_cls = f.default_factory if f.default_factory is not dataclasses.MISSING \
+            else None
+        value = values[f.name]
+        if dataclasses.is_dataclass(nested_cls) and isinstance(value, dict):
+            value = build_config(nested_cls, value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def detector_config(tree: Tree):
+    """The :class:`~trainguard.detectors.DetectorsConfig` of the ``detectors`` section."""
+    from .detectors import DetectorsConfig
+
+    return build_config(DetectorsConfig, nested(tree, "detectors"))
 
 
 def worker_settings(tree: Tree):
@@ -490,6 +374,9 @@ def service_config(tree: Tree, policy_file: str | None = None):
     data = _policy_dict(tree)
     alerts, driver = dict(tree.value("alerts")), dict(tree.value("driver"))
     if policy_file:
+        print(f"trainguard: warning: --policy {policy_file} (JSON) is deprecated: write its "
+              "settings in the config file's [policy], [alerts] and [driver] tables",
+              file=sys.stderr)
         from_file, file_alerts, file_driver = load_service_config(policy_file)
         data = _merge(data, _changed(from_file.to_dict(), Policy().to_dict()))
         alerts, driver = {**alerts, **file_alerts}, {**driver, **file_driver}
@@ -529,21 +416,33 @@ def signing_key(tree: Tree) -> str | None:
     return tree.value("security.signing_key")
 
 
+def root(tree: Tree):
+    """The :func:`root_class` (``TrainguardConfig``) of a whole tree: each section built by
+    its component's own ``Config`` class, so that its own checks run."""
+    values: dict = {}
+    for name, builder in _SECTIONS.items():
+        if builder is not None:
+            values[name] = build_config(builder()[0], nested(tree, name))
+    values["worker"] = worker_settings(tree)
+    values["detectors"] = detector_config(tree)
+    values["policy"], values["alerts"], values["driver"] = service_config(tree)
+    config = root_class()(**values)
+    for name in ("kafka", "security", "topics", "collector", "agent"):
+        validate(getattr(config, name), name + ".")
+    return config
+
+
 def check_tree(tree: Tree, environ: Mapping[str, str] | None = None) -> None:
     """Build every component's settings once, so that their own checks run too."""
     kafka_config(tree)
-    topic_plan(tree)
-    detector_config(tree)
-    worker_settings(tree)
-    _, alerts, driver = service_config(tree)
+    config = root(tree)
+    alerts, driver = config.alerts, config.driver
     if alerts:
         from .actions.alerts import build_sinks
 
         build_sinks(alerts, environ or {})
     if driver:
         _check_driver(driver)
-    section_class(tree, "collector")(**collector_kwargs(tree))
-    section_class(tree, "agent")(**tree.section("agent"))
 
 
 def _check_driver(driver: dict) -> None:

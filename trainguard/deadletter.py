@@ -1,5 +1,5 @@
-"""The dead-letter record: what the worker writes to ``<prefix>.deadletter`` for every
-message it cannot use.
+"""The dead-letter record: what the stream worker (and the action service, the node agent and
+``trainguard run``) write to ``<prefix>.deadletter`` for every message they cannot use.
 
 Value: one JSON object ``{"reason", "topic", "partition", "offset", "key_b64", "raw_b64",
 "ts"}``: ``reason`` is the one-line validation error, ``topic``/``partition``/``offset``

@@ -35,12 +35,15 @@ from .fields import (AnyObject, Bool, Int, InvalidEvent, ListOf, Nullable, Num, 
 __all__ = [
     "VERSION", "InvalidEvent", "Event", "Step", "Heartbeat", "Gpu", "Xid", "Lifecycle",
     "Command", "Stack", "Anomaly", "Action", "Order", "Ack", "Incident", "Feedback", "VERDICTS", "EVENT_TYPES", "ANOMALY_KINDS",
+    "allow_anomaly_kinds",
     "SEVERITIES", "ACTIONS", "ACTION_STATUSES", "ORDER_OPS", "ACK_STATUSES", "encode", "decode",
     "from_dict", "to_dict", "json_schema",
 ]
 
 VERSION = 1
 JOB_PATTERN = r"[A-Za-z0-9._-]{1,128}"
+#: The contract's anomaly kinds (SPEC §1 and docs/CONTRACT.md), those of the built-in detectors'
+#: registrations (detectors/registry.py; tests/test_detector_registry.py holds them equal).
 ANOMALY_KINDS = ("nan", "loss_spike", "grad_spike", "straggler", "throughput_drop", "hang",
                  "gpu_fault", "gpu_degraded", "crash", "silent", "data_position",
                  "machine_outlier")
@@ -497,7 +500,23 @@ def decode(raw: bytes | bytearray | memoryview | str) -> Event:
         raise InvalidEvent(f"malformed event: {str(exc)[:120]}") from None
 
 
-_FAST = compile_all(EVENT_TYPES)
+_FAST = compile_all(EVENT_TYPES, ENVELOPE, ENVELOPE_NULLABLE)
+
+
+def allow_anomaly_kinds(kinds) -> None:
+    """Accept ``kinds`` besides :data:`ANOMALY_KINDS` as the ``kind`` of anomalies, incidents
+    and feedback in this process: the kinds of a plug-in detector, which registers them as
+    it loads (docs/CONTRACT.md, "Anomaly kinds of plug-in detectors"). The shipped schemas
+    hold the contract's kinds only."""
+    checkers = [Anomaly.REQUIRED["kind"], Incident.REQUIRED["kind"],
+                Feedback.OPTIONAL["kind"].inner]
+    new = tuple(dict.fromkeys(k for k in kinds if k not in checkers[0].enum))
+    if not new:
+        return
+    for checker in checkers:
+        checker.enum = (*checker.enum, *new)
+    _FAST.update(compile_all({t: EVENT_TYPES[t] for t in ("anomaly", "incident", "feedback")},
+                             ENVELOPE, ENVELOPE_NULLABLE))
 
 
 def to_dict(event: Event) -> dict:

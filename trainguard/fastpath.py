@@ -10,7 +10,7 @@ the checkers accept (``tests/test_events_fastpath.py`` holds it to that over mut
 of every type).
 
 >>> from trainguard import events as ev
->>> fast = compile_type(ev.Step)
+>>> fast = compile_type(ev.Step, ev.ENVELOPE, ev.ENVELOPE_NULLABLE)
 >>> e = fast({"v": 1, "type": "step", "job": "j", "ts": 5, "step": 2, "step_time": 1,
 ...           "loss": "NaN", "mine": 1})
 >>> e.ts, e.node, e.step_time, e.loss, e.extra
@@ -20,6 +20,7 @@ True
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .fields import AnyObject, Bool, Int, ListOf, Nullable, NONFINITE_STRINGS, Num, Object, Str
@@ -154,27 +155,31 @@ def _compile_object(w: _Writer, checker: Object) -> str:
     return name
 
 
-def compile_type(cls):
-    """The fast ``dict -> event or None`` of one event class.
+def compile_type(cls, envelope: dict, envelope_nullable: dict):
+    """The fast ``dict -> event or None`` of one event class (a dataclass with ``TYPE``,
+    ``REQUIRED`` and ``OPTIONAL``), whose envelope fields are ``envelope`` (required) and
+    ``envelope_nullable``; a class with ``START_REQUIRED`` needs those fields not null
+    when ``event`` is ``"start"``.
 
     The dict is consumed: checked, converted and completed in place, it becomes the event's
     ``__dict__``. Unknown keys move to ``extra``, as ``from_dict`` does.
     """
-    from . import events as ev
-
     w = _Writer()
-    known = ev._KNOWN_KEYS[cls.TYPE]
+    known = frozenset(("v", "type", *envelope, *envelope_nullable, *cls.REQUIRED,
+                       *cls.OPTIONAL))
     w.namespace.update(NEW=cls.__new__, CLS=cls, KNOWN=known)
-    defaults = {name: w.const(value, "DEFAULT")
-                for name, value in ev._DEFAULTS[cls.TYPE].items()}
-    defaults.update({name: f"{w.const(factory, 'FACTORY')}()"
-                     for name, factory in ev._FACTORIES[cls.TYPE]})
+    fields = dataclasses.fields(cls)
+    defaults = {f.name: w.const(f.default, "DEFAULT") for f in fields
+                if f.default is not dataclasses.MISSING}
+    defaults.update({f.name: f"{w.const(f.default_factory, 'FACTORY')}()" for f in fields
+                     if f.default_factory is not dataclasses.MISSING})
     w.emit(0, "def fast(obj):")
-    _fields(w, {**ev.ENVELOPE, **cls.REQUIRED}, {**ev.ENVELOPE_NULLABLE, **cls.OPTIONAL},
+    _fields(w, {**envelope, **cls.REQUIRED}, {**envelope_nullable, **cls.OPTIONAL},
             "obj", 1, defaults)
-    if cls is ev.Lifecycle:
-        w.emit(1, "if obj['event'] == 'start' and (obj['pid'] is None"
-                  " or obj['world_size'] is None): return None")
+    start_required = getattr(cls, "START_REQUIRED", ())
+    if start_required:
+        missing = " or ".join(f"obj[{name!r}] is None" for name in start_required)
+        w.emit(1, f"if obj['event'] == 'start' and ({missing}): return None")
     # Every known key is now present, so any further key is an unknown one.
     w.emit(1, f"if len(obj) == {len(known)}:")
     w.emit(2, "del obj['v'], obj['type']")
@@ -190,5 +195,6 @@ def compile_type(cls):
     return w.namespace["fast"]
 
 
-def compile_all(event_types: dict) -> dict:
-    return {name: compile_type(cls) for name, cls in event_types.items()}
+def compile_all(event_types: dict, envelope: dict, envelope_nullable: dict) -> dict:
+    return {name: compile_type(cls, envelope, envelope_nullable)
+            for name, cls in event_types.items()}

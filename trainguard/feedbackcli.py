@@ -39,7 +39,7 @@ def add_feedback_command(sub, add_kafka_flags) -> None:
 
 
 def cmd_feedback(args) -> int:
-    from .cli import config_from
+    from .kafka_args import config_from
     from .overridecli import _keys, _who
 
     config = config_from(args)

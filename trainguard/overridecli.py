@@ -1,7 +1,7 @@
 """``trainguard config set|unset|overrides``: per-job overrides on the config topic.
 
 ``set --job J KEY=VALUE...`` checks each setting against the tree and
-:data:`~trainguard.overrides.LIVE_KEYS`, merges it into the job's current overrides (read back
+:func:`~trainguard.overrides.live_keys`, merges it into the job's current overrides (read back
 from the topic, signature checked) and publishes the job's whole set, signed when a key is
 configured; ``unset --job J [KEY...]`` removes some (or all) of them; ``overrides [--job J]``
 lists what the topic holds. The running workers apply the change without a restart and
@@ -152,16 +152,24 @@ def cmd_overrides(args, config) -> int:
     signed = "signed" if keys is not None else "unsigned (no signing key)"
     if args.config_action == "set":
         for path, value in wanted.items():
-            was = mine.get(path, getattr(base, "_".join(path.split(".")[1:])))
+            was = mine.get(path, _default(base, path))
             print(f"job {job}: {path} = {json.dumps(value)} (was {json.dumps(was)})")
     else:
         for path in (removed or list(mine)):
             if path in mine:
                 print(f"job {job}: {path} back to the file's "
-                      f"{json.dumps(getattr(base, '_'.join(path.split('.')[1:])))}")
+                      f"{json.dumps(_default(base, path))}")
     print(f"written to {config.topics.config} ({signed}); the workers apply it and record it "
           f"on {config.topics.actions}")
     return 0
+
+
+def _default(base, path: str):
+    """The file's value of ``detectors.<section>.<field>``: the path below ``detectors``."""
+    value = base
+    for part in path.split(".")[1:]:
+        value = getattr(value, part)
+    return value
 
 
 def _list(current: dict, refused: int, args) -> int:

@@ -4,7 +4,8 @@ An operator changes a setting of one job (``trainguard config set --job J
 detectors.hang.checkpoint_s=3600``); the record goes onto the compacted topic
 ``<prefix>.config``, keyed by job, and the running workers apply it to that job's live
 detectors in place (learned state kept) and to stages built for the job later. Only the keys
-of :data:`LIVE_KEYS` may change so: each is a detector attribute read when a decision is
+of :func:`live_keys` may change so (the settings declared ``live`` in their detector's
+``Config``, :func:`trainguard.setting.setting`): each is a detector attribute read when a decision is
 made, not one that sized learned state (``detectors.hang.window`` sizes a rolling quantile,
 so it is not here).
 
@@ -34,7 +35,7 @@ trainguard.config.ConfigError: detectors.hang.checkpoint_s = -1: must be a numbe
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import math
 import re
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 
 from .config import ConfigError
 
-__all__ = ["LIVE_KEYS", "RECORD_TYPE", "parse_assignments", "check_values", "make_record",
+__all__ = ["live_keys", "RECORD_TYPE", "parse_assignments", "check_values", "make_record",
            "check_record", "Accepted", "OverrideBook", "retune_stage", "audit_action",
            "MAX_RECORD_BYTES", "read_overrides_file"]
 
@@ -74,42 +75,17 @@ class Range:
         return value if self.integer else float(value)
 
 
-_SECONDS = Range(0.1, MONTH_S)
-_FACTOR = Range(1.0, 100.0)
-_RATIO = Range(1.001, 100.0)
+@functools.lru_cache(maxsize=None)
+def live_keys() -> dict:
+    """The settings that may change while a job runs, with the values each may take (a
+    :class:`Range`): those whose ``setting()`` says ``live``. Every one is read by its
+    detector when it decides; none sizes what the detector has learned."""
+    from .detectors import DetectorsConfig
+    from .setting import walk
 
-#: The settings that may change while a job runs, with the values each may take. Every one
-#: is read by its detector when it decides; none sizes what the detector has learned.
-LIVE_KEYS = {
-    "detectors.hang.floor_s": _SECONDS,
-    "detectors.hang.factor": _FACTOR,
-    "detectors.hang.max_margin": Range(0.0, 100.0),
-    "detectors.hang.min_intervals": Range(0, 100_000, integer=True),
-    "detectors.hang.checkpoint_s": _SECONDS,
-    "detectors.hang.eval_s": _SECONDS,
-    "detectors.hang.phase_s": _SECONDS,
-    "detectors.hang.first_step_s": _SECONDS,
-    "detectors.hang.phase_factor": Range(0.0, 100.0),
-    "detectors.hang.stale_s": _SECONDS,
-    "detectors.hang.early_margin": Range(0.0, 100.0),
-    "detectors.hang.peer_factor": _FACTOR,
-    "detectors.silent.timeout_s": _SECONDS,
-    "detectors.crash.grace_s": Range(0.0, 3600.0),
-    "detectors.crash.vanish_s": Range(0.0, 3600.0),
-    "detectors.straggler.ratio": _RATIO,
-    "detectors.straggler.min_excess_s": Range(0.0, 3600.0),
-    "detectors.straggler.k": Range(1, 100_000, integer=True),
-    "detectors.straggler.settle": Range(0, 1000, integer=True),
-    "detectors.throughput.ratio": _RATIO,
-    "detectors.throughput.standout_ratio": _RATIO,
-    "detectors.loss_spike.tail_factor": _FACTOR,
-    "detectors.loss_spike.min_ratio": _RATIO,
-    "detectors.loss_spike.early_min_ratio": _RATIO,
-    "detectors.grad_spike.tail_factor": _FACTOR,
-    "detectors.grad_spike.min_ratio": _RATIO,
-    "detectors.grad_spike.early_min_ratio": _RATIO,
-    "detectors.nan.scaler_patience": Range(0, 100_000, integer=True),
-}
+    return {f"detectors.{path}": Range(f.metadata["live"].lo, f.metadata["live"].hi,
+                                       integer=f.metadata["kind"] is int)
+            for path, f, _ in walk(DetectorsConfig) if f.metadata.get("live")}
 
 
 def _plain(x) -> str:
@@ -121,18 +97,12 @@ def _shown(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _flat(path: str) -> str:
-    """``detectors.hang.checkpoint_s`` -> ``hang_checkpoint_s`` (a DetectorConfig field)."""
-    _, group, name = path.split(".")
-    return f"{group}_{name}"
-
-
 def _live_list() -> str:
-    return ", ".join(sorted(LIVE_KEYS))
+    return ", ".join(sorted(live_keys()))
 
 
 def _check_key(path) -> None:
-    if type(path) is not str or path not in LIVE_KEYS:
+    if type(path) is not str or path not in live_keys():
         from .configsections import keys_of
 
         shown = _shown(path)[:128]
@@ -149,24 +119,21 @@ def check_values(values, base=None) -> dict:
     :class:`ConfigError` with one line."""
     if type(values) is not dict:
         raise ConfigError("values must be an object of setting -> value")
-    if len(values) > len(LIVE_KEYS):
-        raise ConfigError(f"{len(values)} settings; at most {len(LIVE_KEYS)}")
+    live = live_keys()
+    if len(values) > len(live):
+        raise ConfigError(f"{len(values)} settings; at most {len(live)}")
     out = {}
     for path, value in values.items():
         _check_key(path)
-        out[path] = LIVE_KEYS[path].check(value, path)
-    from .detectors import DetectorConfig
+        out[path] = live[path].check(value, path)
+    from .detectors import DetectorsConfig
+    from .setting import with_values
 
-    base = base if base is not None else DetectorConfig()
+    base = base if base is not None else DetectorsConfig()
     try:
-        dataclasses.replace(base, **{_flat(p): v for p, v in out.items()})
-    except (TypeError, ValueError) as exc:
-        from .configsections import _flat_detector_name, keys_of
-
-        text = str(exc)
-        for key in keys_of(("detectors",)):
-            text = re.sub(rf"\b{_flat_detector_name(key.path)}\b", key.path, text)
-        raise ConfigError(text) from None
+        with_values(base, {p[len("detectors."):]: v for p, v in out.items()})
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None
     return out
 
 
@@ -187,7 +154,7 @@ def parse_assignments(texts, base=None) -> dict:
             value = _from_env_text(keys[path], raw.strip(), path)
         except ConfigError:
             value = raw.strip()
-        values[path] = LIVE_KEYS[path].check(value, path, shown=raw.strip()[:60])
+        values[path] = live_keys()[path].check(value, path, shown=raw.strip()[:60])
     return check_values(values, base)
 
 
@@ -285,12 +252,13 @@ def check_record(key, value, *, verifier=None, base=None, latest_ts: float | Non
 
 # -- applying ------------------------------------------------------------------------------
 
-_DETECTOR_OF = {p: p.split(".")[1] for p in LIVE_KEYS}
-
-
 def base_values(base) -> dict:
-    """``{path: value}`` of every live key in the DetectorConfig ``base``."""
-    return {p: getattr(base, _flat(p)) for p in LIVE_KEYS}
+    """``{path: value}`` of every live key in the DetectorsConfig ``base``."""
+    out = {}
+    for path in live_keys():
+        _, section, name = path.split(".")
+        out[path] = getattr(getattr(base, section), name)
+    return out
 
 
 def retune_stage(stage, wanted: dict) -> dict:
@@ -299,7 +267,7 @@ def retune_stage(stage, wanted: dict) -> dict:
     detectors = getattr(stage, "detectors", None) or {}
     changed, by_detector = {}, {}
     for path, new in wanted.items():
-        detector = detectors.get(_DETECTOR_OF[path])
+        detector = detectors.get(path.split(".")[1])
         name = path.rsplit(".", 1)[1]
         if detector is None or not hasattr(detector, name):
             continue
@@ -316,7 +284,7 @@ def retune_stage(stage, wanted: dict) -> dict:
 class OverrideBook:
     """Each job's accepted overrides over the worker's own configuration ``base``."""
 
-    base: object                    # DetectorConfig
+    base: object                    # DetectorsConfig
     max_jobs: int = 100_000
     jobs: dict = field(default_factory=dict)       # job -> Accepted
 

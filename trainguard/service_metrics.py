@@ -1,7 +1,7 @@
 """The metrics of every long-running service, declared in one place, and what counts them.
 
 ``SERVICES`` maps each service to its declarations (:class:`~trainguard.metrics.Metric`):
-the stream worker (``trainguard worker``, :mod:`trainguard.streams.metrics`), the action
+the stream worker (``trainguard worker``, counted by :mod:`trainguard.streams.metrics`), the action
 service (``trainguard actions``), the node agent (``trainguard agent``) and the launcher
 (``trainguard run``). docs/METRICS.md is generated from them (:func:`markdown`), and the
 Grafana dashboard in ``deploy/grafana`` may only query what they declare (tests check both).
@@ -36,17 +36,92 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from trainguard import events as ev
 from trainguard.metrics import Metric, Registry, check_port, serve
 
-__all__ = ["ACTIONS", "AGENT", "RUN", "SERVICES", "ActionMetrics", "AgentMetrics",
+__all__ = ["WORKER_COUNTERS", "WORKER_GAUGES", "worker_declared", "ACTIONS", "AGENT", "RUN",
+           "SERVICES", "ActionMetrics", "AgentMetrics",
            "RunMetrics", "markdown", "start_metrics", "METRICS_PORTS", "add_metrics_flags",
            "MeteredRecorder", "serve_action_metrics", "serve_run_metrics", "serve_agent_metrics"]
 
-ORDER_OPS = ("restart", "evict", "rollback")
+#: the actions sent as orders (restart, evict, rollback): derived from the one list of actions
+ORDER_OPS = tuple(a for a in ev.ACTIONS if a in ev.ORDER_OPS)
 #: from detection to order: seconds (a capture before a restart can take a minute)
 DETECTION_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 #: from order to acknowledgement: a restart's tear-down takes up to ``--grace`` seconds
 ACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+#: the stream worker's metrics (``trainguard worker``, counted by
+#: :class:`trainguard.streams.metrics.Metrics`)
+WORKER_COUNTERS = {
+    "events_in": "Telemetry messages consumed.",
+    "invalid": "Telemetry messages sent to the dead-letter topic.",
+    "ignored": "Valid rank events without a rank, ignored.",
+    "anomalies_out": "Anomalies delivered to the anomalies topic (confirmed by the broker).",
+    "false_alarms_learned": "The action service's false alarms (a hang whose job moved on) "
+                            "that widened a live job stage's hang allowance.",
+    "false_alarms_refused": "False-alarm records refused (unsigned, forged, stale, replayed or "
+                            "malformed) and dead-lettered.",
+    "incidents_out": "Incident events (SPEC §6) delivered to the anomalies topic.",
+    "anomalies_failed": "Anomaly deliveries that failed (each is sent again; offsets wait).",
+    "deliveries_failed": "Rank-side deliveries (summaries, dead letters, state) that failed "
+                         "(each is produced again; offsets wait).",
+    "deadletters_out": "Dead-letter records delivered to the dead-letter topic.",
+    "time_rejected": "Telemetry events dead-lettered for an implausible ts or step.",
+    "evictions": "Stages evicted from memory to their snapshot (idle, or beyond the cap).",
+    "summaries_out": "Messages produced to the internal summaries topic.",
+    "summaries_in": "Messages consumed from the internal summaries topic.",
+    "summaries_invalid": "Unreadable summaries messages skipped.",
+    "items_applied": "Summary items and node events given to job stages.",
+    "replayed": "Messages or items skipped because restored state already had them.",
+    "stage_errors": "Inputs on which a rank or job stage raised (logged, skipped).",
+    "snapshots": "State snapshots written (rank and job side).",
+    "snapshot_failures": "State snapshots whose flush failed (offsets not committed).",
+    "snapshot_cpu_seconds": "CPU seconds spent encoding state snapshots (rank and job side); "
+                            "each side spaces its snapshots so that this stays within "
+                            "snapshot_cpu_share of a core.",
+    "restore_failures": "Snapshots that could not be loaded (state started afresh).",
+    "gc_collections": "Scheduled garbage collections (one every gc_interval_s, 30 s).",
+    "config_overrides_applied": "Per-job overrides read from the config topic and applied.",
+    "config_overrides_refused": "Config topic records refused (unsigned, forged, malformed, "
+                                "out of range, replayed) and dead-lettered.",
+    "feedback_learned": "People's verdicts on incidents (trainguard feedback: false alarm, "
+                        "confirmed, reset) that a live job stage learned from.",
+    "feedback_refused": "Feedback records refused (unsigned, forged, stale, replayed, "
+                        "malformed, or for an incident the job does not know) and "
+                        "dead-lettered.",
+    "gc_seconds": "Seconds spent in scheduled garbage collections.",
+    "rank_side_cpu_seconds": "CPU seconds of the rank side: decoding, aligning, the rank and "
+                             "node stages, producing summaries.",
+    "job_side_cpu_seconds": "CPU seconds of the job side: the job stages (apply and advance). "
+                            "One job's job side runs on one worker: its share of the CPU "
+                            "bounds what more workers gain for that job.",
+}
+WORKER_GAUGES = {
+    "consumer_lag_messages": "Messages not yet read on this worker's partitions.",
+    "assigned_partitions": "Partitions assigned to this worker.",
+    "rank_stages": "Rank stages held in memory.",
+    "job_stages": "Job stages held in memory.",
+    "evicted_stages": "Snapshots of evicted (idle) stages held until their key speaks again "
+                      "or idle_ttl_s passes.",
+    "late_step_records": "Step records that reached their job stage after the step was closed "
+                         "(a lagging rank worker); checked for a non-finite loss only.",
+}
+WORKER_LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                      10.0, 30.0, 60.0, 300.0)
+WORKER_LAG_HELP = "Wall time of a job stage's update minus the event's ts."
+WORKER_LABELS = {"consumer_lag_messages": ("topic",), "assigned_partitions": ("topic",)}
+
+
+def worker_declared() -> list:
+    """The worker's metrics as :class:`~trainguard.metrics.Metric` declarations (docs,
+    dashboard checks)."""
+    return ([Metric(n, "counter", h) for n, h in WORKER_COUNTERS.items()]
+            + [Metric(n, "gauge", h, labels=WORKER_LABELS.get(n, ()))
+               for n, h in WORKER_GAUGES.items()]
+            + [Metric("event_lag_seconds", "histogram", WORKER_LAG_HELP,
+                      buckets=WORKER_LAG_BUCKETS)])
+
 
 ACTIONS = (
     Metric("anomalies", "counter", "Anomalies taken up by the action service, by outcome "
@@ -96,9 +171,7 @@ RUN = (
 
 
 def _worker() -> tuple:
-    from trainguard.streams.metrics import declared
-
-    return tuple(declared())
+    return tuple(worker_declared())
 
 
 #: service -> (command, default metrics port, declarations)
@@ -385,7 +458,7 @@ def markdown() -> str:
            "worker's old `--web-port` still works, and its port cannot be 0) and",
            "`--metrics-bind` (127.0.0.1 by default; the worker's old `--web-bind` still",
            "works). The metrics below are generated from their declarations",
-           "(`trainguard/service_metrics.py`, `streams/metrics.py`) by",
+           "(`trainguard/service_metrics.py`) by",
            "`python -m trainguard.service_metrics > docs/METRICS.md`. `deploy/prometheus/` has a",
            "scrape configuration and `deploy/grafana/trainguard.json` a dashboard of them.",
            "",

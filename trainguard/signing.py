@@ -40,10 +40,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from .errors import UserError
+from .setting import setting
 
 __all__ = ["KEY_ENV", "SigningKeys", "SigningError", "Freshness", "Refusal", "Verifier",
            "REFUSAL_CODES", "signing_key_from_env", "generate_key", "canonical", "sign", "sign_object",
-           "warn_if_unsigned"]
+           "warn_if_unsigned", "SecuritySettings"]
 
 KEY_ENV = "TRAINGUARD_SIGNING_KEY"
 MIN_KEY_CHARS = 16
@@ -285,3 +286,12 @@ def warn_if_unsigned(keys: SigningKeys | None, service: str, what: str) -> None:
         logging.getLogger(f"trainguard.{service}.signing").warning(f"*** {text} ***")
         return
     print(f"*** trainguard {service}: {text} ***", file=sys.stderr, flush=True)
+
+
+@dataclass(kw_only=True)
+class SecuritySettings:
+    """The ``security`` section of the configuration tree."""
+
+    signing_key: str | None = setting(None, "shared key that signs orders and commands (HMAC); "
+                                            "masked when shown", env=KEY_ENV,
+                                      secret=True, kind=str, min_length=1)

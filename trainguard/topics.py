@@ -5,7 +5,8 @@ from .errors import UserError
 
 from dataclasses import dataclass
 
-from .config import Config
+from .config import DEFAULT_PREFIX, Config
+from .setting import setting
 
 DEFAULT_TELEMETRY_PARTITIONS = 24
 #: topics that keep the latest record per key (the config topic: each job's overrides)
@@ -37,9 +38,10 @@ class TopicPlan:
     """Partition counts per topic. Telemetry is keyed by job and rank, so a large job
     spreads over as many workers as it has partitions."""
 
-    telemetry_partitions: int = DEFAULT_TELEMETRY_PARTITIONS
-    other_partitions: int = 4
-    deadletter_partitions: int = 1
+    telemetry_partitions: int = setting(DEFAULT_TELEMETRY_PARTITIONS,
+                                        "partitions of the telemetry topic", minimum=1)
+    other_partitions: int = setting(4, "partitions of the other topics", minimum=1)
+    deadletter_partitions: int = setting(1, "partitions of the dead-letter topic", minimum=1)
 
     def __post_init__(self):
         for name in ("telemetry_partitions", "other_partitions", "deadletter_partitions"):
@@ -53,6 +55,18 @@ class TopicPlan:
         plan[topics.telemetry] = self.telemetry_partitions
         plan[topics.deadletter] = self.deadletter_partitions
         return plan
+
+
+@dataclass(kw_only=True, frozen=True)
+class TopicNames:
+    prefix: str = setting(DEFAULT_PREFIX, "topic prefix: <prefix>.telemetry, ...",
+                          env="TRAINGUARD_TOPIC_PREFIX", pattern=r"[A-Za-z0-9._-]{1,100}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TopicsSettings(TopicPlan, TopicNames):
+    """The ``topics`` section of the configuration tree: the names' prefix, then the
+    partitions (:class:`TopicPlan`)."""
 
 
 def create_topics(config: Config, plan: TopicPlan = TopicPlan(), timeout: float = 30.0,

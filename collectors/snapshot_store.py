@@ -1,0 +1,435 @@
+"""The node agent's snapshot store: holds the ranks' in-memory snapshots and their replicas.
+
+The ranks of this machine write their snapshots into ``<dir>/own/<job>/rank<R>/`` (files under
+``/dev/shm``: memory that outlives a crashed rank; :mod:`trainguard.checkpoint.snapshot`). The
+store, a part of ``trainguard agent`` (``--snapshot-dir``):
+
+- **replicates** each new complete snapshot (manifest present, checksum matching) to this
+  machine's *buddy* (:func:`trainguard.checkpoint.placement.buddies` over ``peers``, with the
+  eviction ``domains``), over TCP, the header signed with the project's key;
+- **receives** its buddies' replicas into ``<dir>/replica/<job>/rank<R>/step<S>.bin``, keeping
+  the newest ``keep`` per rank; an unsigned (when a key is configured), forged, stale, replayed
+  or torn one is refused with one line and never stored;
+- **answers** its machine's ranks on ``<dir>/agent.sock`` (``steps``: every step of a rank held
+  here or by a peer; ``fetch``: a step brought here from the peer that holds it), and its peers
+  on ``listen`` (``list``, ``get``, ``put``);
+- **cleans up**: jobs whose files have not changed for ``retain_s`` are removed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import socketserver
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from trainguard import events as ev
+from trainguard.checkpoint import layout
+from trainguard.checkpoint.placement import PlacementError, buddies
+from trainguard.signing import Freshness, Verifier, sign_object
+
+from trainguard.checkpoint.wire import WireError, copy_body, read_header, request, write_message
+
+__all__ = ["SnapshotStoreConfig", "SnapshotStore", "parse_peers", "store_from_args"]
+
+log = logging.getLogger(__name__)
+_JOB_RE = re.compile(ev.JOB_PATTERN)
+
+
+@dataclass(kw_only=True)
+class SnapshotStoreConfig:
+    """The node agent's snapshot store."""
+
+    dir: str                                  #: its folder (under /dev/shm: memory)
+    listen: Optional[str] = None              #: host:port for the peers (None: no replication)
+    peers: dict = field(default_factory=dict)   #: {node: host:port} of the other agents
+    domains: dict = field(default_factory=dict)  #: {node: eviction domain}
+    keep: int = 2                             #: replicas kept per rank
+    scan_interval_s: float = 0.1              #: how often new snapshots are looked for
+    retain_s: float = 86400.0                 #: a job's files untouched this long are removed
+    max_bytes: int = 1 << 40                  #: the largest replica accepted
+    peer_timeout_s: float = 10.0
+
+
+def parse_peers(text: str) -> dict:
+    """``"n1=10.0.0.1:7070,n2=10.0.0.2:7070"`` as ``{node: address}``.
+
+    >>> parse_peers("n1=127.0.0.1:7001, n2=127.0.0.1:7002")
+    {'n1': '127.0.0.1:7001', 'n2': '127.0.0.1:7002'}
+    """
+    out = {}
+    for item in filter(None, (p.strip() for p in (text or "").split(","))):
+        node, sep, addr = item.partition("=")
+        if not sep or ":" not in addr:
+            raise ValueError(f"snapshot peer {item!r} must be NODE=HOST:PORT")
+        out[node.strip()] = addr.strip()
+    return out
+
+
+def store_from_args(args, node: str, keys=None) -> Optional["SnapshotStore"]:
+    """The store of ``trainguard agent --snapshot-dir ...``, or None without that flag."""
+    from trainguard.checkpoint.placement import parse_domains
+    from trainguard.errors import UserError
+
+    folder = getattr(args, "snapshot_dir", None)
+    if not folder:
+        return None
+    try:
+        config = SnapshotStoreConfig(dir=str(Path(folder).expanduser()),
+                                     listen=args.snapshot_listen or None,
+                                     peers=parse_peers(args.snapshot_peers),
+                                     domains=parse_domains(args.snapshot_domains))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if config.peers and not config.listen:
+        raise UserError("--snapshot-peers needs --snapshot-listen (where the peers reach "
+                        "this agent)")
+    if config.peers:
+        from trainguard.signing import warn_if_unsigned
+
+        warn_if_unsigned(keys, "agent", "snapshot replicas between agents")
+    return SnapshotStore(config, node=node, keys=keys)
+
+
+def _ident(header: dict) -> Optional[str]:
+    """(job, rank, step) of a header, checked: no path escapes a folder."""
+    job, rank, step = header.get("job"), header.get("rank"), header.get("step", 0)
+    if not (isinstance(job, str) and _JOB_RE.fullmatch(job) and type(rank) is int
+            and rank >= 0 and type(step) is int and step >= 0):
+        return None
+    return job
+
+
+class SnapshotStore:
+    """``keys`` sign and check what travels between agents; ``clock`` is wall time."""
+
+    def __init__(self, config: SnapshotStoreConfig, *, node: str, keys=None,
+                 clock: Callable[[], float] = time.time):
+        self.config = config
+        self.node = node
+        self.keys = keys
+        self.clock = clock
+        self.dir = Path(config.dir)
+        self.verifier = Verifier(keys, freshness=Freshness(max_age_s=300.0), clock=clock)
+        self.replies = Verifier(keys, clock=clock)
+        self.stats = {"replicated": 0, "received": 0, "refused": 0, "fetched": 0}
+        self._sent: dict = {}
+        self._servers: list = []
+        self._threads: list = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.buddy = self._buddy()
+
+    def _buddy(self) -> Optional[str]:
+        nodes = {**self.config.peers, self.node: self.config.listen or ""}
+        if len(nodes) < 2:
+            return None
+        try:
+            return buddies(nodes, self.config.domains)[self.node]
+        except PlacementError as exc:
+            log.warning("snapshots are not replicated: %s", exc)
+            return None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "SnapshotStore":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        sock = self.dir / "agent.sock"
+        sock.unlink(missing_ok=True)
+        store = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            local = False
+
+            def handle(self):
+                store._handle(self.rfile, self.wfile, local=self.local)
+
+        class LocalHandler(Handler):
+            local = True
+
+        local = socketserver.ThreadingUnixStreamServer(str(sock), LocalHandler)
+        self._servers.append(local)
+        if self.config.listen:
+            host, _, port = self.config.listen.rpartition(":")
+            socketserver.ThreadingTCPServer.allow_reuse_address = True
+            self._servers.append(socketserver.ThreadingTCPServer((host, int(port)), Handler))
+        for server in self._servers:
+            server.daemon_threads = True
+            self._spawn(server.serve_forever, "trainguard-snapshot-server")
+        self._spawn(self._replicate_loop, "trainguard-snapshot-replicate")
+        log.info("snapshots: %s, ranks on %s, peers on %s, buddy %s", self.dir, sock,
+                 self.config.listen or "(none)", self.buddy or "(none: not replicated)")
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+        for t in self._threads:
+            t.join(2.0)
+
+    def _spawn(self, target, name) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def memory_bytes(self) -> int:
+        """Bytes of snapshot files this machine holds (its ranks' slots and the replicas)."""
+        total = 0
+        for root, _, files in os.walk(self.dir):
+            for name in files:
+                if name.endswith(".bin"):
+                    try:
+                        total += os.stat(os.path.join(root, name)).st_blocks * 512
+                    except OSError:
+                        pass
+        return total
+
+    # -- what is held here -----------------------------------------------------------------
+    def held(self, job: str, rank: int) -> dict:
+        """``{step: path}`` of the complete snapshots of (job, rank) on this machine."""
+        out = {}
+        for folder, pattern in (("own", "slot*.bin"), ("replica", "step*.bin")):
+            for path in (self.dir / folder / job / f"rank{rank}").glob(pattern):
+                manifest = layout.read_manifest(path)
+                if manifest is not None and manifest.get("job") == job \
+                        and manifest.get("rank") == rank:
+                    out.setdefault(manifest["step"], path)
+        return out
+
+    # -- replication -----------------------------------------------------------------------
+    def _replicate_loop(self) -> None:
+        next_cleanup = 0.0
+        while not self._stop.wait(self.config.scan_interval_s):
+            if self.buddy is not None:
+                for path in sorted((self.dir / "own").glob("*/rank*/slot*.bin")):
+                    self._replicate(path)
+            if time.monotonic() >= next_cleanup:
+                next_cleanup = time.monotonic() + 60.0
+                self.cleanup()
+
+    def _replicate(self, path: Path) -> None:
+        manifest = layout.read_manifest(path)
+        if manifest is None or self._sent.get(path) == manifest["checksum"]:
+            return
+        try:
+            with open(path, "rb") as f:
+                data = bytearray(manifest["nbytes"])
+                f.readinto(data)
+        except OSError:
+            return
+        if layout.digest(data, manifest["nbytes"]) != manifest["checksum"]:
+            return                               # being overwritten: the next scan sees it
+        header = {"op": "put", "id": uuid.uuid4().hex, "ts": self.clock(), "node": self.node,
+                  "job": manifest["job"], "rank": manifest["rank"], "step": manifest["step"],
+                  "nbytes": manifest["nbytes"], "sha256": layout.sha256(data, len(data)),
+                  "manifest": manifest, "body": True}
+        address = self.config.peers[self.buddy]
+        try:
+            reply, _ = request(address, sign_object(header, self.keys), data,
+                               timeout=self.config.peer_timeout_s)
+        except (OSError, WireError) as exc:
+            log.debug("replica to %s (%s) not sent: %s", self.buddy, address, exc)
+            return
+        if reply.get("ok"):
+            self._sent[path] = manifest["checksum"]
+            self.stats["replicated"] += 1
+        else:
+            self._sent[path] = manifest["checksum"]      # refused: one line, not one per scan
+            log.warning("buddy %s refused the replica of %s rank %s step %s: %s: %s",
+                        self.buddy, manifest["job"], manifest["rank"], manifest["step"],
+                        reply.get("code"), reply.get("reason"))
+
+    # -- requests --------------------------------------------------------------------------
+    def _refuse(self, out, code: str, reason: str, header: Optional[dict] = None) -> None:
+        self.stats["refused"] += 1
+        who = (header or {}).get("node", "?")
+        log.warning("snapshot %s from %s refused: %s: %s", (header or {}).get("op", "request"),
+                    who, code, reason)
+        write_message(out, self._signed({"ok": False, "code": code, "reason": reason}))
+
+    def _signed(self, obj: dict) -> dict:
+        return sign_object({**obj, "ts": self.clock(), "node": self.node}, self.keys)
+
+    def _handle(self, rfile, wfile, *, local: bool) -> None:
+        try:
+            header = read_header(rfile)
+        except WireError as exc:
+            return self._refuse(wfile, "malformed", str(exc))
+        op = header.get("op")
+        job = _ident(header)
+        if job is None:
+            return self._refuse(wfile, "malformed", "job, rank or step missing or invalid",
+                                header)
+        if not local:
+            refusal = self.verifier.check(header, str(header.get("id")))
+            if refusal is not None:
+                return self._refuse(wfile, refusal.code, refusal.reason, header)
+        rank, step = header["rank"], header.get("step", 0)
+        if op == "put" and not local:
+            return self._receive(rfile, wfile, header, job, rank, step)
+        if op == "list" and not local:
+            return write_message(wfile, self._signed({"ok": True,
+                                                      "steps": sorted(self.held(job, rank))}))
+        if op == "get" and not local:
+            return self._send(wfile, job, rank, step)
+        if op == "steps" and local:
+            return write_message(wfile, {"ok": True, "steps": self._all_steps(job, rank)})
+        if op == "fetch" and local:
+            return write_message(wfile, self._fetch(job, rank, step))
+        return self._refuse(wfile, "malformed", f"unknown op {op!r}", header)
+
+    def _receive(self, rfile, wfile, header, job, rank, step) -> None:
+        nbytes, sha, manifest = header.get("nbytes"), header.get("sha256"), header.get("manifest")
+        if not (type(nbytes) is int and 0 < nbytes <= self.config.max_bytes
+                and isinstance(sha, str) and isinstance(manifest, dict)
+                and isinstance(manifest.get("checksum"), str)
+                and manifest.get("nbytes") == nbytes
+                and manifest.get("job") == job and manifest.get("rank") == rank
+                and manifest.get("step") == step):
+            return self._refuse(wfile, "malformed", "size, digest or manifest inconsistent",
+                                header)
+        st = os.statvfs(self.dir)
+        if nbytes > st.f_bavail * st.f_frsize:
+            return self._refuse(wfile, "no_space", f"{nbytes} bytes do not fit in {self.dir}",
+                                header)
+        folder = self.dir / "replica" / job / f"rank{rank}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"step{step:010d}.bin"
+        tmp = folder / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with open(tmp, "wb") as out:
+                got = copy_body(rfile, nbytes, out)
+            if got != sha:
+                tmp.unlink(missing_ok=True)
+                return self._refuse(wfile, "bad_digest", "the bytes do not match the signed "
+                                                         "SHA-256", header)
+            layout.manifest_path(path).unlink(missing_ok=True)
+            os.replace(tmp, path)
+            layout.write_manifest(path, {k: v for k, v in manifest.items() if k != "format"})
+        except (OSError, WireError) as exc:
+            tmp.unlink(missing_ok=True)
+            return self._refuse(wfile, "incomplete", str(exc), header)
+        self._prune(folder)
+        self.stats["received"] += 1
+        write_message(wfile, self._signed({"ok": True}))
+
+    def _prune(self, folder: Path) -> None:
+        with self._lock:
+            held = sorted(folder.glob("step*.bin"))
+            for old in held[:-self.config.keep]:
+                layout.manifest_path(old).unlink(missing_ok=True)
+                old.unlink(missing_ok=True)
+
+    def _send(self, wfile, job, rank, step) -> None:
+        path = self.held(job, rank).get(step)
+        manifest = layout.read_manifest(path) if path is not None else None
+        if manifest is None:
+            return write_message(wfile, self._signed({"ok": False, "code": "missing",
+                                                      "reason": f"no step {step} here"}))
+        with open(path, "rb") as f:
+            data = bytearray(manifest["nbytes"])
+            f.readinto(data)
+        if layout.digest(data, manifest["nbytes"]) != manifest["checksum"]:
+            return write_message(wfile, self._signed({"ok": False, "code": "torn",
+                                                      "reason": f"step {step} is torn"}))
+        write_message(wfile, self._signed({"ok": True, "body": True, "nbytes": manifest["nbytes"],
+                                           "sha256": layout.sha256(data, len(data)),
+                                           "manifest": manifest,
+                                           "job": job, "rank": rank, "step": step}), data)
+
+    # -- the ranks' side -------------------------------------------------------------------
+    def _ask_peers(self, header: dict) -> dict:
+        """``{node: reply}`` from every peer that answers with a valid signature."""
+        peers = {n: a for n, a in self.config.peers.items() if n != self.node}
+
+        def ask(item):
+            node, address = item
+            try:
+                reply, _ = request(address, sign_object({**header, "id": uuid.uuid4().hex,
+                                                         "ts": self.clock(), "node": self.node},
+                                                        self.keys),
+                                   timeout=self.config.peer_timeout_s)
+            except (OSError, WireError):
+                return node, None
+            refusal = self.replies.check_signature(reply)
+            return node, (reply if refusal is None else None)
+
+        if not peers:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(16, len(peers))) as pool:
+            return {n: r for n, r in pool.map(ask, peers.items()) if r is not None}
+
+    def _all_steps(self, job: str, rank: int) -> dict:
+        steps = {str(s): "local" for s in self.held(job, rank)}
+        for node, reply in self._ask_peers({"op": "list", "job": job, "rank": rank}).items():
+            for s in reply.get("steps") or []:
+                if type(s) is int:
+                    steps.setdefault(str(s), f"buddy:{node}")
+        return steps
+
+    def _fetch(self, job: str, rank: int, step: int) -> dict:
+        path = self.held(job, rank).get(step)
+        if path is not None:
+            return {"ok": True, "path": str(path), "source": "local"}
+        listing = self._ask_peers({"op": "list", "job": job, "rank": rank})
+        for node in sorted(n for n, r in listing.items() if step in (r.get("steps") or [])):
+            got = self._get_from(node, job, rank, step)
+            if got is not None:
+                self.stats["fetched"] += 1
+                return {"ok": True, "path": str(got), "source": f"buddy:{node}"}
+        return {"ok": False, "code": "missing", "reason": f"no peer holds step {step}"}
+
+    def _get_from(self, node: str, job: str, rank: int, step: int) -> Optional[Path]:
+        folder = self.dir / "replica" / job / f"rank{rank}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"step{step:010d}.bin"
+        tmp = folder / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+        header = sign_object({"op": "get", "id": uuid.uuid4().hex, "ts": self.clock(),
+                              "node": self.node, "job": job, "rank": rank, "step": step},
+                             self.keys)
+        try:
+            with open(tmp, "wb") as out:
+                reply, sha = request(self.config.peers[node], header, out=out,
+                                     timeout=self.config.peer_timeout_s)
+            refusal = self.replies.check_signature(reply)
+            manifest = reply.get("manifest")
+            if refusal is not None or not reply.get("ok") or sha != reply.get("sha256") \
+                    or not isinstance(manifest, dict) or manifest.get("nbytes") != \
+                    reply.get("nbytes") \
+                    or manifest.get("step") != step or manifest.get("rank") != rank \
+                    or manifest.get("job") != job:
+                why = refusal or reply.get("reason") or "digest or manifest mismatch"
+                log.warning("snapshot of %s rank %d step %d from %s refused: %s", job, rank,
+                            step, node, why)
+                tmp.unlink(missing_ok=True)
+                return None
+            os.replace(tmp, path)
+            layout.write_manifest(path, {k: v for k, v in manifest.items() if k != "format"})
+            return path
+        except (OSError, WireError) as exc:
+            tmp.unlink(missing_ok=True)
+            log.warning("snapshot of %s rank %d step %d from %s failed: %s", job, rank, step,
+                        node, exc)
+            return None
+
+    def cleanup(self) -> None:
+        horizon = self.clock() - self.config.retain_s
+        for folder in ("own", "replica"):
+            for job_dir in (self.dir / folder).glob("*"):
+                try:
+                    newest = max((p.stat().st_mtime for p in job_dir.rglob("*")),
+                                 default=job_dir.stat().st_mtime)
+                except OSError:
+                    continue
+                if newest < horizon:
+                    shutil.rmtree(job_dir, ignore_errors=True)
+                    log.info("snapshots of %s removed (untouched for %.0fs)", job_dir.name,
+                             self.config.retain_s)

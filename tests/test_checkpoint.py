@@ -1,0 +1,258 @@
+"""trainguard.checkpoint: placement, torn and refused snapshots, signed replicas between node
+agents' snapshot stores (real TCP and Unix sockets), disk copies, FSDP2 sharded state."""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainguard.checkpoint.placement import PlacementError, buddies, violations
+
+torch = pytest.importorskip("torch")
+
+from trainguard.checkpoint import InMemoryCheckpoint, SnapshotConfig  # noqa: E402
+from trainguard.checkpoint import layout  # noqa: E402
+from trainguard.checkpoint.restore import Sources  # noqa: E402
+from trainguard.collectors.snapshot_store import SnapshotStore, SnapshotStoreConfig  # noqa: E402
+from trainguard.checkpoint.wire import request  # noqa: E402
+from trainguard.signing import SigningKeys, sign_object  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = SigningKeys.parse("snapshot-test-key-0123456789abcdef")
+OTHER = SigningKeys.parse("not-the-key-0123456789abcdef-xyz")
+
+
+# -- placement -------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text("abcdefgh", min_size=1, max_size=3), st.sampled_from("PQRSTU"),
+                       min_size=2, max_size=24))
+def test_no_machine_and_its_evicted_peers_hold_both_copies(domains):
+    nodes = sorted(domains)
+    if len(set(domains.values())) < 2:
+        with pytest.raises(PlacementError):
+            buddies(nodes, domains)
+        return
+    placed = buddies(nodes, domains)
+    assert sorted(placed) == nodes and violations(placed, domains) == []
+    for evicted in set(domains.values()):       # one domain evicted: every copy survives
+        gone = {n for n in nodes if domains[n] == evicted}
+        assert all(placed[n] not in gone for n in gone)
+    largest = max(list(domains.values()).count(d) for d in set(domains.values()))
+    if 2 * largest <= len(nodes):               # balanced: each machine holds one other's
+        assert sorted(placed.values()) == nodes
+    assert buddies(list(reversed(nodes)), domains) == placed
+
+
+def test_machines_alone_get_a_ring():
+    placed = buddies([f"n{i}" for i in range(5)])
+    assert violations(placed) == [] and sorted(placed.values()) == sorted(placed)
+
+
+# -- one rank, in one process ----------------------------------------------------------------
+@pytest.fixture
+def shm():
+    import shutil
+
+    root = Path("/dev/shm") / f"tg-unit-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def train(ck, model, opt, steps, first=0):
+    weights = {}
+    for step in range(first, steps):
+        model(torch.randn(2, 8)).sum().backward()
+        ck.before_update()
+        opt.step()
+        opt.zero_grad()
+        ck.after_step(step + 1)
+        weights[step + 1] = model.weight.detach().clone()
+    ck.snapshotter.before_update()
+    return weights
+
+
+def fresh(config, **kw):
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    ck = InMemoryCheckpoint(config, job="unit", rank=0, world=1, node="n1", **kw)
+    return ck.track(model=model, optimizer=opt, extra=lambda done: {"samples": 3 * done}), \
+        model, opt
+
+
+def test_restores_the_newest_complete_snapshot_and_never_a_torn_one(shm):
+    config = SnapshotConfig(every=2, dir=str(shm))
+    ck, model, opt = fresh(config)
+    weights = train(ck, model, opt, 6)
+    ck.close()
+    ck2, model2, opt2 = fresh(config)
+    restored = ck2.restore()
+    assert (restored.step, restored.source) == (6, "memory")
+    assert torch.equal(model2.weight, weights[6]) and restored.tree["extra"] == {"samples": 18}
+    assert int(opt2.state_dict()["state"][0]["step"]) == 6
+
+    slots = {layout.read_manifest(p)["step"]: p for p in shm.glob("own/unit/rank0/slot*.bin")}
+    with open(slots[6], "r+b") as f:                    # a checksum that fails
+        f.seek(layout.read_manifest(slots[6])["nbytes"] - 1)
+        last = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([last[0] ^ 0xFF]))
+    ck3, model3, _ = fresh(config)
+    assert ck3.restore().step == 4 and torch.equal(model3.weight, weights[4])
+
+    layout.manifest_path(slots[4]).unlink()            # torn mid-copy: no manifest
+    ck4, _, _ = fresh(config)
+    assert ck4.restore() is None
+
+
+def test_a_snapshot_that_does_not_fit_is_refused_with_one_line(shm, caplog):
+    ck, model, opt = fresh(SnapshotConfig(every=1, dir=str(shm), max_bytes=1000))
+    with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint.snapshot"):
+        train(ck, model, opt, 3)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "refused" in lines[0] and "max_bytes 1000" in lines[0]
+    assert ck.stats["refused"] == 3 and ck.stats["committed"] == 0
+
+
+def test_only_tensors_and_plain_data_are_stored():
+    with pytest.raises(TypeError, match="tensors and plain data only"):
+        layout.flatten({"model": {"w": torch.zeros(2)}, "hook": lambda: 0})
+    with pytest.raises(layout.TornSnapshot):
+        layout.read_snapshot(bytearray(b"\x80\x04pickle" * 10))
+
+
+def test_disk_copy_with_dcp_restores_when_memory_is_gone(shm, tmp_path):
+    import shutil
+
+    config = SnapshotConfig(every=2, dir=str(shm), persist_dir=str(tmp_path / "dcp"),
+                            persist_every_s=1e-6)
+    ck, model, opt = fresh(config)
+    weights = train(ck, model, opt, 4)
+    ck.close()
+    # one copy at a time: a step whose predecessor is still being written is not copied
+    persisted = sorted(int(p.parent.parent.name[5:])
+                       for p in (tmp_path / "dcp").glob("step_*/rank_0/.metadata"))
+    assert persisted and set(persisted) <= {2, 4}
+    shutil.rmtree(shm / "own")
+    ck2, model2, _ = fresh(config)
+    restored = ck2.restore()
+    assert (restored.step, restored.source) == (persisted[-1], "disk")
+    assert torch.equal(model2.weight, weights[persisted[-1]])
+
+
+# -- node agents' stores ---------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stores(shm, names, keys):
+    ports = {n: free_port() for n in names}
+    peers = {n: f"127.0.0.1:{p}" for n, p in ports.items()}
+    return {n: SnapshotStore(SnapshotStoreConfig(dir=str(shm / n), listen=peers[n],
+                                                 peers=peers, scan_interval_s=0.05),
+                             node=n, keys=keys).start() for n in names}
+
+
+def test_replicas_are_signed_and_a_spare_restores_from_the_buddy(shm):
+    s = stores(shm, ("a", "b", "c"), KEYS)
+    try:
+        assert s["a"].buddy == "b"
+        ck, model, opt = (lambda c: c)(fresh(SnapshotConfig(every=2, dir=str(shm / "a"))))
+        weights = train(ck, model, opt, 4)
+        ck.close()
+        deadline = time.monotonic() + 10
+        while sorted(s["b"].held("unit", 0)) != [2, 4]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        s["a"].stop()
+        import shutil
+
+        shutil.rmtree(shm / "a")                       # machine a is lost
+        spare, model2, _ = fresh(SnapshotConfig(every=2, dir=str(shm / "c")))
+        restored = spare.restore()
+        assert (restored.step, restored.source) == (4, "buddy:b")
+        assert torch.equal(model2.weight, weights[4])
+    finally:
+        for store in s.values():
+            store.stop()
+
+
+def put(address, header, body):
+    reply, _ = request(address, header, body, timeout=5)
+    return reply
+
+
+def test_unsigned_forged_and_tampered_replicas_are_refused(shm):
+    s = stores(shm, ("a", "b"), KEYS)
+    try:
+        ck, model, opt = fresh(SnapshotConfig(every=2, dir=str(shm / "x")))
+        train(ck, model, opt, 2)
+        ck.close()
+        path = next((shm / "x").glob("own/unit/rank0/slot*.bin"))
+        manifest = layout.read_manifest(path)
+        body = path.read_bytes()[:manifest["nbytes"]]
+        header = {"op": "put", "ts": time.time(), "node": "evil", "job": "unit", "rank": 0,
+                  "step": 2, "nbytes": manifest["nbytes"],
+                  "sha256": layout.sha256(body, len(body)),
+                  "manifest": manifest, "body": True}
+        address = s["b"].config.listen
+        assert put(address, {**header, "id": "1"}, body)["code"] == "unsigned"
+        assert put(address, sign_object({**header, "id": "2"}, OTHER), body)["code"] == \
+            "unknown_key"
+        forged = sign_object({**header, "id": "3"}, KEYS)
+        forged["step"] = 3
+        assert put(address, forged, body)["code"] == "bad_signature"
+        tampered = bytearray(body)
+        tampered[-1] ^= 0xFF
+        assert put(address, sign_object({**header, "id": "4"}, KEYS), tampered)["code"] == \
+            "bad_digest"
+        stale = sign_object({**header, "id": "5", "ts": time.time() - 3600}, KEYS)
+        assert put(address, stale, body)["code"] == "stale"
+        assert s["b"].held("unit", 0) == {} and s["b"].stats["refused"] == 5
+        good = sign_object({**header, "id": "6"}, KEYS)
+        assert put(address, good, body)["ok"] and list(s["b"].held("unit", 0)) == [2]
+        assert put(address, good, body)["code"] == "replayed"
+    finally:
+        for store in s.values():
+            store.stop()
+
+
+def test_the_ranks_socket_answers_its_machine_only(shm):
+    s = stores(shm, ("a", "b"), KEYS)
+    try:
+        sources = Sources(SnapshotConfig(dir=str(shm / "a")), job="unit", rank=0)
+        assert sources.agent() == {}
+        reply, _ = request(s["a"].config.listen, {"op": "steps", "job": "unit", "rank": 0,
+                                                  "id": "x", "ts": time.time()}, timeout=5)
+        assert reply["ok"] is False            # "steps" is not a peer's request
+        reply, _ = request(str(shm / "a" / "agent.sock"),
+                           {"op": "fetch", "job": "../etc", "rank": 0, "step": 1}, timeout=5)
+        assert reply["code"] == "malformed"
+    finally:
+        for store in s.values():
+            store.stop()
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_state_is_snapshotted_per_shard_and_restored(shm):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         str(REPO / "tests" / "sharded_snapshot_job.py"), str(shm)],
+        capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: step 3 from memory weights True optimizer True local 106 of 212" \
+            in proc.stdout
+        manifest = json.loads(next((shm / "own/fsdp" / f"rank{rank}").glob("*.json")).read_text())
+        assert manifest["world"] == 2

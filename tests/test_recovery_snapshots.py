@@ -1,0 +1,141 @@
+"""Recovery from in-memory snapshots, for real: torchrun jobs of examples/train.py on gloo,
+node agents holding the snapshots (tests/snapshot_cluster.py), a crashed rank and a lost
+machine. No broker: the collectors point at a closed port."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("torch")
+
+from snapshot_cluster import (Machine, base_env, free_port, kill, restored_lines,  # noqa: E402
+                              torchrun)
+
+
+@pytest.fixture
+def shm():
+    from pathlib import Path
+    import shutil
+
+    root = Path("/dev/shm") / f"tg-test-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def wait(proc, timeout):
+    try:
+        return proc.wait(timeout)
+    finally:
+        kill(proc)
+
+
+@pytest.mark.slow
+def test_crash_resumes_from_the_agent_held_snapshot_at_the_newest_common_step(tmp_path, shm):
+    env = base_env(tmp_path)
+    node = Machine("m1", shm, free_port())
+    node.start_agent([node], env, tmp_path / "agent.log")
+    try:
+        env.update(NODE_NAME="m1", TRAINGUARD_SNAPSHOT_DIR=str(node.dir),
+                   TRAINGUARD_CHAOS="crash@step=7,rank=1")
+        args = ["--job", "crash-job", "--steps", "12", "--checkpoint-every", "1000",
+                "--snapshot-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
+        log = tmp_path / "train.log"
+        rc = wait(torchrun(args, env, nproc=4, max_restarts=1, log=log), 240)
+        out = log.read_text()
+        assert rc == 0, out[-4000:]
+        found = restored_lines(out)
+        assert sorted(found) == [0, 1, 2, 3], out[-4000:]
+        common = min(newest for newest, _, _ in found.values())
+        # rank 1 died after step 7 (8 done) while its snapshot of 8 may have been copying
+        assert common in (6, 8)
+        assert all(step == common and source == "memory" for _, step, source in found.values())
+        assert f"[train] restored step {common} from in-memory snapshots" in out
+        assert "resuming from" not in out                # no torch.save checkpoint was read
+        assert f"[train] done: steps {common}..11" in out
+        # the snapshots are in the agent's folder, rank 1's included
+        assert node.steps("crash-job", 1, "own")[-1] == 12
+    finally:
+        node.stop_agent()
+
+
+@pytest.mark.slow
+def test_lost_machine_resumes_on_a_spare_from_the_buddies_copies(tmp_path, shm):
+    env = base_env(tmp_path)
+    machines = [Machine(n, shm, free_port()) for n in ("m1", "m2", "m3")]
+    for m in machines:
+        m.start_agent(machines, env, tmp_path / f"agent-{m.name}.log")
+    m1, m2, m3 = machines
+    job = "lost-machine"
+    args = ["--job", job, "--steps", "400", "--checkpoint-every", "100000", "--snapshot-every",
+            "2", "--step-sleep", "0.05", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    procs = []
+    try:
+        port = free_port()
+        for rank, m in ((0, m1), (1, m2)):
+            procs.append(torchrun(args, {**env, "NODE_NAME": m.name,
+                                         "TRAINGUARD_SNAPSHOT_DIR": str(m.dir)},
+                                  nproc=2, nnodes=2, node_rank=rank, port=port,
+                                  log=tmp_path / f"first-{m.name}.log"))
+        # m1's buddy is m2 (placement over m1, m2, m3): wait for its replicas there
+        deadline = time.monotonic() + 180
+        while min(max(m2.steps(job, r, "replica"), default=0) for r in (0, 1)) < 6:
+            assert time.monotonic() < deadline, (tmp_path / "first-m1.log").read_text()[-3000:]
+            assert all(p.poll() is None for p in procs)
+            time.sleep(0.2)
+        kill(procs[0])
+        m1.lose()                           # its ranks killed, its memory dropped
+        kill(procs[1])                      # the job is relaunched, on the spare m3
+        held = {r: m2.steps(job, r, "replica") for r in (0, 1)}
+        held.update({r: m2.steps(job, r, "own") for r in (2, 3)})
+        common = max(set.intersection(*(set(s) for s in held.values())))
+
+        port, total = free_port(), common + 4
+        args[args.index("--steps") + 1] = str(total)
+        logs = {m.name: tmp_path / f"second-{m.name}.log" for m in (m3, m2)}
+        procs = [torchrun(args, {**env, "NODE_NAME": m.name,
+                                 "TRAINGUARD_SNAPSHOT_DIR": str(m.dir)},
+                          nproc=2, nnodes=2, node_rank=rank, port=port, log=logs[m.name])
+                 for rank, m in ((0, m3), (1, m2))]
+        rcs = [wait(p, 240) for p in procs]
+        out = "".join(path.read_text() for path in logs.values())
+        assert rcs == [0, 0], out[-5000:]
+        found = restored_lines(out)
+        assert {r: found[r][1:] for r in found} == {
+            0: (common, "buddy:m2"), 1: (common, "buddy:m2"),
+            2: (common, "memory"), 3: (common, "memory")}, out[-5000:]
+        assert f"[train] done: steps {common}..{total - 1}" in out
+        assert not (tmp_path / "ckpt" / "dcp").exists()        # nothing came from disk
+    finally:
+        for p in procs:
+            kill(p)
+        for m in machines:
+            m.stop_agent()
+
+
+@pytest.mark.slow
+def test_warm_standbys_take_over_without_a_relaunch(tmp_path, shm):
+    import subprocess
+    import sys
+
+    from snapshot_cluster import REPO
+
+    env = {**base_env(tmp_path), "TRAINGUARD_SNAPSHOT_DIR": str(shm / "m1"),
+           "TRAINGUARD_CHAOS": "crash@step=7,rank=1"}
+    cmd = [sys.executable, str(REPO / "examples" / "inplace.py"), "--nproc", "4", "--",
+           str(REPO / "examples" / "train.py"), "--job", "standby-job", "--steps", "12",
+           "--checkpoint-every", "1000", "--snapshot-every", "2", "--checkpoint-dir",
+           str(tmp_path / "ckpt"), "--timeout", "60"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "[inplace] rank 1 exited with status -9" in out and "generation 1" in out
+    assert "fallback" not in out
+    found = restored_lines(out)
+    assert sorted(found) == [0, 1, 2, 3], out[-4000:]
+    common = min(newest for newest, _, _ in found.values())
+    assert common in (6, 8)
+    assert all(step == common and source == "memory" for _, step, source in found.values())
+    assert f"[train] done: steps {common}..11" in out

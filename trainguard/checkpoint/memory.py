@@ -1,0 +1,74 @@
+"""One object for a training loop: snapshots taken, and restored after a restart."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+from .restore import Restored, Sources, agree_and_load
+from .snapshot import SnapshotConfig, Snapshotter
+from .state import apply, capture
+
+__all__ = ["InMemoryCheckpoint"]
+
+log = logging.getLogger(__name__)
+
+
+class InMemoryCheckpoint:
+    """Snapshots of one rank every ``config.every`` steps, and the restore after a restart.
+
+    ``track`` names what a snapshot holds (model, optimizer, scheduler, data: anything with
+    ``state_dict``/``load_state_dict``; RNG states are always kept). ``extra`` (called with the
+    steps done, returning plain data, e.g. the data position) is stored too and handed back by
+    :meth:`restore` as ``Restored.tree["extra"]``.
+    """
+
+    def __init__(self, config: SnapshotConfig, *, job: str, rank: int, world: int, node: str,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.job, self.rank, self.world, self.node = job, rank, world, node
+        self.snapshotter = Snapshotter(config, job=job, rank=rank, world=world, node=node,
+                                       clock=clock)
+        self.sources = Sources(config, job=job, rank=rank)
+        self._objects: dict = {}
+        self._extra: Optional[Callable[[int], dict]] = None
+
+    def track(self, *, model=None, optimizer=None, scheduler=None, data=None,
+              extra: Optional[Callable[[int], dict]] = None) -> "InMemoryCheckpoint":
+        self._objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                         "data": data}
+        self._extra = extra
+        return self
+
+    @property
+    def stats(self) -> dict:
+        return {**self.snapshotter.stats, "memory_bytes": self.snapshotter.memory_bytes()}
+
+    def restore(self, *, group=None, at_most: Optional[int] = None) -> Optional[Restored]:
+        """Load the newest step every rank has (at most ``at_most``) into the tracked objects;
+        None (nothing loaded) when there is none. A collective: every rank calls it."""
+        restored = agree_and_load(self.sources, group=group, at_most=at_most)
+        if restored is not None:
+            apply(restored.tree, **self._objects)
+        return restored
+
+    def after_step(self, done: int) -> bool:
+        """Take a snapshot when ``done`` (steps completed) is due; True when one started."""
+        if not self.snapshotter.due(done):
+            return False
+        extra = self._extra(done) if self._extra is not None else None
+        tree = capture(done, extra=extra, **self._objects)
+        return self.snapshotter.take(done, tree)
+
+    def before_update(self) -> None:
+        """Call before the optimizer changes the weights: waits for an unfinished copy."""
+        self.snapshotter.before_update()
+
+    def close(self) -> None:
+        self.snapshotter.close()
+
+    def __enter__(self) -> "InMemoryCheckpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
