@@ -179,12 +179,13 @@ def test_the_partition_of_a_key_is_the_producers():
 
 @pytest.mark.slow
 def test_the_whole_library_and_the_real_traces(tmp_path, shared_data):
-    """Every healthy and fault scenario, and the shared real traces, split in two."""
+    """Every healthy and fault scenario, and the shared real traces, over two processes (one
+    rank side, no routing) and three (two rank sides, lines routed by key) in turn."""
     import test_detectors_realdata as real
 
-    for sc in HEALTHY + FAULTS:
+    for index, sc in enumerate(HEALTHY + FAULTS):
         events, _ = generate(sc)
-        same(write(tmp_path / "sc.jsonl", events), workers=(2, 3), chunk_lines=2048)
+        same(write(tmp_path / "sc.jsonl", events), workers=(2 + index % 2,), chunk_lines=2048)
     traces = [alibaba_job(n) for n in (2, 3, 4)]
     traces += [loss_curve_job([(s, loss) for s, loss, _ in real.nanogpt(shared_data, name)],
                               job=name) for name in sorted(real.NANOGPT)]

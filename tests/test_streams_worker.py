@@ -317,8 +317,10 @@ def test_kill_9_and_restart_emit_the_anomaly_once_with_the_same_id(kafka_bootstr
         w1.kill9()                                        # mid-scenario, before the fault
         produce(config, rest)
         w2 = start()
+        # the killed member holds its partitions until its session ends, then the new one
+        # rebalances in: with the suite's lanes side by side that took longer than WAIT_S
         reader.wait_for(lambda r: [a for a in r.anomalies(job) if a.kind == "nan"],
-                        "nan anomaly after the restart", worker=w2)
+                        "nan anomaly after the restart", timeout=2 * WAIT_S, worker=w2)
         w2.kill9()                                        # right after reporting it
         w3 = start()
         w3.wait_ready()
