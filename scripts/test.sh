@@ -50,7 +50,7 @@ export TRAINGUARD_BOOTSTRAP=127.0.0.1:$port
 
 # Lanes: the slow tests mostly wait on real jobs, so they run side by side (pytest-xdist; the
 # grouping and the order are in tests/conftest.py). TRAINGUARD_TEST_LANES=1 runs one lane.
-lanes=${TRAINGUARD_TEST_LANES:-3}
+lanes=${TRAINGUARD_TEST_LANES:-2}
 lane_args=()
 if [ "$lanes" -gt 1 ]; then
   lane_args=(-n "$lanes" --dist loadgroup)
