@@ -48,9 +48,11 @@ trap cleanup EXIT
 .venv/bin/trainguard broker start --port "$port" --data "$data"
 export TRAINGUARD_BOOTSTRAP=127.0.0.1:$port
 
-# Lanes: the slow tests mostly wait on real jobs, so they run side by side (pytest-xdist; the
-# grouping and the order are in tests/conftest.py). TRAINGUARD_TEST_LANES=1 runs one lane.
-lanes=${TRAINGUARD_TEST_LANES:-2}
+# Lanes: TRAINGUARD_TEST_LANES=2 runs the tests side by side (pytest-xdist; the grouping and the
+# order are in tests/conftest.py): 18.4 min against about 25 on 2 cores, but timing-sensitive
+# real-job tests still fail now and then there (docs/BENCHMARKS.md, suite), so one lane is
+# the default.
+lanes=${TRAINGUARD_TEST_LANES:-1}
 lane_args=()
 if [ "$lanes" -gt 1 ]; then
   lane_args=(-n "$lanes" --dist loadgroup)

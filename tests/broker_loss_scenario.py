@@ -60,12 +60,14 @@ def under_replicated(config, prefix: str, replicas: int) -> int:
 
 
 def leaders(config, prefix: str) -> collections.Counter:
-    """How many partitions of the ``prefix`` topics each broker leads."""
+    """How many partitions of the ``prefix`` topics each broker leads (a partition with no
+    leader elected yet, -1, is left out)."""
     from confluent_kafka.admin import AdminClient
 
     topics = AdminClient(config.kafka()).list_topics(timeout=10).topics
     return collections.Counter(p.leader for name, meta in topics.items()
-                               if name.startswith(prefix) for p in meta.partitions.values())
+                               if name.startswith(prefix) for p in meta.partitions.values()
+                               if p.leader >= 0)
 
 
 def worker_metrics(port: int) -> dict[str, float]:

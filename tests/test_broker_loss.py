@@ -5,6 +5,7 @@ back. Its own cluster (own ports and data), never the session broker; about 1.5 
 The scenario is tests/broker_loss_scenario.py (bench/bench_broker_loss.py runs it too)."""
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -55,7 +56,10 @@ def test_a_broker_dies_mid_run(cluster, tmp_path):
     config = Config(bootstrap=cluster.bootstrap, topics=Topics(prefix=f"l{uuid.uuid4().hex[:8]}"))
     create_topics(config, TopicPlan(telemetry_partitions=4, other_partitions=2))
     # the victim: the broker that leads the most of this test's partitions
-    lead = leaders(config, config.topics.prefix)
+    deadline = time.monotonic() + 30      # topics just created: their leaders come shortly
+    while not (lead := leaders(config, config.topics.prefix)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert lead, "no leader known for the test's topics 30 s after creating them"
     victim = cluster.node(max(sorted(lead), key=lambda node: lead[node]))
     r = broker_loss_run(tmp_path, config, victim, replicas=3)
     logs = {k: r.pop(k) for k in ("job_log", "worker_log", "actions_log")}
