@@ -31,6 +31,7 @@ alert | escalated: hang joined nan incident i3: loss is NaN on rank 1
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields, replace
@@ -38,9 +39,10 @@ from pathlib import Path
 
 from trainguard.actions.model import JOB_ACTIONS, Decision, History, Incident
 from trainguard.actions.safety import DAY_S, apply_limits, covering_restart, restart_over
+from trainguard.config import ConfigError
 from trainguard.detectors.registry import default_ladder
 from trainguard.errors import UserError
-from trainguard.setting import setting
+from trainguard.setting import setting, validate
 
 __all__ = ["Policy", "Limits", "CaptureSettings", "BacklogSettings", "IncidentSettings", "Incident", "Decision",
            "History", "PolicyError", "decide", "apply_limits", "covering_restart", "restart_over",
@@ -73,7 +75,7 @@ DEFAULT_LADDER = default_ladder()
 STRENGTH = {"alert": 0, "capture": 1, "evict_if_repeated": 2, "evict_suspects": 2,
             "evict_if_persistent": 2, "restart": 3, "rollback": 3, "evict": 4,
             "rollback_if_repeated": 1.5}   # a maybe, and no machine's fault: below those
-OVER_EVICT = (None, "tp", "pp", "dp")
+OVER_EVICT = ("tp", "pp", "dp")
 #: Kinds that are evidence and suspects only: whatever a policy file says, their own ladder
 #: never restarts, rolls back or evicts (a learned model's warning, docs/DETECTION.md)
 EVIDENCE_KINDS = ("machine_outlier",)
@@ -83,29 +85,39 @@ class PolicyError(UserError):
     """The policy file is wrong; the message names the key and how to mend it."""
 
 
-def _positive(owner: str, name: str, value, integer: bool = False) -> None:
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0 \
-            or (not integer and not math.isfinite(value)):
-        what = "a positive integer" if integer else "a positive number"
-        raise PolicyError(f"{owner}.{name} must be {what}, got {value!r}")
+def _ladder(value, path: str) -> dict:
+    """The ``ladder`` setting's check: each kind's steps, over the default ladder."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must be a table of anomaly kind -> steps, got {value!r}")
+    ladder = dict(DEFAULT_LADDER)
+    for kind, steps in value.items():
+        if kind not in DEFAULT_LADDER:
+            raise ConfigError(f"{path}: unknown anomaly kind {kind!r}; kinds are "
+                              f"{sorted(DEFAULT_LADDER)}")
+        if isinstance(steps, str) or not isinstance(steps, (list, tuple)) \
+                or not all(isinstance(s, str) for s in steps):
+            raise ConfigError(f"{path}.{kind} must be a list of step names")
+        unknown = [s for s in steps if s not in STEPS]
+        if unknown:
+            raise ConfigError(f"{path}.{kind}: unknown step(s) {unknown}; steps are "
+                              f"{sorted(STEPS)}")
+        ladder[kind] = tuple(steps)
+    return ladder
 
 
 @dataclass(kw_only=True, frozen=True)
 class Limits:
     """Safety caps, per job (restarts) and per service (evictions per day)."""
 
-    max_restarts: int = setting(3, "restarts of a job per restart_window_s, then a page")
-    restart_window_s: float = setting(3600.0, "window of max_restarts")
+    max_restarts: int = setting(3, "restarts of a job per restart_window_s, then a page",
+                                minimum=1)
+    restart_window_s: float = setting(3600.0, "window of max_restarts", above=0)
     restart_settle_s: float = setting(120.0, "longest wait for a restart to show in the "
-                                             "lifecycle")
-    max_evictions_per_incident: int = setting(2, "machines evicted per incident at most")
-    max_evictions_per_day: int = setting(8, "machines evicted per 24 h, all jobs")
-    page_cooldown_s: float = setting(900.0, "a job is paged at most once per this")
-
-    def __post_init__(self):
-        for f in fields(self):
-            _positive("limits", f.name, getattr(self, f.name), integer=f.type == "int")
+                                             "lifecycle", above=0)
+    max_evictions_per_incident: int = setting(2, "machines evicted per incident at most",
+                                              minimum=1)
+    max_evictions_per_day: int = setting(8, "machines evicted per 24 h, all jobs", minimum=1)
+    page_cooldown_s: float = setting(900.0, "a job is paged at most once per this", above=0)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -114,15 +126,12 @@ class CaptureSettings:
     gathered until every expected rank answered or ``deadline_s``; with no known world size,
     until no rank answered for ``quiet_s``."""
 
-    rounds: int = setting(2, "stack captures per incident")
-    interval_s: float = setting(2.0, "seconds between the rounds")
-    deadline_s: float = setting(10.0, "a round waits this long for every expected rank")
+    rounds: int = setting(2, "stack captures per incident", minimum=1)
+    interval_s: float = setting(2.0, "seconds between the rounds", above=0)
+    deadline_s: float = setting(10.0, "a round waits this long for every expected rank",
+                                above=0)
     quiet_s: float = setting(2.0, "with no known world size: until no rank answered this "
-                                  "long")
-
-    def __post_init__(self):
-        for f in fields(self):
-            _positive("capture", f.name, getattr(self, f.name), integer=f.type == "int")
+                                  "long", above=0)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -133,14 +142,10 @@ class BacklogSettings:
     costs no thread); ``workers`` threads make the blocking calls (alert sinks)."""
 
     max_queued: int = setting(10_000, "anomalies waiting at most; then the oldest of the "
-                                      "least severe is dropped, with a record")
+                                      "least severe is dropped, with a record", minimum=1)
     max_in_flight: int = setting(4096, "anomalies under way at once (waiting for stacks "
-                                       "costs no thread)")
-    workers: int = setting(4, "threads for blocking calls (alert sinks)")
-
-    def __post_init__(self):
-        for f in fields(self):
-            _positive("backlog", f.name, getattr(self, f.name), integer=True)
+                                       "costs no thread)", minimum=1)
+    workers: int = setting(4, "threads for blocking calls (alert sinks)", minimum=1)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -151,39 +156,39 @@ class IncidentSettings:
     service groups anomalies with its own correlator at once."""
 
     wait_s: float = setting(2.0, "an anomaly waits this long at most for the worker's "
-                                 "incident that lists it")
+                                 "incident that lists it", above=0)
     expect_s: float = setting(3600.0, "no incident event within this: group anomalies with "
-                                      "the service's own correlator")
-
-    def __post_init__(self):
-        for f in fields(self):
-            _positive("incidents", f.name, getattr(self, f.name))
+                                      "the service's own correlator", above=0)
 
 
 @dataclass(kw_only=True, frozen=True)
 class Policy:
-    """The whole policy; ``Policy()`` is the documented default."""
+    """The whole policy, the ``policy`` section of the configuration tree; ``Policy()`` is
+    the documented default. Its settings are checked by :func:`trainguard.setting.validate`
+    (a mistake is a :class:`PolicyError` naming the key)."""
 
     dry_run: bool = setting(False, "decide and record everything, carry nothing out")
     require_approval: tuple = setting((), "job actions (restart, evict, rollback) that wait "
-                                          "for an operator", kind=tuple)
+                                          "for an operator", kind=tuple, choices=JOB_ACTIONS)
     ladder: dict = setting(DEFAULT_LADDER, "anomaly kind -> ordered steps (docs/POLICY.md); "
-                                           "kinds left out keep their default ladder")
+                                           "kinds left out keep their default ladder",
+                           check=_ladder)
     over_evict: str | None = setting(None, "evict the whole tp, pp or dp group of a suspect",
                                      kind=str, choices=OVER_EVICT)
     crash_repeats: int = setting(2, "crashes of one rank within crash_window_s that make it "
-                                    "'repeated'")
-    crash_window_s: float = setting(3600.0, "window of crash_repeats")
+                                    "'repeated'", minimum=1)
+    crash_window_s: float = setting(3600.0, "window of crash_repeats", above=0)
     repeat_count: int = setting(2, "incidents of one kind in a job within repeat_window_s "
-                                   "that make rollback_if_repeated roll back")
-    repeat_window_s: float = setting(3600.0, "window of repeat_count")
+                                   "that make rollback_if_repeated roll back", minimum=1)
+    repeat_window_s: float = setting(3600.0, "window of repeat_count", above=0)
     max_suspect_fraction: float = setting(0.5, "never evict more than this fraction of the "
-                                               "job's machines")
-    straggler_persist_s: float = setting(600.0, "a straggler slow this long is 'persistent'")
+                                               "job's machines", above=0, maximum=1)
+    straggler_persist_s: float = setting(600.0, "a straggler slow this long is 'persistent'",
+                                         above=0)
     straggler_min_slowdown: float = setting(1.3, "... and at least this much slower than its "
-                                                 "peers")
+                                                 "peers", above=0)
     max_anomaly_age_s: float = setting(3600.0, "anomalies older than this are recorded, not "
-                                               "acted on")
+                                               "acted on", above=0)
     confirm_stalled: bool = setting(True, "before a restart or eviction for a hang, check the "
                                           "job is still stalled; one that moved on is closed "
                                           "as a false alarm")
@@ -193,39 +198,10 @@ class Policy:
     incidents: IncidentSettings = field(default_factory=IncidentSettings)
 
     def __post_init__(self):
-        if not isinstance(self.dry_run, bool):
-            raise PolicyError(f"dry_run must be true or false, got {self.dry_run!r}")
-        if not isinstance(self.confirm_stalled, bool):
-            raise PolicyError(f"confirm_stalled must be true or false, got "
-                              f"{self.confirm_stalled!r}")
-        bad = [a for a in self.require_approval if a not in JOB_ACTIONS]
-        if bad:
-            raise PolicyError(f"require_approval: {bad} are not among {list(JOB_ACTIONS)}")
-        object.__setattr__(self, "require_approval", tuple(self.require_approval))
-        ladder = dict(DEFAULT_LADDER)
-        for kind, steps in dict(self.ladder).items():
-            if kind not in DEFAULT_LADDER:
-                raise PolicyError(f"ladder: unknown anomaly kind {kind!r}; kinds are "
-                                  f"{sorted(DEFAULT_LADDER)}")
-            if isinstance(steps, str) or not all(isinstance(s, str) for s in steps):
-                raise PolicyError(f"ladder.{kind} must be a list of step names")
-            unknown = [s for s in steps if s not in STEPS]
-            if unknown:
-                raise PolicyError(f"ladder.{kind}: unknown step(s) {unknown}; steps are "
-                                  f"{sorted(STEPS)}")
-            ladder[kind] = tuple(steps)
-        object.__setattr__(self, "ladder", ladder)
-        if self.over_evict not in OVER_EVICT:
-            raise PolicyError(f"over_evict must be null or one of tp, pp, dp, got "
-                              f"{self.over_evict!r}")
-        _positive("policy", "crash_repeats", self.crash_repeats, integer=True)
-        _positive("policy", "repeat_count", self.repeat_count, integer=True)
-        for name in ("crash_window_s", "repeat_window_s", "straggler_persist_s", "max_anomaly_age_s",
-                     "straggler_min_slowdown"):
-            _positive("policy", name, getattr(self, name))
-        if not 0 < self.max_suspect_fraction <= 1:
-            raise PolicyError("max_suspect_fraction must be in (0, 1], got "
-                              f"{self.max_suspect_fraction!r}")
+        try:
+            validate(self, "policy.")
+        except ConfigError as exc:
+            raise PolicyError(str(exc)) from None
 
     def steps(self, kind: str) -> tuple:
         return self.ladder.get(kind, ("alert",))
@@ -257,8 +233,7 @@ class Policy:
         if unknown:
             raise PolicyError(f"unknown policy key(s) {unknown}; known: {sorted(known)}")
         values = dict(data)
-        for name, sub in (("limits", Limits), ("capture", CaptureSettings),
-                          ("backlog", BacklogSettings), ("incidents", IncidentSettings)):
+        for name, sub in _NESTED.items():
             if name in values:
                 raw = values[name]
                 if not isinstance(raw, dict):
@@ -275,14 +250,16 @@ class Policy:
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["limits"] = {f.name: getattr(self.limits, f.name) for f in fields(Limits)}
-        out["capture"] = {f.name: getattr(self.capture, f.name) for f in fields(CaptureSettings)}
-        out["backlog"] = {f.name: getattr(self.backlog, f.name) for f in fields(BacklogSettings)}
-        out["incidents"] = {f.name: getattr(self.incidents, f.name)
-                            for f in fields(IncidentSettings)}
+        for name in _NESTED:
+            out[name] = dataclasses.asdict(getattr(self, name))
         out["ladder"] = {k: list(v) for k, v in self.ladder.items()}
         out["require_approval"] = list(self.require_approval)
         return out
+
+
+#: the nested settings of :class:`Policy`: field -> its class
+_NESTED = {f.name: f.default_factory for f in fields(Policy)
+           if dataclasses.is_dataclass(f.default_factory)}
 
 
 def load_policy(path: str | Path | None, dry_run: bool = False) -> Policy:

@@ -56,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard
 import trainguard.apps.chaos
+import trainguard.checkpoint
 
 
 def parse_args(argv=None):
@@ -85,8 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--snapshot-every", type=int, default=0, metavar="N",
                    help="in-memory snapshot every N steps (0: none)")
-    p.add_argument("--snapshot-dir", default=os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
-                   or "/dev/shm/trainguard-snapshots", help="the node agent's --snapshot-dir")
+    p.add_argument("--snapshot-dir", default=trainguard.checkpoint.default_dir(),
+                   help="the node agent's --snapshot-dir")
     p.add_argument("--persist-every-min", type=float, default=10.0, metavar="M",
                    help="write a snapshot to <checkpoint dir>/dcp every M minutes")
     # Under examples/inplace.py (TRAINGUARD_INPLACE=1) a rank whose peer died exits, and warm
@@ -173,13 +174,10 @@ def restore_snapshot(args, model, opt, rank, world, node, log):
     snapshots = InMemoryCheckpoint(config, job=args.job, rank=rank, world=world, node=node)
     snapshots.track(model=model, optimizer=opt,
                     extra=lambda done: {"samples": done * args.batch})  # the data position
-    newest = max(snapshots.sources.steps(), default=-1)
-    began = time.perf_counter()
     restored = snapshots.restore(at_most=requested_resume_step())
     if restored is None:
         return snapshots, -1
-    print(f"[snapshot] rank {rank} on {node}: newest {newest}, restored step {restored.step} "
-          f"from {restored.source} in {(time.perf_counter() - began) * 1000:.0f} ms", flush=True)
+    print(f"[snapshot] {snapshots.describe(restored)}", flush=True)
     log(f"restored step {restored.step} from in-memory snapshots")
     return snapshots, restored.step
 

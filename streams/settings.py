@@ -13,22 +13,20 @@ with one prefix and id share the work; another id is an independent deployment.
 >>> WorkerSettings(prefix="tg", worker_id="a b")
 Traceback (most recent call last):
 ...
-trainguard.config.ConfigError: --id 'a b' must be 1-100 of [A-Za-z0-9._-]
+trainguard.config.ConfigError: worker.worker_id must match [A-Za-z0-9._-]{1,100}, got 'a b'
 """
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 
 from trainguard.config import Config, ConfigError
-from trainguard.setting import setting
+from trainguard.setting import setting, validate
 from trainguard.topics import TopicPlan, create_topics, replication
 
 __all__ = ["WorkerSettings", "aiokafka_security", "faust_credentials", "ensure_topics"]
 
 log = logging.getLogger(__name__)
-_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,100}")
 JOB_TABLE = "job-state"
 STATE_MAX_BYTES = 16 * 1024 * 1024
 #: compaction settings of the state topics: segments roll every 10 minutes so that old
@@ -43,40 +41,50 @@ LOGLEVELS = {"crit": "CRITICAL", "error": "ERROR", "warn": "WARNING", "info": "I
 
 @dataclass(kw_only=True)
 class WorkerSettings:
+    """The ``worker`` section of the configuration tree (and ``prefix``, the topics')."""
+
     prefix: str = "tg"
     worker_id: str = setting("trainguard-worker", "Faust app id; workers with one id share "
-                                                  "the work")
+                                                  "the work", pattern=r"[A-Za-z0-9._-]{1,100}")
     web_port: int = setting(6066, "port of /metrics (flag --metrics-port, or --web-port)",
                             minimum=1, maximum=65535)
     # Faust's web also serves /router and /table pages
     web_bind: str = setting("127.0.0.1", "address /metrics listens on (flag --metrics-bind); "
                                          "0.0.0.0 for every interface")
-    data_dir: str = setting(".tg/worker", "Faust data folder (default: "
-                                          "$TRAINGUARD_HOME/worker)")
+    data_dir: str | None = setting(None, "Faust data folder (default: "
+                                         "$TRAINGUARD_HOME/worker)", kind=str, min_length=1)
     loglevel: str = setting("warn", "log level (flag --log-level, or --loglevel)",
                             choices=tuple(LOGLEVELS))
-    batch_max: int = setting(5000, "telemetry records per batch of the rank side")
-    poll_ms: int = setting(100, "longest wait for a batch")
-    snapshot_interval_s: float = setting(2.0, "rank state snapshot, then offset commit")
+    batch_max: int = setting(5000, "telemetry records per batch of the rank side",
+                             minimum=1)
+    poll_ms: int = setting(100, "longest wait for a batch", minimum=1)
+    snapshot_interval_s: float = setting(2.0, "rank state snapshot, then offset commit",
+                                         above=0)
     job_snapshot_interval_s: float = setting(5.0, "job state (large for large jobs), then "
-                                                  "commit")
+                                                  "commit", above=0)
     snapshot_cpu_share: float = setting(0.02, "snapshots take at most this share of a core (a "
-                                              "costly one puts the next off)")
+                                              "costly one puts the next off)",
+                                        above=0, maximum=1)
     snapshot_max_interval_s: float = setting(10.0, "longest that puts a snapshot off (what a "
-                                                   "crash re-reads at most)")
+                                                   "crash re-reads at most)", above=0)
     advance_timer_s: float = setting(1.0, "the worker's wall-clock timer advances every job "
-                                          "(time-driven checks: hang, silent) this often")
+                                          "(time-driven checks: hang, silent) this often",
+                                     above=0)
     session_timeout_s: float = setting(10.0, "consumer group session (a killed worker's "
-                                             "partitions move after this long)")
-    align_hold_s: float = setting(3.0, "longest the aligner waits for a stalled partition")
-    grace_s: float = setting(20.0, "after SIGTERM/SIGINT, hard exit if not stopped by then")
-    idle_ttl_s: float = setting(6 * 3600.0, "stages without input this long are dropped")
+                                             "partitions move after this long)", above=0)
+    align_hold_s: float = setting(3.0, "longest the aligner waits for a stalled partition",
+                                  above=0)
+    grace_s: float = setting(20.0, "after SIGTERM/SIGINT, hard exit if not stopped by then",
+                             above=0)
+    idle_ttl_s: float = setting(6 * 3600.0, "stages without input this long are dropped",
+                                above=0)
     evict_idle_s: float = setting(1800.0, "stages without input this long leave memory for "
                                           "their snapshot, and come back when their key "
-                                          "speaks again")
+                                          "speaks again", above=0)
     max_live_jobs: int = setting(2000, "job stages in memory at most (least recently used "
-                                       "go)")
-    max_live_ranks: int = setting(200_000, "rank and node stages in memory at most")
+                                       "go)", minimum=1)
+    max_live_ranks: int = setting(200_000, "rank and node stages in memory at most",
+                                  minimum=1)
     partitions: int = setting(0, "of the summaries topic; 0: as many as telemetry")
     gc_interval_s: float = setting(30.0, "full garbage collection this often; 0: CPython's "
                                          "own")
@@ -86,29 +94,7 @@ class WorkerSettings:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if not _ID_RE.fullmatch(self.worker_id):
-            raise ConfigError(f"--id {self.worker_id!r} must be 1-100 of [A-Za-z0-9._-]")
-        if not 0 < self.web_port < 65536:
-            raise ConfigError(f"--web-port {self.web_port} must be a port number 1-65535")
-        if self.loglevel not in LOGLEVELS:
-            raise ConfigError(f"--loglevel {self.loglevel!r} must be one of {', '.join(LOGLEVELS)}")
-        if not self.gc_interval_s >= 0:
-            raise ValueError("gc_interval_s must be 0 (CPython's own collection) or positive")
-        for name in ("max_live_jobs", "max_live_ranks"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if not self.evict_idle_s > 0:
-            raise ConfigError("--evict-idle-s must be positive")
-        for name in ("batch_max", "poll_ms"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
-        if not 0 < self.snapshot_cpu_share <= 1:
-            raise ValueError("snapshot_cpu_share must be above 0 and at most 1")
-        for name in ("snapshot_interval_s", "job_snapshot_interval_s", "advance_timer_s",
-                     "session_timeout_s", "snapshot_max_interval_s",
-                     "grace_s", "idle_ttl_s", "align_hold_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
+        validate(self, "worker.")
 
     @property
     def app_id(self) -> str:

@@ -38,7 +38,13 @@ def test_cluster_topics_are_replicated(cluster):
     config = Config(bootstrap=cluster.bootstrap, topics=Topics(prefix=f"r{uuid.uuid4().hex[:8]}"))
     create_topics(config, TopicPlan(telemetry_partitions=2, other_partitions=1))
     admin = AdminClient(config.kafka())
-    meta = admin.list_topics(timeout=10).topics[config.topics.telemetry]
+    # create_topics saw the topics on one broker; the one this client asks may learn of
+    # them a moment later (KRaft brokers follow the controller's metadata log)
+    deadline = time.monotonic() + 30
+    while (meta := admin.list_topics(timeout=10).topics.get(config.topics.telemetry)) is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert meta is not None, f"{config.topics.telemetry} not listed 30 s after its creation"
     assert {len(p.replicas) for p in meta.partitions.values()} == {3}
     resource = ConfigResource(ConfigResource.Type.TOPIC, config.topics.telemetry)
     conf = admin.describe_configs([resource])[resource].result(timeout=10)

@@ -61,7 +61,7 @@ def test_every_key_has_a_meaning_and_every_section_a_dataclass():
                                                           "policy.capture")) else
                 p.split(".")[0] for p in tree.keys if "." in p}
     for section in sections:
-        cls = cs.section_class(tree, section)
+        cls = cs.section_class(section)
         instance = cls(**tree.section(section))
         assert dataclasses.is_dataclass(instance)
         with pytest.raises(TypeError):          # kw_only

@@ -33,7 +33,7 @@ MAY_IMPORT = {
     "collectors": ("core", "checkpoint"),
     "detectors": ("core",),
     "diagnosis": ("core",),
-    "integrations": ("core", "collectors"),
+    "integrations": ("core", "checkpoint", "collectors"),
     "streams": ("core", "detectors"),
     "actions": ("core", "detectors", "diagnosis"),
     "launcher": ("core", "collectors", "integrations", "actions"),
@@ -48,13 +48,12 @@ PACKAGES = ("checkpoint", "collectors", "detectors", "diagnosis", "integrations"
 #: the modules of ``trainguard/`` that wire the rooms together (``trainguard/__init__.py``, the
 #: ``trainguard.init`` of a training script, is one too; it is the package itself)
 ENTRY_POINTS = ("trainguard.cli", "trainguard.commands")
-#: Known exceptions: core modules that still import rooms. The configuration modules build
-#: each room's section from the room's own settings; issue 22 (one configuration tree) is
-#: rewriting them, and the rewrite's root (the one place that nests every room's Config)
-#: belongs with the entry points. Until then their imports of rooms are not checked, here
-#: nor in the search for cycles.
-CORE_EXCEPTIONS = ("trainguard.configsections", "trainguard.overrides",
-                   "trainguard.configlegacy")
+#: Known exceptions: core modules that still import rooms. ``configsections`` builds the
+#: root of the configuration tree (``TrainguardConfig``, the one place that nests every
+#: room's Config, importing each room only when its section is wanted); it belongs with the
+#: entry points. Until then its imports of rooms are not checked, here nor in the search for
+#: cycles.
+CORE_EXCEPTIONS = ("trainguard.configsections",)
 #: third-party packages of the server install (pyproject's ``server`` extra) that what runs in
 #: a training process never imports itself
 SERVER_ONLY = ("faust", "aiokafka", "mode", "river", "numpy", "rich", "zstandard")

@@ -156,8 +156,10 @@ class TopicReader:
                 return found
             if worker is not None:
                 assert worker.proc.poll() is None, f"worker exited:\n{worker.tail()}"
+        seen = {k: v for k, v in (worker.metrics() or {}).items()
+                if "assigned" in k or k.endswith("_total")} if worker else {}
         raise AssertionError(f"no {what} within {timeout:.0f}s"
-                             + (f"\n{worker.tail()}" if worker else ""))
+                             + (f"\n{worker.tail()}\nmetrics: {seen}" if worker else ""))
 
     def close(self):
         self.consumer.close()

@@ -12,11 +12,14 @@ the component that owns its section, a ``kw_only`` dataclass of
 of :class:`ServiceTables`, ``collector`` and ``agent``
 :class:`~trainguard.collectors.settings.CollectorConfig` and ``AgentConfig``. So a default
 is written once, in its component. The root, ``TrainguardConfig`` (:func:`root_class`), nests
-them all; :func:`root` builds it from a tree, so that every component's own checks run
-(:func:`check_tree`). A command loads only the sections it reads (``load(sections=...)``),
-and imports only their rooms; the adapters below (:func:`kafka_config`,
-:func:`detector_config`, :func:`worker_settings`, :func:`service_config`, ...) build the
-settings objects the components take.
+them all, and it is the one thing walked: the keys of the loader, of the environment and flag
+layers, of ``config show|check|docs`` and the live keys of runtime overrides are its settings
+(:func:`keys_of`); :func:`root` builds it from a tree and checks it with
+:func:`~trainguard.setting.validate` (:func:`check_tree`). A command loads only the sections
+it reads (``load(sections=...)``): the same root restricted to them, so that it imports only
+their rooms. The adapters below (:func:`kafka_config`, :func:`detector_config`,
+:func:`worker_settings`, :func:`service_config`, ...) build the settings objects the
+components take.
 
 >>> tree = load(environ={"TRAINGUARD_DETECTORS__HANG__FLOOR_S": "45"})
 >>> detector_config(tree).hang.floor_s, tree.source("detectors.hang.floor_s")
@@ -38,14 +41,13 @@ from .errors import UserError
 from .fields import AnyObject, Bool, Int, ListOf, Nullable, Num, Str
 from .setting import table, validate, walk
 
-__all__ = ["all_keys", "keys_of", "load", "root", "root_class", "section_class", "kafka_config",
-           "topic_plan",
-           "detector_config", "worker_settings", "service_config", "collector_kwargs",
-           "signing_key", "check_tree", "SECTIONS", "COMMAND_FLAGS", "KAFKA_FLAGS"]
+__all__ = ["all_keys", "keys_of", "load", "root", "root_class", "section", "section_class",
+           "kafka_config", "topic_plan", "detector_config", "worker_settings",
+           "policy_config", "service_config", "collector_kwargs", "signing_key", "check_tree",
+           "SECTIONS", "COMMAND_FLAGS", "KAFKA_FLAGS"]
 
 SECTIONS = ("kafka", "security", "topics", "worker", "detectors", "policy", "alerts", "driver",
             "collector", "agent")
-_NAME = r"[A-Za-z0-9._-]{1,100}"
 
 #: argparse destination -> key, for the flags every Kafka command has ...
 KAFKA_FLAGS = {"bootstrap": "kafka.bootstrap", "prefix": "topics.prefix",
@@ -68,49 +70,41 @@ COMMAND_FLAGS = {
 }
 
 
-# -- derivation ------------------------------------------------------------------------------
+# -- derivation: every key is a field of the root -------------------------------------------
 
 def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def from_dataclass(prefix: str, cls, *, exclude=(), overrides: Mapping[str, dict] = {}
-                   ) -> list[Key]:
-    """The keys of a component's ``Config`` dataclass: its :func:`~trainguard.setting.setting`
-    fields (nested ``Config`` objects walked into), with their metadata; ``overrides``
-    changes a key's spec where the tree shows it differently (a default filled in later).
-    ``prefix`` "": the fields are sections of their own (tables)."""
-    keys = []
-    for path, f, default in walk(cls):
-        if path.split(".")[0] in exclude:
-            continue
-        spec = {"path": f"{prefix}.{path}" if prefix else path, "default": _plain(default),
-                "check": checker_of(f, default), "help": f.metadata["help"],
-                "env": f.metadata.get("env"), "secret": f.metadata.get("secret", False)}
-        spec.update(overrides.get(path, {}))
-        keys.append(Key(**spec))
-    return keys
+def from_dataclass(cls) -> list[Key]:
+    """The keys of a ``Config`` dataclass (the root, :func:`root_class`): its
+    :func:`~trainguard.setting.setting` fields, nested ``Config`` objects walked into, with
+    their metadata."""
+    return [Key(path=path, default=_plain(default), check=checker_of(f, default),
+                help=f.metadata["help"], env=f.metadata.get("env"),
+                secret=f.metadata.get("secret", False), live=f.metadata.get("live"))
+            for path, f, default in walk(cls)]
 
 
 def checker_of(f: dataclasses.Field, default) -> Any:
     """The checker of a :func:`~trainguard.setting.setting` field, from its metadata (the
-    rest of its range, an open bound or a bound between siblings, is
-    :func:`~trainguard.setting.validate`'s)."""
+    rest of its range, an open bound's end, a float's maximum or a bound between siblings,
+    is :func:`~trainguard.setting.validate`'s)."""
     meta = f.metadata
     kind = meta.get("kind")
     bounds = meta["bounds"]
-    lo = None if bounds.lo_open else bounds.lo
     if kind is bool:
         inner = Bool()
     elif kind is int:
-        inner = Int(minimum=lo, maximum=bounds.hi)
+        inner = Int(minimum=None if bounds.lo is None else
+                    int(bounds.lo) + 1 if bounds.lo_open else bounds.lo, maximum=bounds.hi)
     elif kind is float:
-        inner = Num(minimum=lo)
+        inner = Num(minimum=bounds.lo)
     elif kind is str:
         inner = Str(enum=meta["choices"] or None, pattern=meta.get("pattern"),
                     min_length=meta.get("min_length", 0))
     elif kind in (list, tuple):
-        inner = ListOf(Str())
+        inner = ListOf(Str(enum=list(meta["choices"]) if meta["choices"] else None))
     else:
         inner = AnyObject()
     return Nullable(inner) if default is None else inner
@@ -122,38 +116,37 @@ def checker_of(f: dataclasses.Field, default) -> Any:
 def _kafka():
     from .kafka_settings import KafkaSettings
 
-    return KafkaSettings, {}
+    return KafkaSettings
 
 
 def _security():
     from .signing import SecuritySettings
 
-    return SecuritySettings, {}
+    return SecuritySettings
 
 
 def _topics():
     from .topics import TopicsSettings
 
-    return TopicsSettings, {}
+    return TopicsSettings
 
 
 def _worker():
     from .streams.settings import WorkerSettings
 
-    return WorkerSettings, {"worker_id": {"check": Str(pattern=_NAME)},
-                            "data_dir": {"default": None, "check": Nullable(Str(min_length=1))}}
+    return WorkerSettings
 
 
 def _detectors():
     from .detectors import DetectorsConfig
 
-    return DetectorsConfig, {}
+    return DetectorsConfig
 
 
 def _policy():
-    from .actions.policy import OVER_EVICT, Policy
+    from .actions.policy import Policy
 
-    return Policy, {"over_evict": {"check": Nullable(Str(enum=[o for o in OVER_EVICT if o]))}}
+    return Policy
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -169,65 +162,74 @@ class ServiceTables:
 def _collector():
     from .collectors.settings import CollectorConfig
 
-    return CollectorConfig, {}
+    return CollectorConfig
 
 
 def _agent():
     from .collectors.settings import AgentConfig
 
-    return AgentConfig, {}
+    return AgentConfig
 
 
-#: section -> its ``Config`` class and how the tree shows some of its keys differently (None:
-#: a table of :class:`ServiceTables`), in the order of the tree
+#: section -> its ``Config`` class (None: a table of :class:`ServiceTables`), in the order
+#: of the tree
 _SECTIONS = {"kafka": _kafka, "security": _security, "topics": _topics, "worker": _worker,
              "detectors": _detectors, "policy": _policy, "alerts": None, "driver": None,
              "collector": _collector, "agent": _agent}
 #: sections loaded with another's (a command that reads ``kafka`` may sign)
 _GROUPS = {"kafka": ("kafka", "security"), "alerts": ("alerts", "driver")}
-_OWNER = {member: owner for owner, members in _GROUPS.items() for member in members
-          if member != owner}
 #: keys of the ``collector`` section that are not arguments of :func:`trainguard.init`
 _NOT_INIT = ("instrument",)
 
 
-def _section_keys(name: str) -> list[Key]:
-    builder = _SECTIONS[name]
-    if builder is None:
-        return [k for k in from_dataclass("", ServiceTables) if k.path == name]
-    cls, overrides = builder()
-    return from_dataclass(name, cls, overrides=overrides)
+def _loaded(sections) -> tuple[str, ...]:
+    """``sections`` (None: all) with those loaded with them, in the order of the tree."""
+    if sections is None:
+        return SECTIONS
+    wanted = {member for s in sections for member in _GROUPS.get(s, (s,))}
+    return tuple(s for s in SECTIONS if s in wanted)
 
 
-@lru_cache(maxsize=None)
-def keys_of(builders: tuple[str, ...]) -> tuple[Key, ...]:
-    """The keys of sections ``builders`` (with those loaded with them, :data:`_GROUPS`)."""
-    return tuple(k for name in builders for section in _GROUPS.get(name, (name,))
-                 for k in _section_keys(section))
-
-
-def all_keys() -> tuple[Key, ...]:
-    return keys_of(tuple(s for s in _SECTIONS if s not in _OWNER))
-
-
-@lru_cache(maxsize=None)
-def root_class():
+def root_class(sections: tuple[str, ...] | None = None):
     """``TrainguardConfig``: the whole configuration tree, one field per section, each the
     ``Config`` dataclass of the component that owns it (:func:`root` makes one of a tree).
-    Made on demand: it imports every room."""
+    ``sections``: the same root restricted to those (with those loaded with them), so that
+    a command imports only the rooms it reads; the whole root imports every room."""
+    return _root_class(_loaded(sections))
+
+
+@lru_cache(maxsize=None)
+def _root_class(names: tuple[str, ...]):
     fields = []
-    for name, builder in _SECTIONS.items():
+    for name in names:
+        builder = _SECTIONS[name]
         if builder is None:
             f = next(f for f in dataclasses.fields(ServiceTables) if f.name == name)
             fields.append((name, dict, dataclasses.field(default_factory=dict,
                                                          metadata=f.metadata)))
         else:
-            cls = builder()[0]
+            cls = builder()
             fields.append((name, cls, dataclasses.field(default_factory=cls)))
     root = dataclasses.make_dataclass("TrainguardConfig", fields, kw_only=True)
     root.__module__ = __name__
     root.__doc__ = root_class.__doc__.split("(:func:")[0].strip()
     return root
+
+
+def keys_of(sections: tuple[str, ...] | None = None) -> tuple[Key, ...]:
+    """The keys of the tree (those of ``sections`` only, when given): the settings of
+    :func:`root_class`, walked. The loader, the environment and flag layers, ``config
+    show|check|docs`` and the live keys of runtime overrides all take them from here."""
+    return _keys_of(_loaded(sections))
+
+
+@lru_cache(maxsize=None)
+def _keys_of(names: tuple[str, ...]) -> tuple[Key, ...]:
+    return tuple(from_dataclass(_root_class(names)))
+
+
+def all_keys() -> tuple[Key, ...]:
+    return keys_of()
 
 
 def load(config_file: str | None = None, environ: Mapping[str, str] | None = None,
@@ -244,7 +246,8 @@ def load(config_file: str | None = None, environ: Mapping[str, str] | None = Non
     config_file = config_file or environ.get("TRAINGUARD_CONFIG") or None
     data = read_toml(config_file) if config_file else None
     if data:
-        data, line = upgrade(data, str(config_file))
+        data, line = upgrade(data, str(config_file),
+                             lambda: [k.path for k in keys_of(("detectors",))])
         if line:
             print(line, file=sys.stderr)
     renamed = {env_name(old): env_name(new) for old, new in RENAMED.items()}
@@ -253,33 +256,25 @@ def load(config_file: str | None = None, environ: Mapping[str, str] | None = Non
               f"{', '.join(f'{v} -> {renamed[v]}' for v in renamed if v in environ)}",
               file=sys.stderr)
         environ = {renamed.get(var, var): text for var, text in environ.items()}
-    builders = tuple(s for s in _SECTIONS if s not in _OWNER) if sections is None else tuple(
-        dict.fromkeys(_OWNER.get(s, s) for s in sections))
-    if data and sections is not None:
-        loaded = set(builders) | {s for s, owner in _OWNER.items() if owner in builders}
-        data = {k: v for k, v in data.items() if k in loaded or k not in SECTIONS}
+    keys = keys_of(sections)
     if sections is not None:
-        loaded_keys = keys_of(builders)
-        names = {k.path.split(".")[0] for k in loaded_keys}
+        loaded = _loaded(sections)
+        if data:
+            data = {k: v for k, v in data.items() if k in loaded or k not in SECTIONS}
         environ = {var: text for var, text in environ.items()
                    if "__" not in var or var[len("TRAINGUARD_"):].split("__")[0].lower()
-                   in names}
-    return resolve(keys_of(builders), file_data=data, file_name=str(config_file or ""),
+                   in loaded}
+    return resolve(keys, file_data=data, file_name=str(config_file or ""),
                    environ=environ, flags=flags)
 
 
-def section_class(tree: Tree, section: str):
-    """The ``kw_only`` dataclass of one section (``worker``, ``detectors.hang``)."""
-    depth = section.count(".") + 1
-    specs = [(p.split(".")[depth], Any, dataclasses.field(default=k.default,
-                                                          metadata={"key": k})
-              if not isinstance(k.default, (dict, list)) else
-              dataclasses.field(default_factory=lambda d=k.default: type(d)(d),
-                                metadata={"key": k}))
-             for p, k in tree.keys.items()
-             if p.startswith(section + ".") and p.count(".") == depth]
-    name = "".join(part.title().replace("_", "") for part in section.split(".")) + "Section"
-    return dataclasses.make_dataclass(name, specs, kw_only=True, frozen=True)
+def section_class(section: str):
+    """The ``kw_only`` ``Config`` dataclass of one section (``worker``, ``detectors.hang``):
+    its field's in the root."""
+    cls = root_class((section.split(".")[0],))
+    for name in section.split("."):
+        cls = next(f for f in dataclasses.fields(cls) if f.name == name).default_factory
+    return cls
 
 
 # -- adapters: the settings objects the components take ------------------------------------
@@ -305,12 +300,14 @@ def topic_plan(tree: Tree):
     return TopicPlan(**{k: v for k, v in tree.section("topics").items() if k != "prefix"})
 
 
-def nested(tree: Tree, prefix: str) -> dict:
-    """The values under ``prefix`` as nested tables: ``{"hang": {"floor_s": 20.0, ...}}``."""
+def nested(tree: Tree, prefix: str = "") -> dict:
+    """The values under ``prefix`` (default: all) as nested tables: ``{"hang": {"floor_s":
+    20.0, ...}}``."""
+    start = prefix + "." if prefix else ""
     out: dict = {}
     for path, (value, _) in tree.values.items():
-        if path.startswith(prefix + "."):
-            *parents, name = path[len(prefix) + 1:].split(".")
+        if path.startswith(start):
+            *parents, name = path[len(start):].split(".")
             table = out
             for parent in parents:
                 table = table.setdefault(parent, {})
@@ -333,24 +330,25 @@ def build_config(cls, values: dict):
     return cls(**kwargs)
 
 
+def section(tree: Tree, name: str):
+    """Section ``name`` of the tree as that component's ``Config`` (its field of the root)."""
+    return build_config(section_class(name), nested(tree, name))
+
+
 def detector_config(tree: Tree):
     """The :class:`~trainguard.detectors.DetectorsConfig` of the ``detectors`` section."""
-    from .detectors import DetectorsConfig
-
-    return build_config(DetectorsConfig, nested(tree, "detectors"))
+    return section(tree, "detectors")
 
 
 def worker_settings(tree: Tree):
+    """The ``worker`` section, with the topics' prefix and the data folder filled in."""
     from .broker import trainguard_home
-    from .streams.settings import WorkerSettings
 
-    values = dict(tree.section("worker"))
+    values = nested(tree, "worker")
     if values.get("data_dir") is None:
         values["data_dir"] = str(trainguard_home() / "worker")
-    try:
-        return WorkerSettings(prefix=tree.value("topics.prefix"), **values)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"worker: {exc}") from None
+    return build_config(section_class("worker"),
+                        {**values, "prefix": tree.value("topics.prefix")})
 
 
 def _policy_dict(tree: Tree) -> dict:
@@ -365,25 +363,34 @@ def _policy_dict(tree: Tree) -> dict:
     return out
 
 
+def policy_config(tree: Tree, from_file=None):
+    """The :class:`~trainguard.actions.policy.Policy` of the ``policy`` section, with what
+    the Policy ``from_file`` (a JSON ``--policy FILE``) changes over it."""
+    from .actions.policy import Policy
+
+    data = _policy_dict(tree)
+    if from_file is not None:
+        data = _merge(data, _changed(from_file.to_dict(), Policy().to_dict()))
+    try:
+        return Policy.from_dict(data)
+    except UserError as exc:          # a PolicyError names the key: policy.limits....
+        raise ConfigError(str(exc)) from None
+
+
 def service_config(tree: Tree, policy_file: str | None = None):
     """``(Policy, alerts, driver)`` for the action service: the tree's ``policy``, ``alerts``
     and ``driver``; a JSON ``--policy FILE`` still counts, over the tree."""
-    from .actions.policy import Policy
     from .actions.service import load_service_config
 
-    data = _policy_dict(tree)
     alerts, driver = dict(tree.value("alerts")), dict(tree.value("driver"))
+    from_file = None
     if policy_file:
         print(f"trainguard: warning: --policy {policy_file} (JSON) is deprecated: write its "
               "settings in the config file's [policy], [alerts] and [driver] tables",
               file=sys.stderr)
         from_file, file_alerts, file_driver = load_service_config(policy_file)
-        data = _merge(data, _changed(from_file.to_dict(), Policy().to_dict()))
         alerts, driver = {**alerts, **file_alerts}, {**driver, **file_driver}
-    try:
-        return Policy.from_dict(data), alerts, driver
-    except UserError as exc:
-        raise ConfigError(f"policy: {exc}") from None
+    return policy_config(tree, from_file), alerts, driver
 
 
 def _changed(values: dict, defaults: dict) -> dict:
@@ -417,18 +424,17 @@ def signing_key(tree: Tree) -> str | None:
 
 
 def root(tree: Tree):
-    """The :func:`root_class` (``TrainguardConfig``) of a whole tree: each section built by
-    its component's own ``Config`` class, so that its own checks run."""
-    values: dict = {}
-    for name, builder in _SECTIONS.items():
-        if builder is not None:
-            values[name] = build_config(builder()[0], nested(tree, name))
-    values["worker"] = worker_settings(tree)
-    values["detectors"] = detector_config(tree)
-    values["policy"], values["alerts"], values["driver"] = service_config(tree)
-    config = root_class()(**values)
-    for name in ("kafka", "security", "topics", "collector", "agent"):
-        validate(getattr(config, name), name + ".")
+    """The :func:`root_class` (``TrainguardConfig``) of the tree's sections, each built by
+    its component's own ``Config`` class, then checked as one
+    (:func:`~trainguard.setting.validate`). The ``worker`` section takes ``topics.prefix``."""
+    names = tuple(dict.fromkeys(path.split(".")[0] for path in tree.keys))
+    values = nested(tree)
+    if "worker" in values:
+        values["worker"] = worker_settings(tree)
+    if "policy" in values:
+        values["policy"] = policy_config(tree)
+    config = build_config(root_class(names), values)
+    validate(config)
     return config
 
 

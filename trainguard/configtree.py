@@ -50,6 +50,7 @@ class Key:
     help: str = ""
     env: str | None = None         # a variable of its own, besides the generic one
     secret: bool = False
+    live: Any = None               # the range it may take while a job runs (a Bounds), or None
 
     @property
     def section(self) -> str:

@@ -75,17 +75,24 @@ class Range:
         return value if self.integer else float(value)
 
 
+#: the sections whose settings may change per job: the detectors'
+LIVE_SECTIONS = ("detectors",)
+
+
+def _keys() -> dict:
+    """The keys of :data:`LIVE_SECTIONS`, as the configuration tree's root has them."""
+    from .configsections import keys_of
+
+    return {k.path: k for k in keys_of(LIVE_SECTIONS)}
+
+
 @functools.lru_cache(maxsize=None)
 def live_keys() -> dict:
     """The settings that may change while a job runs, with the values each may take (a
-    :class:`Range`): those whose ``setting()`` says ``live``. Every one is read by its
-    detector when it decides; none sizes what the detector has learned."""
-    from .detectors import DetectorsConfig
-    from .setting import walk
-
-    return {f"detectors.{path}": Range(f.metadata["live"].lo, f.metadata["live"].hi,
-                                       integer=f.metadata["kind"] is int)
-            for path, f, _ in walk(DetectorsConfig) if f.metadata.get("live")}
+    :class:`Range`): the keys of the tree whose ``setting()`` says ``live``. Every one is
+    read by its detector when it decides; none sizes what the detector has learned."""
+    return {path: Range(k.live.lo, k.live.hi, integer=type(k.default) is int)
+            for path, k in _keys().items() if k.live}
 
 
 def _plain(x) -> str:
@@ -103,10 +110,8 @@ def _live_list() -> str:
 
 def _check_key(path) -> None:
     if type(path) is not str or path not in live_keys():
-        from .configsections import keys_of
-
         shown = _shown(path)[:128]
-        if type(path) is str and path in {k.path for k in keys_of(("detectors",))}:
+        if type(path) is str and path in _keys():
             raise ConfigError(f"{shown}: cannot be changed while the worker runs (it sizes "
                               f"learned state); live keys: {_live_list()}")
         raise ConfigError(f"{shown}: not a setting that can be changed per job; live keys: "
@@ -126,10 +131,12 @@ def check_values(values, base=None) -> dict:
     for path, value in values.items():
         _check_key(path)
         out[path] = live[path].check(value, path)
-    from .detectors import DetectorsConfig
     from .setting import with_values
 
-    base = base if base is not None else DetectorsConfig()
+    if base is None:
+        from .configsections import root_class
+
+        base = root_class(LIVE_SECTIONS)().detectors
     try:
         with_values(base, {p[len("detectors."):]: v for p, v in out.items()})
     except TypeError as exc:
@@ -139,10 +146,9 @@ def check_values(values, base=None) -> dict:
 
 def parse_assignments(texts, base=None) -> dict:
     """``["KEY=VALUE", ...]`` of the command line as checked ``{path: value}``."""
-    from .configsections import keys_of
     from .configtree import _from_env_text
 
-    keys = {k.path: k for k in keys_of(("detectors",))}
+    keys = _keys()
     values = {}
     for text in texts:
         path, sep, raw = text.partition("=")

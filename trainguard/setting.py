@@ -55,17 +55,29 @@ class Bounds:
         return self.hi is None or value <= self.hi
 
     def text(self, integer: bool) -> str:
-        kind = "a non-negative integer" if integer else "a non-negative number"
+        """What the bounds allow, in words.
+
+        >>> Bounds(1, 65535).text(True), Bounds(0, 1, True).text(False), Bounds(1).text(True)
+        ('an integer from 1 to 65535', 'in (0, 1]', 'a positive integer')
+        """
+        kind = "integer" if integer else "number"
+        if self.hi is None and self.lo == 0 and not self.lo_open:
+            return f"a non-negative {kind}"
+        if self.hi is None and self.lo is not None and \
+                self.lo == (0 if self.lo_open else 1 if integer else None):
+            return f"a positive {kind}"
+        if self.lo is None and self.hi is None:
+            return "an integer" if integer else "a number"
         lo, hi = _plain(self.lo), _plain(self.hi)
-        if self.lo_open and self.hi is not None:
-            return f"in ({lo}, {hi}]"
         if self.lo_open:
-            return f"above {lo}"
-        if self.hi is not None:
-            return f"from {lo} to {hi}" if self.lo is not None else f"at most {hi}"
-        if self.lo == 0:
-            return kind
-        return f"at least {lo}"
+            text = f"in ({lo}, {hi}]" if self.hi is not None else f"above {lo}"
+        elif self.hi is not None:
+            text = f"from {lo} to {hi}" if self.lo is not None else f"at most {hi}"
+        else:
+            text = f"at least {lo}"
+        if not integer:
+            return text
+        return "an integer " + ("of " if text.startswith("at ") else "") + text
 
 
 def _plain(x) -> str:
@@ -76,13 +88,17 @@ def _plain(x) -> str:
 
 def setting(default, help: str, *, minimum=0, maximum=None, above=None, at_most: str = "",
             live=None, choices=None, env: str | None = None, secret: bool = False,
-            kind: type | None = None, pattern: str | None = None, min_length: int = 0):
-    """A dataclass field with its metadata. Numbers are non-negative unless said otherwise
-    (``minimum=None``: any); ``above``: strictly greater than; ``at_most``: the name of a
-    sibling field this one may not exceed; ``live``: ``(lo, hi)`` the value may take while a
-    job runs (``True``: the allowed range); ``kind``: the type, where the default is None;
+            kind: type | None = None, pattern: str | None = None, min_length: int = 0,
+            check=None):
+    """A dataclass field with its metadata. Numbers are finite and non-negative unless said
+    otherwise (``minimum=None``: any); ``above``: strictly greater than; ``at_most``: the
+    name of a sibling field this one may not exceed; ``live``: ``(lo, hi)`` the value may
+    take while a job runs (``True``: the allowed range); ``kind``: the type, where the
+    default is None; ``choices``: the values allowed (of each item, for a list or tuple);
     ``pattern`` (a regular expression the whole text matches) and ``min_length``: a text's
-    form; ``env``: a variable of its own besides ``TRAINGUARD_<SECTION>__<KEY>``."""
+    form; ``check``: ``check(value, path) -> value``, for a form the others cannot say (a
+    table's), raising ConfigError; ``env``: a variable of its own besides
+    ``TRAINGUARD_<SECTION>__<KEY>``."""
     bounds = Bounds(above, maximum, True) if above is not None else Bounds(minimum, maximum)
     if live is True:
         live = (bounds.lo, bounds.hi)
@@ -90,7 +106,7 @@ def setting(default, help: str, *, minimum=0, maximum=None, above=None, at_most:
                 "live": Bounds(*live) if live else None, "choices": choices, "env": env,
                 "secret": secret, "kind": kind or (type(default) if default is not None
                                                    else None),
-                "pattern": pattern, "min_length": min_length}
+                "pattern": pattern, "min_length": min_length, "check": check}
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d),
                                  metadata=metadata)
@@ -140,7 +156,7 @@ def _check_one(f: dataclasses.Field, value, path: str):
     if kind in (int, float):
         integer = kind is int
         ok = (type(value) is int) if integer else (type(value) in (int, float)
-                                                   and not math.isnan(value))
+                                                   and math.isfinite(value))
         bounds = meta["bounds"]
         if not ok or not bounds.holds(value):
             raise ConfigError(f"{path} must be {bounds.text(integer)}, got {value!r}")
@@ -149,12 +165,21 @@ def _check_one(f: dataclasses.Field, value, path: str):
         pattern, min_length = meta.get("pattern"), meta.get("min_length", 0)
         if type(value) is not str or len(value) < min_length or \
                 (pattern and not re.fullmatch(pattern, value)):
-            what = f"match {pattern}" if pattern else f"be a text of at least {min_length} " \
-                                                          f"characters"
+            what = f"match {pattern}" if pattern else "be a text" + (
+                f" of at least {min_length} characters" if min_length else "")
             raise ConfigError(f"{path} must {what}, got {value!r}")
-    if meta.get("choices") is not None and value not in meta["choices"]:
-        raise ConfigError(f"{path} must be one of {', '.join(map(str, meta['choices']))}, "
+    choices = meta.get("choices")
+    if kind in (list, tuple):
+        if not isinstance(value, (list, tuple)) or (choices is not None and any(
+                item not in choices for item in value)):
+            among = f", each one of {', '.join(map(str, choices))}" if choices else ""
+            raise ConfigError(f"{path} must be a list{among}, got {value!r}")
+        value = value if type(value) is kind else kind(value)
+    elif choices is not None and value not in choices:
+        raise ConfigError(f"{path} must be one of {', '.join(map(str, choices))}, "
                           f"got {value!r}")
+    if meta.get("check") is not None:
+        value = meta["check"](value, path)
     return value
 
 

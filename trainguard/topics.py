@@ -77,11 +77,15 @@ def create_topics(config: Config, plan: TopicPlan = TopicPlan(), timeout: float 
 
     admin = AdminClient(config.kafka())
     wanted = {**plan.partitions(config), **(extra or {})}
+    hint = "start one with `trainguard broker start` or set --bootstrap"
+    if refused_everywhere(config.bootstrap):
+        raise TopicError(f"cannot reach Kafka at {config.bootstrap}: every bootstrap address "
+                         f"refused the connection; {hint}")
     try:
         metadata = admin.list_topics(timeout=timeout)
     except KafkaException as exc:
         raise TopicError(f"cannot reach Kafka at {config.bootstrap}: {exc.args[0].str()}; "
-                         "start one with `trainguard broker start` or set --bootstrap") from None
+                         f"{hint}") from None
     existing = metadata.topics
     factor, replicated = replication(len(metadata.brokers))
     result = {name: "exists" for name in wanted if name in existing}
@@ -103,6 +107,32 @@ def create_topics(config: Config, plan: TopicPlan = TopicPlan(), timeout: float 
                     raise TopicError(f"creating topic {name} failed: {error.str()}") from None
     _wait_until_visible(admin, list(wanted), timeout)
     return result
+
+
+def refused_everywhere(bootstrap: str, probe_s: float = 2.0) -> bool:
+    """True when every ``host:port`` of ``bootstrap`` actively refuses a TCP connection
+    (nothing listens there), so that a command need not wait out the client's timeout. A
+    slow or filtered address is not a refusal: the client's own timeout judges it.
+
+    >>> import socket
+    >>> s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    >>> refused_everywhere(f"127.0.0.1:{port}")
+    True
+    """
+    import socket
+
+    addresses = [a.strip() for a in bootstrap.split(",") if a.strip()]
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]") or "localhost", int(port)),
+                                          timeout=probe_s):
+                return False
+        except ConnectionRefusedError:
+            continue
+        except (OSError, ValueError):
+            return False
+    return bool(addresses)
 
 
 def _wait_until_visible(admin, names, timeout):

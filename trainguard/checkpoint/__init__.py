@@ -15,14 +15,15 @@ torch is imported only when a snapshot is taken or restored; importing this pack
 """
 from __future__ import annotations
 
-__all__ = ["InMemoryCheckpoint", "SnapshotConfig", "Snapshotter", "Restored", "buddies"]
+__all__ = ["InMemoryCheckpoint", "SnapshotConfig", "Snapshotter", "Restored", "buddies",
+           "default_dir"]
 
 
 def __getattr__(name):
     if name == "InMemoryCheckpoint":
         from .memory import InMemoryCheckpoint
         return InMemoryCheckpoint
-    if name in ("SnapshotConfig", "Snapshotter"):
+    if name in ("SnapshotConfig", "Snapshotter", "default_dir"):
         from . import snapshot
         return getattr(snapshot, name)
     if name == "Restored":

@@ -47,10 +47,27 @@ class InMemoryCheckpoint:
     def restore(self, *, group=None, at_most: Optional[int] = None) -> Optional[Restored]:
         """Load the newest step every rank has (at most ``at_most``) into the tracked objects;
         None (nothing loaded) when there is none. A collective: every rank calls it."""
-        restored = agree_and_load(self.sources, group=group, at_most=at_most)
+        began = time.perf_counter()
+        restored = self.find(group=group, at_most=at_most)
         if restored is not None:
             apply(restored.tree, **self._objects)
+            restored.seconds = time.perf_counter() - began
         return restored
+
+    def find(self, *, group=None, at_most: Optional[int] = None) -> Optional[Restored]:
+        """:meth:`restore` without loading: the newest step every rank has, read and verified,
+        its state in ``Restored.tree`` (for a framework that loads each part itself, see
+        :func:`~trainguard.checkpoint.state.apply`). A collective: every rank calls it."""
+        began = time.perf_counter()
+        restored = agree_and_load(self.sources, group=group, at_most=at_most)
+        if restored is not None:
+            restored.seconds = time.perf_counter() - began
+        return restored
+
+    def describe(self, restored: Restored) -> str:
+        """One line: ``rank R on NODE: newest N, restored step S from SOURCE in T ms``."""
+        return (f"rank {self.rank} on {self.node}: newest {restored.newest}, restored step "
+                f"{restored.step} from {restored.source} in {restored.seconds * 1000:.0f} ms")
 
     def after_step(self, done: int) -> bool:
         """Take a snapshot when ``done`` (steps completed) is due; True when one started."""

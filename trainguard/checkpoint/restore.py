@@ -18,18 +18,21 @@ from typing import Any, Callable, Optional
 from . import layout
 from .snapshot import SnapshotConfig, load_persisted, rank_dir
 
-__all__ = ["Restored", "Sources", "agree_and_load"]
+__all__ = ["Restored", "Sources", "agree_and_load", "all_min", "agreement_group"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Restored:
-    """What a restore found: the step, where this rank's bytes came from, the state tree."""
+    """What a restore found: the step, where this rank's bytes came from, the state tree;
+    ``newest``: the newest step this rank had; ``seconds``: how long the restore took."""
 
     step: int
     source: str
     tree: Any
+    newest: int = -1
+    seconds: float = 0.0
 
 
 class Sources:
@@ -118,7 +121,8 @@ def _read(path: Path) -> Optional[Any]:
         return None
 
 
-def _all_min(value: int, group) -> int:
+def all_min(value: int, group=None) -> int:
+    """The smallest ``value`` of all ranks (a collective); ``value`` without a process group."""
     import torch
     import torch.distributed as dist
 
@@ -127,6 +131,22 @@ def _all_min(value: int, group) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
+
+
+_all_min = all_min
+
+
+def agreement_group():
+    """The process group for the restore's agreement (CPU tensors): None (the default group)
+    without one or when it takes CPU tensors (gloo, or ``cpu:gloo,cuda:nccl``), else a new
+    gloo group of all ranks (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if "gloo" in str(dist.get_backend()):
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def agree_and_load(sources: Sources, *, group=None, at_most: Optional[int] = None,
@@ -143,6 +163,7 @@ def agree_and_load(sources: Sources, *, group=None, at_most: Optional[int] = Non
         if all_min(1 if step in have else 0, group):
             restored = sources.load(step)
             if all_min(1 if restored is not None else 0, group):
+                restored.newest = max(have)
                 return restored
             log.warning("trainguard: step %d could not be restored on every rank; trying an "
                         "older one", step)

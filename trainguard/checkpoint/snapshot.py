@@ -30,11 +30,22 @@ from typing import Callable, Optional
 
 from . import layout
 
-__all__ = ["SnapshotConfig", "Snapshotter", "DEFAULT_DIR", "rank_dir"]
+__all__ = ["SnapshotConfig", "Snapshotter", "DEFAULT_DIR", "default_dir", "rank_dir"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DIR = "/dev/shm/trainguard-snapshots"
+
+
+def default_dir(environ=None) -> str:
+    """The node agent's snapshot folder as a training script finds it:
+    ``TRAINGUARD_SNAPSHOT_DIR``, else :data:`DEFAULT_DIR`.
+
+    >>> default_dir({"TRAINGUARD_SNAPSHOT_DIR": "/dev/shm/tg"}), default_dir({}) == DEFAULT_DIR
+    ('/dev/shm/tg', True)
+    """
+    environ = os.environ if environ is None else environ
+    return environ.get("TRAINGUARD_SNAPSHOT_DIR") or DEFAULT_DIR
 
 
 @dataclass(kw_only=True)

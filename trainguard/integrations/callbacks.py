@@ -1,9 +1,13 @@
-"""What the framework callbacks share: :class:`CallbackWatch` and :func:`checkpoint_to_resume`.
+"""What the framework callbacks share: :class:`CallbackWatch`, :func:`checkpoint_to_resume` and
+:class:`CallbackSnapshots`.
 
 A callback starts (or joins) the process's :class:`~.torch_hooks.TorchHooks` in callback mode:
 the hooks still see the loss, the gradients, collectives, data fetches and saves, but the
 framework's own step counter ends steps (it survives a resume). Under ``--instrument`` the
 callback takes over the hooks already installed, so nothing is counted twice.
+
+With ``snapshot_every=N`` a callback also takes in-memory snapshots through
+:mod:`trainguard.checkpoint` (docs/RECOVERY.md) and restores the newest at the start of training.
 """
 from __future__ import annotations
 
@@ -13,12 +17,14 @@ import os
 import re
 import threading
 
+from trainguard.checkpoint.snapshot import SnapshotConfig, default_dir
 from trainguard.collectors.resume import requested_resume_step, resume_requested, resume_step
 
 from .torch_hooks import TorchHooks, installed
 from .watcher import StepWatcher, job_id
 
-__all__ = ["CallbackWatch", "checkpoint_to_resume", "steps_in", "resuming", "in_phase"]
+__all__ = ["CallbackWatch", "CallbackSnapshots", "checkpoint_to_resume", "steps_in", "resuming",
+           "in_phase"]
 
 log = logging.getLogger(__name__)
 
@@ -181,3 +187,125 @@ def in_phase(watch: CallbackWatch, phase: str, original):
             watch.call("restore", previous)
     wrapper._trainguard = True
     return wrapper
+
+
+class CallbackSnapshots:
+    """The in-memory snapshots of a framework callback (docs/RECOVERY.md): off unless ``every``
+    (or ``config.every``) is above 0.
+
+    The callback calls :meth:`find` as training starts (the newest step every rank has, to be
+    loaded the framework's way), :meth:`start` once the optimizer exists, :meth:`before_update`
+    before each optimizer step, :meth:`after_step` after it and :meth:`close` at the end. Given
+    only ``every``, the snapshot folder is ``TRAINGUARD_SNAPSHOT_DIR`` (else
+    ``/dev/shm/trainguard-snapshots``), read when training starts. A snapshot that fails (a state
+    that is not tensors and plain data) stops the snapshots with one warning; training goes on.
+
+    >>> CallbackSnapshots().enabled, CallbackSnapshots(every=10).enabled
+    (False, True)
+    """
+
+    def __init__(self, every: int = 0, config: SnapshotConfig | None = None, environ=None):
+        if config is not None and every and every != config.every:
+            raise ValueError(f"snapshot_every {every} and snapshot_config.every {config.every} "
+                             "differ: give one")
+        self.config = config if config is not None else SnapshotConfig(every=every)
+        self.dir_from_env = config is None
+        self.environ = environ
+        self.checkpoint = None        # the InMemoryCheckpoint of this run of training
+        self.group, self._grouped = None, False
+        self.stopped = False
+        self._done = -1
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.every > 0 and not self.stopped
+
+    def open(self, job: str):
+        """This rank's :class:`~trainguard.checkpoint.InMemoryCheckpoint` for a new run of
+        training (the previous one closed). Every rank calls it (it may form a gloo group)."""
+        from dataclasses import replace
+
+        from trainguard.checkpoint import InMemoryCheckpoint
+        from trainguard.checkpoint.restore import agreement_group
+        from trainguard.collectors.nodename import node_name
+
+        self.close()
+        environ = os.environ if self.environ is None else self.environ
+        config = (replace(self.config, dir=default_dir(environ)) if self.dir_from_env
+                  else self.config)
+        rank, world = _rank_and_world(environ)
+        if not self._grouped:         # once: a gloo group beside NCCL
+            self.group, self._grouped = agreement_group(), True
+        self.checkpoint = InMemoryCheckpoint(config, job=job, rank=rank, world=world,
+                                             node=node_name(environ))
+        self._done = -1
+        return self.checkpoint
+
+    def find(self, job: str, disk_step: int = -1):
+        """The :class:`~trainguard.checkpoint.Restored` snapshot to resume from: the newest step
+        every rank has (at most ``TRAINGUARD_RESUME_STEP``), read and verified, when on every
+        rank it is at least ``disk_step`` (the step of the checkpoint the framework would load;
+        -1: none); else None. A collective: every rank calls it as training starts."""
+        from trainguard.checkpoint.restore import all_min
+
+        checkpoint = self.open(job)
+        restored = checkpoint.find(group=self.group,
+                                   at_most=requested_resume_step(self.environ))
+        if restored is None:          # the same on every rank
+            return None
+        if not all_min(1 if restored.step >= disk_step else 0, self.group):
+            log.warning("trainguard: the checkpoint of step %d is newer than the in-memory "
+                        "snapshot of step %d; resuming from the checkpoint", disk_step,
+                        restored.step)
+            return None
+        log.warning("trainguard: resuming from the in-memory snapshot: %s",
+                    checkpoint.describe(restored))
+        return restored
+
+    def start(self, job: str, *, first_step: int = 0, model=None, optimizer=None,
+              scheduler=None, extra=None) -> None:
+        """Name what each snapshot holds (see ``InMemoryCheckpoint.track``); training starts
+        with ``first_step`` steps done (that step is not snapshotted again)."""
+        if not self.enabled:
+            return
+        from trainguard.checkpoint.state import is_sharded
+
+        if is_sharded(model):
+            self.stopped = True
+            log.warning("trainguard: in-memory snapshots of a sharded model (DTensor) are not "
+                        "supported by this callback yet; training goes on without them")
+            return
+        checkpoint = self.checkpoint if self.checkpoint is not None else self.open(job)
+        checkpoint.track(model=model, optimizer=optimizer, scheduler=scheduler, extra=extra)
+        self._done = first_step
+
+    def before_update(self) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.before_update()
+
+    def after_step(self, done: int) -> None:
+        """After the optimizer step that made ``done`` steps (again for each micro-batch of
+        gradient accumulation: a step is snapshotted once)."""
+        checkpoint = self.checkpoint
+        if checkpoint is None or not self.enabled or done == self._done:
+            return
+        self._done = done
+        try:
+            checkpoint.after_step(done)
+        except Exception as exc:
+            self.stopped = True
+            log.warning("trainguard: in-memory snapshot of step %d failed, no more are taken: "
+                        "%s", done, exc)
+
+    def close(self) -> None:
+        checkpoint, self.checkpoint = self.checkpoint, None
+        if checkpoint is not None:
+            checkpoint.close()
+
+
+def _rank_and_world(environ) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(environ.get("RANK") or 0), int(environ.get("WORLD_SIZE") or 1)
