@@ -46,6 +46,26 @@ def at(events: list, first_ts: float) -> list:
     return [_skewed(e, offset) for e in events]
 
 
+def feed_paced(kafka_config, events: list, steps_per_batch: int = 10,
+               pause_s: float = 0.2) -> None:
+    """``events`` sent as collectors send them, a few steps at a time (twice real time
+    here), not as one backlog: this test is about feedback. A backlog that reaches the worker
+    at once over several partitions can close a step before the lagging partitions' records
+    of it arrive (``detectors.stages.step_close_lag``), which issue 21 point 2 is about."""
+    batch, first_step = [], None
+    for e in events:
+        step = getattr(e, "step", None)
+        if step is not None and first_step is None:
+            first_step = step
+        if step is not None and step - first_step >= steps_per_batch:
+            produce(kafka_config, batch)
+            time.sleep(pause_s)
+            batch, first_step = [], step
+        batch.append(e)
+    if batch:
+        produce(kafka_config, batch)
+
+
 def cli(kafka_config, *args, timeout=60) -> subprocess.CompletedProcess:
     argv = [TRAINGUARD, *args, "--bootstrap", kafka_config.bootstrap, "--prefix",
             kafka_config.topics.prefix]
@@ -95,7 +115,7 @@ def test_feedback_through_the_broker_teaches_the_worker_and_forgeries_do_not(
         worker.wait_ready()
         cut = next(i for i, e in enumerate(events) if e.type == "step" and e.step == CUT)
         first = at(events[:cut], time.time() - (events[cut - 1].ts - events[0].ts))
-        produce(kafka_config, first)
+        feed_paced(kafka_config, first)
         try:
             spike = reader.wait_for(lambda r: [a for a in decoded(r, ".anomalies", job)
                                                if a.type == "anomaly"
@@ -135,7 +155,7 @@ def test_feedback_through_the_broker_teaches_the_worker_and_forgeries_do_not(
 
         # the rest of the same job: the second bump is not raised again
         rest = at(events[cut:], time.time())
-        produce(kafka_config, rest)
+        feed_paced(kafka_config, rest)
         reader.wait_for(lambda r: [a for a in decoded(r, ".anomalies", job)
                                    if a.type == "anomaly" and a.kind == "nan"],
                         "the nan at the end of the job", worker=worker)
