@@ -85,8 +85,8 @@ def stage_items(events, config=None) -> list:
 
     config = config or DetectorsConfig()
     ranks: dict = {}
-    steps = StepAggregator(close_lag=config.stages.step_close_lag,
-                           close_s=config.stages.step_close_s)
+    steps = StepAggregator(window=config.stages.step_window,
+                           window_s=config.stages.step_window_s)
     out = []
     now = None
     for e in events:

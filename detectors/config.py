@@ -39,8 +39,11 @@ class StagesConfig:
 
     heartbeat_summary_s: float = setting(5.0, "RankStage forwards an unchanged heartbeat "
                                               "this often")
-    step_close_lag: int = setting(2, "a step is closed once a rank is this many steps on")
-    step_close_s: float = setting(5.0, "... or this long after its first record")
+    step_window: int = setting(32, "a rank's record counts toward its step while the job is "
+                                   "at most this many steps further (steps by number: a rank "
+                                   "that lags or a clock that is off still counts)", minimum=1)
+    step_window_s: float = setting(5.0, "... and at most this many seconds of the job's clock "
+                                        "after the step's first record")
     advance_grid_s: float = setting(0.5, "a job's detectors advance (time-driven checks) at "
                                          "most once per this many seconds of the job's event "
                                          "time")

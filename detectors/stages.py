@@ -232,35 +232,49 @@ class NodeStage:
 class StepAggregator:
     """Collects step summaries into ``jobstep`` items, one per step, in step order.
 
-    A step closes when every expected rank reported it (the world size from lifecycle
-    ``start``, else the ranks seen so far), when some rank is ``close_lag`` steps further, or
-    ``close_s`` seconds after its first record. A step older than the last closed one is a
-    restart when a lifecycle ``start`` came since; otherwise a late record (from a rank
-    worker that lags behind the others, say), which comes out alone as a ``jobstep`` with
-    ``"late": True``, for the one check that makes sense on one rank (a non-finite loss).
+    Steps are matched by number, not by arrival. A step closes when every expected rank
+    reported it (the world size from lifecycle ``start``, else the ranks seen so far), when
+    every rank of a complete roster reported it or went past it (a rank that skipped it), when
+    it is ``window`` steps behind the highest step seen, or ``window_s`` seconds of the job's
+    clock after its first record (:meth:`expire`). So a rank whose records come late (its
+    worker lags, its collector sends in bursts, one partition of a backlog is read before the
+    others) still counts toward its step while the step is inside that window. A record of a
+    step already closed is a restart when a lifecycle ``start`` came since; otherwise it is
+    late, counted in ``late``, and comes out alone as a ``jobstep`` with ``"late": True``, for
+    the one check that makes sense on one rank (a non-finite loss). Memory: the highest step
+    of each rank, and the open steps (at most ``window`` of them, while a rank lags).
 
-    >>> agg = StepAggregator(close_lag=1)
+    >>> agg = StepAggregator(window=3)
     >>> rec = lambda r, s: {"k": "step", "job": "j", "rank": r, "ts": float(s), "step": s}
     >>> closed = [js for s in (1, 2) for r in (0, 1) for js in agg.add(rec(r, s))]
     >>> [(js["step"], sorted(js["ranks"])) for js in closed]
     [(1, [0, 1]), (2, [0, 1])]
     >>> closed = [js for s in (3, 4, 5) for js in agg.add(rec(0, s))]    # rank 1 lags
-    >>> [(js["step"], sorted(js["ranks"])) for js in closed]
-    [(3, [0]), (4, [0])]
-    >>> [(js["step"], sorted(js["ranks"]), js.get("late")) for js in agg.add(rec(1, 3))]
-    [(3, [1], True)]
+    >>> closed
+    []
+    >>> [(js["step"], sorted(js["ranks"])) for js in agg.add(rec(1, 3))]  # ... and counts
+    [(3, [0, 1])]
+    >>> [(js["step"], sorted(js["ranks"])) for js in agg.add(rec(0, 7))]  # 3 steps behind
+    [(4, [0])]
+    >>> [(js["step"], sorted(js["ranks"]), js.get("late")) for js in agg.add(rec(1, 4))]
+    [(4, [1], True)]
     """
 
-    def __init__(self, close_lag: int = 2, close_s: float = 5.0):
-        self.close_lag = close_lag
-        self.close_s = close_s
+    def __init__(self, window: int = 32, window_s: float = 5.0):
+        self.window = window
+        self.window_s = window_s
         self._open: dict = {}        # step -> [first_ts, last_ts, {rank: summary}]
-        self._closed = -1
+        self._closed = -1            # a record of this step or older is late (or a restart)
         self._ranks: set = set()
         self._world = 0
         self._first_step = {}        # rank -> first step it reported, to know the roster
         self._stable = False         # some rank reported a second step: roster complete
         self._restarted = False
+        self._tops: dict = {}        # rank -> the highest step it reported
+        self._low = None             # the lowest of those ...
+        self._at_low = 0             # ... and how many ranks are at it
+        self._high = -1              # the highest step any rank reported
+        self._base = 0               # the first step since the start (or a restart)
         self.late = 0
 
     def life(self, item) -> None:
@@ -281,6 +295,8 @@ class StepAggregator:
                 return [late]
             self._open.clear()
             self._closed = step - 1
+            self._tops.clear()
+            self._low, self._at_low, self._high = None, 0, -1
         self._restarted = False
         rank = item["rank"]
         if rank not in self._ranks:
@@ -288,6 +304,7 @@ class StepAggregator:
         if not self._stable:
             first = self._first_step.setdefault(rank, step)
             self._stable = step != first
+        self._raise_top(rank, step)
         entry = self._open.get(step)
         ts = item["ts"]
         if entry is None:
@@ -296,19 +313,52 @@ class StepAggregator:
             entry[1] = ts
         entry[2][rank] = item
         expected = self._world if self._world > len(self._ranks) else len(self._ranks)
-        if len(entry[2]) >= expected and (self._stable or self._world):
+        complete = self._stable or self._world
+        if len(entry[2]) >= expected and complete:
             return self._close_through(step)
-        # every open step is above the last closed one: only a step that far ahead can
-        # leave an open step close_lag behind (the min() then runs seldom)
-        lagging = step - self.close_lag
-        if lagging > self._closed + 1 and lagging > min(self._open):
-            return self._close_through(lagging)
+        last = self._high - self.window
+        if self._low > last and self._roster():
+            last = self._low                  # every rank reported it or went past it
+        if last > self._closed:
+            out = self._close_through(last)
+            self._closed = last
+            return out
         return []
+
+    def _roster(self) -> bool:
+        """Whether the ranks that reported are all the job has: the world size of lifecycle
+        ``start`` (or, a window after the first step, those that came: a rank that never
+        reports must not hold every step open), else once some rank reported a second step."""
+        if self._world:
+            return len(self._tops) >= self._world or self._high - self._base >= self.window
+        return self._stable
+
+    def _raise_top(self, rank, step) -> None:
+        if step > self._high:
+            self._high = step
+        tops = self._tops
+        top = tops.get(rank)
+        if top is not None and step <= top:
+            return
+        tops[rank] = step
+        low = self._low
+        if low is None:
+            self._base = step
+        if top is None:
+            if low is None or step < low:
+                self._low, self._at_low = step, 1
+            elif step == low:
+                self._at_low += 1
+        elif top == low:
+            self._at_low -= 1
+            if not self._at_low:       # the last rank at the lowest step moved on
+                self._low = min(tops.values())
+                self._at_low = sum(1 for t in tops.values() if t == self._low)
 
     def expire(self, now: float) -> list[dict]:
         if not self._open:
             return []
-        old = [s for s, e in self._open.items() if now - e[0] >= self.close_s]
+        old = [s for s, e in self._open.items() if now - e[0] >= self.window_s]
         return self._close_through(max(old)) if old else []
 
     def _jobstep(self, job, step, ts, first_ts, ranks) -> dict:
@@ -349,8 +399,8 @@ class JobStage:
                 detector.share_view(self.view)
         self.placement = Placement()   # names the rank of a GPU in NodeStage findings
         self._nodes: dict = {}         # node -> NodeStage, for node events given directly
-        self.steps = StepAggregator(close_lag=c.stages.step_close_lag,
-                                    close_s=c.stages.step_close_s)
+        self.steps = StepAggregator(window=c.stages.step_window,
+                                    window_s=c.stages.step_window_s)
         self.clock = JobClock()        # machines' clock offsets, learned from step numbers
         self.correlator = Correlator(**c.params_for(Correlator))
         self.job = None
@@ -430,9 +480,14 @@ class JobStage:
             finding.evidence = {**finding.evidence, "rank_nodes": {str(rank): node}}
         return finding
 
-    def advance(self, now: float, final: bool = False) -> list[ev.Anomaly]:
+    def advance(self, now: float, final: bool = False,
+                steps_now: float | None = None) -> list[ev.Anomaly]:
+        """``steps_now``: the time up to which every source of the job has been heard (the
+        worker's lowest partition), which alone closes steps by their age (default ``now``):
+        a partition read behind the others still counts toward its steps."""
         findings = []
-        for jobstep in self.steps.expire(now):
+        upto = now if steps_now is None or steps_now > now else steps_now
+        for jobstep in self.steps.expire(upto):
             findings += self._jobstep(jobstep)
         for d in self._routes["tick"]:
             findings += d.advance(now)

@@ -213,9 +213,12 @@ class JobProcessor(_SlotsProcessor):
                  idle_ttl_s: float = DEFAULT_IDLE_TTL_S, observe_lag=None,
                  advance_every_s: float | None = 0.5, evict_idle_s: float | None = None,
                  max_live: int | None = None, shared: dict | None = None,
-                 incidents: bool = False,
+                 incidents: bool = False, source_idle_s: float = 10.0,
                  tune_stage: Callable[[str, Any], Any] | None = None):
         self.make_stage = make_stage
+        #: a telemetry partition that sent nothing this long no longer holds the job's
+        #: clock back (:meth:`JobSlot.heard`)
+        self.source_idle_s = source_idle_s
         self.incidents = incidents
         #: called with (job, stage) for each stage built or loaded from a snapshot: the
         #: job's per-job overrides (streams/config_feed.py)
@@ -265,7 +268,7 @@ class JobProcessor(_SlotsProcessor):
         self.state.dirty.add(job.encode())
         stage, marks, observe = slot.stage, slot.marks, self.observe_lag
         watermark, limit = slot.watermark, now + FUTURE_SLACK_S
-        every = self.advance_every_s
+        every, idle_s = self.advance_every_s, self.source_idle_s
         out = []
         for p, o, i, item in items:
             if not marks.advance(p, o, i):
@@ -290,13 +293,16 @@ class JobProcessor(_SlotsProcessor):
             if type(ts) is float or type(ts) is int:
                 if ts > watermark:
                     watermark = ts if ts < limit else limit
+                low = slot.heard(p, ts, now, idle_s)
+                if low > slot.low:
+                    slot.low = low if low < limit else limit
                 if observe is not None:
                     observe(now - ts)
             if every is not None and watermark > slot.clock and \
                     on_grid(watermark, every) > slot.clock:
                 slot.clock = on_grid(watermark, every)     # analyze's event-time grid
                 try:
-                    out += stage.advance(slot.clock)
+                    out += stage.advance(slot.clock, steps_now=on_grid(slot.low, every))
                 except Exception:
                     self.errors += 1
                     log.exception("job stage %s failed in advance()", job,
@@ -317,8 +323,10 @@ class JobProcessor(_SlotsProcessor):
         for key, slot in self.state.slots.items():
             try:
                 every = self.advance_every_s
-                at = slot.now(now)
-                found = slot.stage.advance(on_grid(at, every) if every else at)
+                at, steps_at = slot.now(now), slot.steps_now(now)
+                if every:
+                    at, steps_at = on_grid(at, every), on_grid(steps_at, every)
+                found = slot.stage.advance(at, steps_now=steps_at)
             except Exception:
                 self.errors += 1
                 log.exception("job stage %s failed in advance()", key.decode())

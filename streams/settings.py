@@ -76,6 +76,10 @@ class WorkerSettings:
                                   above=0)
     grace_s: float = setting(20.0, "after SIGTERM/SIGINT, hard exit if not stopped by then",
                              above=0)
+    source_idle_s: float = setting(10.0, "a telemetry partition that sent nothing for this "
+                                         "long no longer holds a job's clock back (a job's "
+                                         "now is the lowest newest time of its partitions)",
+                                   above=0)
     idle_ttl_s: float = setting(6 * 3600.0, "stages without input this long are dropped",
                                 above=0)
     evict_idle_s: float = setting(1800.0, "stages without input this long leave memory for "

@@ -44,7 +44,7 @@ COMPRESS_ABOVE = 128
 MAX_STATE_BYTES = 64 * 1024 * 1024
 #: the stages' layout; raise it when what a stage keeps changes meaning without changing
 #: its attribute names (a new attribute changes the layout digest by itself)
-STATE_VERSION = 14
+STATE_VERSION = 15
 
 
 # -- the slots: a stage and where its input came from (what a snapshot holds) --------------
@@ -66,6 +66,55 @@ class JobSlot:
     watermark: float = -math.inf   # newest event time seen (a bounded step ahead)
     applied_at: float = 0.0        # wall time when items last arrived
     clock: float = -math.inf       # last time given to advance()
+    sources: dict = field(default_factory=dict)   # telemetry partition -> [newest ts, wall]
+    low_source: int = -1           # the partition of the lowest newest ts (see heard())
+    low: float = -math.inf         # the newest time every partition heard from has reached
+
+    def steps_now(self, wall: float) -> float:
+        """The job's clock for closing steps by their age: :meth:`now` held back to the
+        partition read furthest behind (:meth:`heard`)."""
+        if self.low == -math.inf:
+            return self.now(wall)
+        return min(self.now(wall), self.low + max(0.0, wall - self.applied_at))
+
+    def heard(self, partition: int, ts: float, wall: float, idle_s: float) -> float:
+        """The job's low watermark once ``ts`` came from telemetry ``partition`` at wall time
+        ``wall``: the lowest newest event time over the partitions heard from within
+        ``idle_s`` (the minimum over inputs, as Kafka Streams and Flink take it). It closes
+        steps by their age (:meth:`steps_now`): one partition read ahead of the others (a
+        backlog, a rank worker that lags, a collector sending a burst) does not close a step
+        before the records on their way; a partition silent that long (its machines gone)
+        no longer holds it back. (The detectors' "now" stays the newest time: a partition
+        whose ranks are hung forwards a heartbeat only every few seconds, and would hold a
+        hang's detection back by as much.)
+
+        >>> slot = JobSlot(stage=None, partition=0)
+        >>> slot.heard(0, 100.0, wall=1.0, idle_s=10.0)
+        100.0
+        >>> slot.heard(1, 80.0, wall=1.0, idle_s=10.0)
+        80.0
+        >>> slot.heard(0, 130.0, wall=2.0, idle_s=10.0)     # partition 1 is behind
+        80.0
+        >>> slot.heard(0, 140.0, wall=12.0, idle_s=10.0)    # ... and silent for 11 s
+        140.0
+        """
+        sources = self.sources
+        source = sources.get(partition)
+        fresh = source is None or wall - source[1] > idle_s
+        if source is None:
+            source = sources[partition] = [ts, wall]
+        else:
+            if ts > source[0]:
+                source[0] = ts
+            source[1] = wall
+        low = sources.get(self.low_source)
+        if fresh or low is None or partition == self.low_source or wall - low[1] > idle_s:
+            best = None
+            for p, (newest, heard) in sources.items():
+                if wall - heard <= idle_s and (best is None or newest < best):
+                    best, self.low_source = newest, p
+            return best
+        return low[0]
 
     def now(self, wall: float) -> float:
         """The job's clock for ``advance``: its newest event time, moved on by the wall

@@ -49,9 +49,10 @@ def at(events: list, first_ts: float) -> list:
 def feed_paced(kafka_config, events: list, steps_per_batch: int = 10,
                pause_s: float = 0.2) -> None:
     """``events`` sent as collectors send them, a few steps at a time (twice real time
-    here), not as one backlog: this test is about feedback. A backlog that reaches the worker
-    at once over several partitions can close a step before the lagging partitions' records
-    of it arrive (``detectors.stages.step_close_lag``), which issue 21 point 2 is about."""
+    here), not as one backlog: this test is about feedback. A backlog of hundreds of steps
+    that reaches the worker at once over several partitions goes beyond a step's window
+    (``detectors.stages.step_window``), and a partition not heard of yet cannot hold the job's
+    clock back (docs/WORKER.md, "Scaling")."""
     batch, first_step = [], None
     for e in events:
         step = getattr(e, "step", None)

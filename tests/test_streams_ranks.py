@@ -88,7 +88,7 @@ class FakeConsumer:
         self.group = conf.get("group.id")
         self.callbacks = None
         self.assigned: list = []
-        self.position: dict = {}
+        self.at: dict = {}
         self.paused: set = set()
         self.pauses = 0
 
@@ -99,7 +99,7 @@ class FakeConsumer:
     def assign(self, tps):
         self.assigned = [(tp.topic, tp.partition) for tp in tps]
         for tp in tps:
-            self.position[(tp.topic, tp.partition)] = 0
+            self.at[(tp.topic, tp.partition)] = 0
 
     def assignment(self):
         return [TP(t, p) for t, p in self.assigned]
@@ -117,18 +117,22 @@ class FakeConsumer:
             self.assigned = [(self.topic, p) for p in range(PARTITIONS)]
             for t, p in self.assigned:
                 start = self.broker.committed.get((self.group, p), 0)
-                self.position[(t, p)] = max(0, start)
+                self.at[(t, p)] = max(0, start)
             self.callbacks[0](self, [TP(t, p) for t, p in self.assigned])
         for key in sorted(self.assigned, key=lambda k: k[1]):
             if key[1] in self.paused:
                 continue
             log = self.broker.logs.get(key, [])
-            pos = self.position[key]
+            pos = self.at[key]
             if pos < len(log):
                 take = log[pos:pos + min(n, self.run)]
-                self.position[key] = pos + len(take)
+                self.at[key] = pos + len(take)
                 return [Msg(key[0], key[1], pos + i, k, v) for i, (k, v) in enumerate(take)]
         return []
+
+    def position(self, tps):
+        return [TP(tp.topic, tp.partition, self.at.get((tp.topic, tp.partition), -1001))
+                for tp in tps]
 
     def get_watermark_offsets(self, tp, cached=False, timeout=None):
         return 0, len(self.broker.logs.get((tp.topic, tp.partition), []))

@@ -25,7 +25,9 @@ __all__ = ["upgrade", "RENAMED"]
 
 #: old dotted key -> new dotted key (one name, one meaning)
 RENAMED = {"worker.advance_interval_s": "worker.advance_timer_s",
-           "detectors.stages.advance_interval_s": "detectors.stages.advance_grid_s"}
+           "detectors.stages.advance_interval_s": "detectors.stages.advance_grid_s",
+           "detectors.stages.step_close_lag": "detectors.stages.step_window",
+           "detectors.stages.step_close_s": "detectors.stages.step_window_s"}
 
 
 def _flat_detector_keys(detector_keys) -> dict:
@@ -37,6 +39,8 @@ def _flat_detector_keys(detector_keys) -> dict:
         path = f"{section}.{name}"
         out[name if section == "stages" else f"{section}_{name}"] = path
     out["advance_interval_s"] = "stages.advance_grid_s"
+    out["step_close_lag"] = "stages.step_window"
+    out["step_close_s"] = "stages.step_window_s"
     return out
 
 

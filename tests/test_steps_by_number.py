@@ -1,0 +1,144 @@
+"""Issue 21 point 2, online: steps by number, not by arrival, in the worker's job side.
+
+The rank summaries of one job reach the job side (``JobProcessor``, as ``trainguard worker``
+runs it) in another order than they happened: one telemetry partition's rank worker lags
+behind the other's by some steps, or one machine's collector sends in bursts. While the lag
+stays inside ``detectors.stages.step_window`` (steps) and the job's clock (the lowest
+newest time of its partitions, ``JobSlot.heard``) has not passed ``step_window_s`` beyond a
+step, the lagging records still count toward their steps: the job side finds what it finds
+when everything arrives in order, and what ``trainguard analyze`` finds. Records beyond
+the window are counted (``late``) and still checked for NaN.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from scenarios import Fault, Scenario, generate
+from trainguard.detectors import DetectorsConfig, JobStage, RankStage
+from trainguard.detectors.offline import analyze_events
+from trainguard.streams.logic import encode_summaries
+from trainguard.streams.processors import JobProcessor
+
+STEP_TIME = 0.5
+
+
+def shape(*faults) -> Scenario:
+    return Scenario(name="lagged", dp=16, per_node=4, step_time=STEP_TIME, steps=200,
+                    checkpoint_every=0, seed=11, faults=faults)
+
+
+def partition_of(node: str) -> int:
+    return int(node[1:]) % 2          # n2 and n4 on partition 0, n1 and n3 on partition 1
+
+
+def online(events, delay_s, clock_offsets=None) -> tuple[list, JobProcessor]:
+    """The anomalies ``(kind, ranks, step)`` of the job side fed the rank side's summaries
+    of ``events``, each arriving ``delay_s(event)`` after it happened (``clock_offsets``:
+    how far each machine's stamps are off), with the worker's one-second wall-clock timer;
+    and the processor."""
+    offsets = clock_offsets or {}
+    config = DetectorsConfig()
+    ranks: dict = {}
+    arrivals = []
+    for seq, e in enumerate(events):
+        if e.TYPE not in ("step", "heartbeat", "lifecycle") or e.rank is None:
+            continue
+        stage = ranks.setdefault(e.rank, RankStage(config))
+        for item in stage.update(e):
+            happened = e.ts - offsets.get(e.node, 0.0)
+            arrivals.append((happened + delay_s(e, happened), seq, partition_of(e.node), item))
+    arrivals.sort(key=lambda a: (a[0], a[1]))
+    jobs = JobProcessor(lambda: JobStage(config))
+    sent: dict = defaultdict(int)
+    found = []
+    tick = arrivals[0][0]
+    for wall, _, p, item in arrivals:
+        while tick <= wall:
+            found += jobs.advance(tick)
+            tick += 1.0
+        sent[p] += 1
+        for value in encode_summaries("j", [(p, sent[p], 0, item)]):
+            found += jobs.apply(value, 0, wall)
+    for _ in range(120):                 # the job ended: its time-driven checks go on
+        found += jobs.advance(tick)
+        tick += 1.0
+    return sorted({(a.kind, tuple(a.ranks), a.step) for a in found if a.TYPE == "anomaly"},
+                  key=str), jobs
+
+
+def offline(events) -> list:
+    engine, _ = analyze_events(events)
+    return sorted({(i["kind"], tuple(i["ranks"])) for i in engine.incidents()}, key=str)
+
+
+def lagging_partition(steps: int):
+    """From step 20 on, partition 0's rank worker falls behind (it reads at half the rate
+    the job writes) until its records arrive ``steps`` steps late. (A partition not heard of
+    at all cannot hold the job's clock back: from the job's start, it would be late.)"""
+    start = []
+
+    def delay(e, happened):
+        if not start:
+            if e.TYPE != "step" or e.step < 20:
+                return 0.0
+            start.append(happened)
+        if partition_of(e.node) != 0:
+            return 0.0
+        return min(steps * STEP_TIME, (happened - start[0]) / 2)
+    return delay
+
+
+def bursting_machine(node: str, every: int):
+    """``node``'s collector sends what it has every ``every`` steps."""
+    period = every * STEP_TIME
+    return lambda e, happened: (period - happened % period) if e.node == node else 0.0
+
+
+FAULTS = {
+    "straggler": Fault(kind="straggler", step=80, ranks=(5,), factor=2.0),
+    "loss_spike": Fault(kind="spike", step=120, factor=3.0),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("arrival", ["lagging-partition-10", "lagging-partition-25",
+                                     "bursting-machine-8"])
+def test_records_that_arrive_late_still_count_toward_their_steps(fault, arrival):
+    events, _ = generate(shape(FAULTS[fault]))
+    in_order, _ = online(events, lambda e, happened: 0.0)
+    delay = {"lagging-partition-10": lagging_partition(10),
+             "lagging-partition-25": lagging_partition(25),
+             "bursting-machine-8": bursting_machine("n2", 8)}[arrival]
+    lagged, jobs = online(events, delay)
+    assert lagged == in_order, (lagged, in_order)
+    assert {(k, r) for k, r, _ in in_order} == set(offline(events))
+    assert fault in {k for k, _, _ in lagged}
+    stage = jobs.state.slots[b"j"].stage
+    assert stage.steps.late == 0
+
+
+def test_a_healthy_job_whose_partition_lags_raises_nothing():
+    events, _ = generate(shape())
+    assert online(events, lagging_partition(25))[0] == []
+
+
+def test_beyond_the_window_records_are_late_and_still_checked_for_nan():
+    events, _ = generate(shape(Fault(kind="nan", step=150, ranks=(6,))))
+    found, jobs = online(events, lagging_partition(40))      # more than step_window (32)
+    assert ("nan", 150) in {(k, step) for k, _, step in found}    # (the blame may differ:
+    # the job's other ranks' NaN of step 150 came in time, rank 6's first one did not)
+    assert jobs.state.slots[b"j"].stage.steps.late > 0
+    assert {k for k, _, _ in found} <= {"nan", "straggler", "throughput_drop", "silent"}, found
+
+
+@pytest.mark.parametrize("offset", [60.0, -60.0])
+def test_a_clock_a_minute_off_on_a_lagging_partition_still_names_its_slow_rank(offset):
+    sc = Scenario(name="lagged-skew", dp=16, per_node=4, step_time=STEP_TIME, steps=200,
+                  checkpoint_every=0, seed=11, clock_offsets={"n2": offset},
+                  faults=(FAULTS["straggler"],))
+    events, _ = generate(sc)
+    found, jobs = online(events, lagging_partition(10), sc.clock_offsets)
+    assert [(k, r) for k, r, _ in found] == [("straggler", (5,))], found
+    assert jobs.state.slots[b"j"].stage.steps.late == 0
