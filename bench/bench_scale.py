@@ -1,0 +1,186 @@
+"""Issue 21: where today's design stops, for one job of 4,096 to 100,000 ranks.
+
+Today's design: the rank side (``RankProcessor``, spread over the telemetry partitions and the
+workers) turns every rank's events into one summary per rank per step; the job side
+(``JobProcessor``, one per job, on the worker that owns the job's summaries partition) takes
+all of them. This bench runs both in one process, without the broker (the wire's cost is
+measured by ``stream_throughput``), on synthetic jobs of TP 8 x PP 4 x DP layouts, 8 ranks per
+machine, every rank sending a ``step`` and one ``heartbeat`` per second (the contract's rate,
+SPEC §2), with a lifecycle ``start`` of every rank first. Per size, after ``WARM`` steps (the
+stages are built and have learned), ``MEASURE`` steps are timed with ``time.process_time``:
+
+- ``rank_side_us_per_event`` and ``rank_side_over_orjson``: the rank side's rate as a
+  ratio to ``orjson.loads`` alone of the same records (issue 21's target: at least 0.33);
+- ``job_side_cpu_s_per_job_s``: the job side's CPU seconds per second of the job (1 s
+  steps; target at 100,000 ranks: at most 0.1). With 10 s steps it is this divided by ten,
+  plus the heartbeats, which the rank side forwards every 5 s when unchanged
+  (``job_side_cpu_s_per_job_s_10s_steps``, measured on the smaller sizes);
+- ``rank_side_bytes_per_rank`` / ``job_side_bytes_per_rank``: resident memory grown while
+  each side built its stages, per rank;
+- ``cores_for_the_job``: rank side cores at the contract's rate (spread over workers) plus
+  the job side's (one process: above 1.0 it cannot keep up at any number of workers).
+
+The automatic garbage collector is off while it runs, as in the worker, which collects every
+``worker.gc_interval_s`` (30 s) instead; ``gc_s_per_collection`` is what one such collection
+of both sides' objects costs (charge a thirtieth of it per second).
+
+Faults are not injected here: detection at these sizes needs tens of learning steps, which
+the in-process job side does not reach in a bench's time at 100,000 ranks (that is the
+finding). ``python bench/run.py scale --json``; ``TG_SCALE_SIZES=4096,16384`` for fewer.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+from functools import partial
+
+SIZES = (4096, 16384, 100_000)
+TP, PP, PER_NODE = 8, 4, 8
+WARM, MEASURE = 2, 3
+PARTITIONS = 24
+JOB = "scale"
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _records(ranks: int, step: int, t0: float, heartbeats: int = 1) -> list:
+    """``(partition, offset, key, value)`` of one step: a ``step`` and ``heartbeats``
+    heartbeats of every rank."""
+    from trainguard import events as ev
+
+    out = []
+    ts = t0 + step * float(heartbeats)
+    for r in range(ranks):
+        node = f"n{r // PER_NODE:05d}"
+        key = f"{JOB}/{r}".encode()
+        p = r % PARTITIONS
+        out.append((p, 0, key, ev.encode(ev.Step(
+            job=JOB, ts=ts + (r % 13) * 1e-3, node=node, rank=r, step=step,
+            step_time=float(heartbeats), compute_time=0.8 * heartbeats + (r % 5) * 1e-3,
+            loss=2.5 - step * 1e-3 + (r % 7) * 1e-4, grad_norm=1.0, tokens=4096, lr=3e-4))))
+        for h in range(heartbeats):
+            out.append((p, 0, key, ev.encode(ev.Heartbeat(
+                job=JOB, ts=ts + h + 0.5, node=node, rank=r, pid=1000 + r, step=step,
+                phase="forward", phase_since=ts + h + 0.01, dropped=0))))
+    return out
+
+
+def _starts(ranks: int, t0: float) -> list:
+    from trainguard import events as ev
+
+    return [(r % PARTITIONS, 0, f"{JOB}/{r}".encode(), ev.encode(ev.Lifecycle(
+        job=JOB, ts=t0 - 5.0, node=f"n{r // PER_NODE:05d}", rank=r, event="start",
+        world_size=ranks, local_rank=r % PER_NODE, pid=1000 + r))) for r in range(ranks)]
+
+
+def _numbered(records: list, first: int) -> list:
+    """Offsets per partition, as the topic would give them."""
+    return [(p, first + i, k, v) for i, (p, _, k, v) in enumerate(records)]
+
+
+def one_size(ranks: int, heartbeats: int = 1) -> dict:
+    import orjson
+
+    from trainguard.detectors import DetectorsConfig, JobStage, NodeStage, RankStage
+    from trainguard.streams.processors import JobProcessor, RankProcessor
+
+    config = DetectorsConfig()
+    rank_side = RankProcessor(partial(RankStage, config),
+                              make_node_stage=partial(NodeStage, config),
+                              max_live=10 * ranks)
+    job_side = JobProcessor(partial(JobStage, config), advance_every_s=0.5)
+    t0 = 1.8e9
+    offset = 0
+    cpu = {"rank": 0.0, "job": 0.0, "orjson": 0.0}
+    events = 0
+    memory = {}
+
+    def run_step(records: list, now: float, timed: bool) -> None:
+        nonlocal offset, events
+        records = _numbered(records, offset)
+        offset += len(records)
+        if timed:
+            start = time.process_time()
+            for rec in records:
+                orjson.loads(rec[3])
+            cpu["orjson"] += time.process_time() - start
+        start = time.process_time()
+        out = rank_side.process(records, now=now)
+        rank_cpu = time.process_time() - start
+        start = time.process_time()
+        for _, value in out.messages():
+            job_side.apply(value, 0, now)
+        job_side.advance(now)
+        job_cpu = time.process_time() - start
+        if timed:
+            cpu["rank"] += rank_cpu
+            cpu["job"] += job_cpu
+            events += len(records)
+
+    gc.collect()
+    gc.disable()                 # as the worker does (streams/gc_schedule.py), see below
+    try:
+        before = _rss()
+        run_step(_starts(ranks, t0), t0, False)
+        for s in range(WARM + MEASURE):
+            records = _records(ranks, s, t0, heartbeats)
+            now = t0 + (s + 1) * heartbeats + 0.9
+            run_step(records, now, s >= WARM)
+            if s == 0:
+                gc.collect()
+                memory["after_first_step"] = _rss() - before
+        start = time.process_time()
+        gc.collect()
+        collection_s = time.process_time() - start
+    finally:
+        gc.enable()
+    rank_stages = len(rank_side.state.slots)
+    step_s = float(heartbeats)
+    result = {
+        "ranks": ranks, "layout": f"TP{TP} x PP{PP} x DP{ranks // (TP * PP)}",
+        "step_s": step_s, "events_timed": events,
+        "rank_side_us_per_event": round(cpu["rank"] / events * 1e6, 2),
+        "orjson_us_per_event": round(cpu["orjson"] / events * 1e6, 2),
+        "rank_side_over_orjson": round(cpu["orjson"] / cpu["rank"], 3),
+        "job_side_cpu_s_per_step": round(cpu["job"] / MEASURE, 3),
+        "job_side_cpu_s_per_job_s": round(cpu["job"] / MEASURE / step_s, 3),
+        "job_side_us_per_rank_step": round(cpu["job"] / MEASURE / ranks * 1e6, 2),
+        "bytes_per_rank_both_sides": int(memory["after_first_step"] / ranks),
+        "rank_stages": rank_stages,
+        # the worker collects every gc_interval_s (30 s), both sides' objects in one process
+        "gc_s_per_collection": round(collection_s, 3),
+    }
+    contract_events_per_s = 2.0 * ranks      # a step and a heartbeat per rank per second
+    rank_cores = contract_events_per_s * cpu["rank"] / events
+    result["cores_rank_side_at_contract_rate"] = round(rank_cores, 2)
+    result["cores_for_the_job"] = round(rank_cores + result["job_side_cpu_s_per_job_s"], 2)
+    result["job_side_keeps_up"] = result["job_side_cpu_s_per_job_s"] < 1.0
+    return result
+
+
+def run() -> dict:
+    sizes = tuple(int(x) for x in os.environ.get("TG_SCALE_SIZES", "").split(",") if x) \
+        or SIZES
+    out = {"design": "today's: one summary per rank per step to one job side per job",
+           "warm_steps": WARM, "measured_steps": MEASURE, "sizes": []}
+    for ranks in sizes:
+        out["sizes"].append(one_size(ranks))
+        gc.collect()
+    for ranks in sizes:
+        if ranks <= 16384:
+            ten = one_size(ranks, heartbeats=10)
+            out.setdefault("ten_second_steps", []).append(
+                {k: ten[k] for k in ("ranks", "job_side_cpu_s_per_job_s",
+                                     "rank_side_us_per_event", "rank_side_over_orjson")})
+            gc.collect()
+    biggest = out["sizes"][-1]
+    out["targets"] = {"job_side_cpu_s_per_job_s_at_100k": 0.1, "rank_side_over_orjson": 0.33,
+                      "cores_for_100k": 4}
+    out["at_largest"] = {k: biggest[k] for k in ("ranks", "job_side_cpu_s_per_job_s",
+                                                 "rank_side_over_orjson",
+                                                 "cores_for_the_job", "job_side_keeps_up")}
+    return out

@@ -1,0 +1,16 @@
+"""bench/run.py scale at a small size: the bench runs, and its figures hang together."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import bench_scale  # noqa: E402
+
+
+def test_a_small_job_goes_through_both_sides():
+    result = bench_scale.one_size(512)
+    assert result["rank_stages"] == 512
+    assert result["events_timed"] == 2 * 512 * bench_scale.MEASURE
+    assert 0 < result["rank_side_over_orjson"] < 1
+    assert result["job_side_keeps_up"]
+    assert result["cores_for_the_job"] >= result["cores_rank_side_at_contract_rate"]
