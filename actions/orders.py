@@ -57,7 +57,8 @@ JOB_OPS = JOB_ACTIONS
 #: the ``code`` of an ack, by status (a program decides on these, never on ``reason``)
 ACK_CODES = {
     "done": ("relaunched", "excluded", "stopping"),
-    "already_satisfied": ("relaunched_since_onset", "incident_restarted", "already_excluded"),
+    "already_satisfied": ("relaunched_since_onset", "restarted_in_place", "incident_restarted",
+                          "already_excluded"),
     "failed": ("budget_exhausted", "launch_failed"),
     "not_applicable": ("unsupported_op", "cannot_exclude"),
     "rejected": ("unsigned", "unknown_key", "bad_signature", "stale", "future", "replayed",

@@ -31,8 +31,9 @@ snapshots model, optimizer, RNG and data position into host memory held by the n
 copied off the training thread; ``--persist-every-min M`` also writes one to
 ``<checkpoint dir>/dcp`` with torch.distributed.checkpoint every M minutes. A restart restores the
 newest step every rank has (from memory, the buddy machine's copy, or disk), or the rollback
-step, unless a ``torch.save`` checkpoint is newer. Under ``examples/inplace.py`` a failed rank is
-taken over by a warm standby process instead of a relaunch (docs/RECOVERY.md).
+step, unless a ``torch.save`` checkpoint is newer. Under ``trainguard run --standby`` (or
+``examples/inplace.py``) a failed rank is taken over by a warm standby process instead of a
+relaunch (docs/RECOVERY.md).
 
 Chaos: faults from ``TRAINGUARD_CHAOS`` are injected by ``trainguard.apps.chaos`` (see
 docs/CHAOS.md); each fires once per run, tracked in ``<checkpoint dir>/chaos-state`` unless
@@ -57,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainguard
 import trainguard.apps.chaos
 import trainguard.checkpoint
+from trainguard.checkpoint.inplace import InPlace
 
 
 def parse_args(argv=None):
@@ -90,8 +92,8 @@ def parse_args(argv=None):
                    help="the node agent's --snapshot-dir")
     p.add_argument("--persist-every-min", type=float, default=10.0, metavar="M",
                    help="write a snapshot to <checkpoint dir>/dcp every M minutes")
-    # Under examples/inplace.py (TRAINGUARD_INPLACE=1) a rank whose peer died exits, and warm
-    # standby processes take the ranks over, restoring from the in-memory snapshots.
+    # Under trainguard run --standby (TRAINGUARD_INPLACE=1) a rank whose peer died exits, and
+    # warm standby processes take the ranks over, restoring from the in-memory snapshots.
     return p.parse_args(argv)
 
 
@@ -185,11 +187,8 @@ def restore_snapshot(args, model, opt, rank, world, node, log):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    inplace = None
-    if os.environ.get("TRAINGUARD_INPLACE") == "1":   # under examples/inplace.py
-        from inplace import InPlace
-
-        inplace = InPlace(args)
+    inplace = InPlace.from_env(timeout_s=args.timeout)   # under trainguard run --standby
+    if inplace is not None:
         inplace.join()                     # a standby waits here for the rank it takes
     else:
         init_distributed(args.timeout)

@@ -61,6 +61,7 @@ from trainguard import events as ev
 from trainguard.actions.orders import InvalidTarget, ack_of, check_targets
 from trainguard.collectors.nodename import node_name
 from trainguard.errors import UserError
+from trainguard.launcher.inplace_status import StatusReader
 from trainguard.launcher.order_feed import Delivery, OrderFeed, OrderPublisher
 from trainguard.launcher.order_feed import log as _log
 from trainguard.logs import context as log_context
@@ -159,7 +160,7 @@ class Supervisor:
                  orders=None, verifier: Verifier | None = None, deadletter=None,
                  clock=time.time, log=_log, poll_s: float = 0.1,
                  world_size: int | None = None, instrument: bool = False,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, inplace_status: str | None = None):
         self.job = job
         self.cmd = list(cmd)
         self.max_restarts = max_restarts
@@ -186,6 +187,10 @@ class Supervisor:
         self.restarted_incidents: set[str] = set()
         self._stop_signal: int | None = None
         self._signals = 0
+        #: the standby launcher's --status file (``trainguard run --standby``)
+        self.inplace = StatusReader(inplace_status) if inplace_status else None
+        self.inplace_ts = 0.0          # when warm standbys last took ranks over in place
+        self.fallback = None           # why the standby launcher gave up, if it did
 
     # ------------------------------------------------------------------ the loop
     def request_stop(self, signum: int) -> None:
@@ -198,6 +203,8 @@ class Supervisor:
         while True:
             if self._stop_signal is not None:
                 return self._shut_down()
+            if self.inplace is not None:
+                self._inplace_news()
             code = self.proc.poll()
             if code is not None:
                 status, name = exit_status(code)
@@ -216,10 +223,13 @@ class Supervisor:
                              f"({self.max_restarts}) spent, giving up")
                     return status
                 self.log(f"command exited with {what}; restarting")
+                fallback = (f" (no restart in place: {self.fallback}; the fallback)"
+                            if self.fallback else "")
+                self.fallback = None
                 self._relaunch()
                 self._record(incident, "restart", self._targets(), "done",
                              f"exit: the command exited with {what}; relaunched "
-                             f"(restart {self.restarts} of {self.max_restarts})",
+                             f"(restart {self.restarts} of {self.max_restarts}){fallback}",
                              code="relaunched")
                 continue
             delivery = self.orders.poll(self.poll_s) if self.orders else None
@@ -290,6 +300,14 @@ class Supervisor:
             return self._ack(order, "already_satisfied", "relaunched_since_onset", (
                 f"launch {self.incarnation} started {self.launched_ts - onset:.1f}s after "
                 "the incident began, with the exclusions asked for; not restarted again"))
+        if self.inplace is not None:
+            self._inplace_news()
+        if (order.op == "restart" and onset is not None and onset < self.inplace_ts
+                and self.excluded <= self.active_excluded):
+            self.restarted_incidents.add(incident)
+            return self._ack(order, "already_satisfied", "restarted_in_place", (
+                f"warm standbys took the ranks over in place {self.inplace_ts - onset:.1f}s "
+                "after the incident began; not relaunched"))
         if self.restarts >= self.max_restarts:
             return self._ack(order, "failed", "budget_exhausted", (
                 f"all {self.max_restarts} restart(s) of --max-restarts are spent; not "
@@ -411,13 +429,30 @@ class Supervisor:
                                 extra=extra))
 
     def _record(self, incident: str, action: str, targets: dict, status: str, reason: str,
-                code: str) -> None:
-        """An audit record of the supervisor's own restart of a command that exited."""
+                code: str, trigger: str = "exit") -> None:
+        """An audit record of the supervisor's own restart of a command that exited (or of
+        the standby launcher's restart in place)."""
         self._emit(ev.Action(job=self.job, ts=self.clock(), node=self.node, incident=incident,
                              action=action, targets=targets, status=status, reason=reason,
                              extra={"action_id": f"{incident}:{action}", "source": "supervisor",
-                                    "trigger": "exit", "code": code,
+                                    "trigger": trigger, "code": code,
                                     "incarnation": self.incarnation}))
+
+    def _inplace_news(self) -> None:
+        """Record the standby launcher's restarts in place, and remember why it gave up."""
+        for record in self.inplace.new():
+            ts = record.get("ts")
+            if record.get("event") == "fallback":
+                self.fallback = str(record.get("reason"))[:300]
+            elif record.get("event") == "generation" and type(ts) is float:
+                self.inplace_ts = max(self.inplace_ts, ts)
+                generation = record.get("generation")
+                self._record(f"{self.job}:inplace:{self.incarnation}:{generation}", "restart",
+                             self._targets(), "done",
+                             f"rank {record.get('rank')} exited with status "
+                             f"{record.get('status')}; warm standbys took the ranks over in "
+                             f"place (generation {generation}), no relaunch",
+                             code="restarted_in_place", trigger="inplace")
 
 
 @lru_cache(maxsize=1)
@@ -473,6 +508,22 @@ def main(args, config, keys=None) -> int:
         raise UserError(f"--job {args.job!r} must be 1-128 of [A-Za-z0-9._-]")
     from trainguard.signing import KEY_ENV, signing_key_from_env, warn_if_unsigned
 
+    status, world_size = None, None
+    standby, nproc = getattr(args, "standby", None), getattr(args, "nproc", None)
+    if nproc is not None and standby is None:
+        raise UserError("--nproc goes with --standby (without it, give torchrun its own "
+                        "--nproc-per-node)")
+    if standby is not None:
+        if standby < 0 or (nproc is not None and nproc < 1):
+            raise UserError(f"--standby must be 0 or more and --nproc 1 or more, got "
+                            f"{standby} and {nproc}")
+        import sys
+        import tempfile
+
+        world_size = nproc or 1
+        status = os.path.join(tempfile.mkdtemp(prefix="trainguard-run-"), "inplace.jsonl")
+        cmd = [sys.executable, "-m", "trainguard.launcher.inplace", "--nproc",
+               str(world_size), "--standby", str(standby), "--status", status, "--", *cmd]
     keys = keys if keys is not None else signing_key_from_env()
     warn_if_unsigned(keys, "run", f"orders on {config.topics.orders}")
     started = time.time()
@@ -489,7 +540,8 @@ def main(args, config, keys=None) -> int:
                             environ=environ, publish=publish, orders=feed,
                             verifier=Verifier(keys), deadletter=publish.deadletter,
                             instrument=getattr(args, "instrument", False),
-                            resume_step=resume_step)
+                            resume_step=resume_step, world_size=world_size,
+                            inplace_status=status)
     old = {s: signal.signal(s, lambda signum, frame: supervisor.request_stop(signum))
            for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -506,3 +558,7 @@ def main(args, config, keys=None) -> int:
         publish.close()
         if getattr(supervisor, "metrics", None) is not None:
             supervisor.metrics.close()
+        if status is not None:
+            import shutil
+
+            shutil.rmtree(os.path.dirname(status), ignore_errors=True)

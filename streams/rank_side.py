@@ -35,7 +35,6 @@ from trainguard.streams.snapshots import StateError, snapshot_pause
 __all__ = ["RankService"]
 
 log = logging.getLogger(__name__)
-IDLE_SLEEP_S = 0.02
 #: a partition that brought records this recently may bring older ones still
 ACTIVE_S = 0.3
 #: event-time lead over the other partitions at which a partition is paused
@@ -99,7 +98,7 @@ class RankService(Service):
             "client.id": f"{self.settings.app_id}-ranks", "enable.auto.commit": False,
             "auto.offset.reset": "earliest", "session.timeout.ms": session_ms,
             "heartbeat.interval.ms": max(1000, session_ms // 5),
-            "max.poll.interval.ms": 300_000, "fetch.wait.max.ms": 100,
+            "max.poll.interval.ms": 300_000,
             # a short prefetch queue and small per-partition fetches interleave the
             # partitions of a backlog finely, so the event-time aligner holds little back
             "queued.min.messages": 5000, "fetch.queue.backoff.ms": 10,
@@ -132,7 +131,7 @@ class RankService(Service):
             if self.clock() >= self._next_snapshot:
                 await self.checkpoint("interval")
             # yield to Faust's tasks after every batch; idle: wait a little for more
-            await asyncio.sleep(IDLE_SLEEP_S if not messages else 0)
+            await asyncio.sleep(self.settings.poll_ms / 1000 if not messages else 0)
 
     def poll_once(self, timeout_s: float = 0) -> list | None:
         """Consume one batch (this serves the rebalance callbacks too) and apply it; None

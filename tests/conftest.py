@@ -69,3 +69,14 @@ def pytest_collection_modifyitems(config, items):
         elif any(d.scope == "module" for fixturedefs in defs.values() for d in fixturedefs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
+
+
+@pytest.fixture
+def shm():
+    """A folder of its own under /dev/shm (host memory, as the node agent's snapshots)."""
+    import shutil
+
+    root = Path("/dev/shm") / f"tg-test-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

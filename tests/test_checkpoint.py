@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -58,15 +57,7 @@ def test_machines_alone_get_a_ring():
 
 
 # -- one rank, in one process ----------------------------------------------------------------
-@pytest.fixture
-def shm():
-    import shutil
-
-    root = Path("/dev/shm") / f"tg-unit-{uuid.uuid4().hex[:8]}"
-    root.mkdir()
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
+# (the ``shm`` fixture: tests/conftest.py)
 
 def train(ck, model, opt, steps, first=0):
     weights = {}

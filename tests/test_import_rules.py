@@ -36,7 +36,7 @@ MAY_IMPORT = {
     "integrations": ("core", "checkpoint", "collectors"),
     "streams": ("core", "detectors"),
     "actions": ("core", "detectors", "diagnosis"),
-    "launcher": ("core", "collectors", "integrations", "actions"),
+    "launcher": ("core", "checkpoint", "collectors", "integrations", "actions"),
     "apps": ("core", "collectors", "detectors", "diagnosis", "streams", "actions"),
     "deploy": (),
     "entry points": ("core", "checkpoint", "collectors", "detectors", "diagnosis",

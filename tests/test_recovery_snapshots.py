@@ -4,7 +4,6 @@ machine. No broker: the collectors point at a closed port."""
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 
@@ -12,17 +11,6 @@ pytest.importorskip("torch")
 
 from snapshot_cluster import (Machine, base_env, free_port, kill, restored_lines,  # noqa: E402
                               torchrun)
-
-
-@pytest.fixture
-def shm():
-    from pathlib import Path
-    import shutil
-
-    root = Path("/dev/shm") / f"tg-test-{uuid.uuid4().hex[:8]}"
-    root.mkdir()
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def wait(proc, timeout):

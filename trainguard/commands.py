@@ -78,6 +78,12 @@ def add_service_commands(sub, add_kafka_flags, delegate) -> None:
                      help="watch an unmodified PyTorch script through PyTorch's hooks "
                           "(also TRAINGUARD_INSTRUMENT=1, or collector.instrument = true "
                           "in --config)")
+    run.add_argument("--standby", type=int, default=None, metavar="K",
+                     help="restart in place: the command is a Python training script run as "
+                          "--nproc ranks with K warm standby processes, which take the ranks "
+                          "of a crashed generation over without a relaunch (docs/RECOVERY.md)")
+    run.add_argument("--nproc", type=int, default=None, metavar="N",
+                     help="ranks of the script with --standby (default 1)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command")
     add_kafka_flags(run)
     add_metrics_flags(run, "run")

@@ -1,0 +1,85 @@
+"""Issue 20 point 3: ``trainguard run --standby``, a restart without a relaunch.
+
+The supervisor runs the standby launcher (trainguard.launcher.inplace) over examples/train.py:
+a crashed rank's generation is taken over by warm standbys that restore from the in-memory
+snapshots, the supervisor records it (code ``restarted_in_place``) and does not relaunch, and
+the action service's restart order for the same crash is answered ``already_satisfied``
+(``restarted_in_place``), not with a second restart. When the launcher runs out of
+standbys, the supervisor relaunches: the fallback, recorded as such. No broker: the
+supervisor's Kafka ends are lists, the collectors point at a closed port."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from snapshot_cluster import REPO, base_env, restored_lines
+from test_supervisor import Orders, Running, acks, planned, records
+from trainguard.launcher.supervisor import Supervisor
+
+pytest.importorskip("torch")
+
+
+def standby_supervisor(tmp_path, shm, chaos: str, standby: int, steps: int = 12):
+    status = tmp_path / "inplace.jsonl"
+    log = tmp_path / "run.log"
+    env = {**base_env(tmp_path), "TRAINGUARD_SNAPSHOT_DIR": str(shm),
+           "TRAINGUARD_CHAOS": chaos}
+    script = [str(REPO / "examples" / "train.py"), "--job", "j1", "--steps", str(steps),
+              "--checkpoint-every", "1000", "--snapshot-every", "2", "--checkpoint-dir",
+              str(tmp_path / "ckpt"), "--timeout", "60"]
+    cmd = [sys.executable, "-m", "trainguard.launcher.inplace", "--nproc", "2", "--standby",
+           str(standby), "--status", str(status), "--", *script]
+    published, lines = [], []
+    sup = Supervisor(job="j1", cmd=cmd, max_restarts=2, grace_s=2.0, environ=env,
+                     node="hostA", publish=published.append, orders=Orders(),
+                     log=lines.append, poll_s=0.05, world_size=2,
+                     inplace_status=str(status))
+    return sup, published, lines, log
+
+
+@pytest.mark.slow
+def test_a_crash_is_taken_over_in_place_and_its_restart_order_is_already_satisfied(
+        tmp_path, shm, capfd):
+    sup, published, lines, _ = standby_supervisor(tmp_path, shm, "crash@step=7,rank=1",
+                                                  standby=2)
+    started = time.time()
+    with Running(sup) as run:
+        run.join(240)
+    out = capfd.readouterr().out
+    assert run.code == 0, out[-4000:] + "\n".join(lines)
+    assert sup.incarnation == 0 and sup.restarts == 0      # never relaunched
+    assert "[inplace] standby 0 takes rank" in out and "fallback" not in out
+    found = restored_lines(out)
+    common = min(newest for newest, _, _ in found.values())
+    assert sorted(found) == [0, 1] and common in (6, 8), out[-4000:]
+    assert all(source == "memory" for _, _, source in found.values())
+    [record] = records(published, status="done")
+    assert record.extra["code"] == "restarted_in_place" and record.extra["trigger"] == "inplace"
+    assert "generation 1" in record.reason
+
+    # the action service's restart order for that crash, which began before the takeover
+    crash = next(json.loads(line) for line in (tmp_path / "inplace.jsonl").read_text()
+                 .splitlines())
+    order = planned(incident="crash-inc", onset=crash["ts"] - 1.0)
+    assert sup.obey(order, {"exclude_nodes": [], "onset_ts": order.targets["onset_ts"]}) \
+        == "already_satisfied"
+    ack = acks(published, incident="crash-inc")[0]
+    assert ack.code == "restarted_in_place" and sup.restarts == 0
+    assert started < crash["failed_ts"] < crash["ts"]
+
+
+@pytest.mark.slow
+def test_without_enough_standbys_the_supervisor_relaunches_and_says_why(tmp_path, shm, capfd):
+    sup, published, lines, _ = standby_supervisor(tmp_path, shm, "crash@step=5,rank=1",
+                                                  standby=1, steps=8)
+    with Running(sup) as run:
+        run.join(240)
+    out = capfd.readouterr().out
+    assert run.code == 0, out[-4000:] + "\n".join(lines)
+    assert sup.restarts == 1                                # the fallback
+    done = records(published, status="done")
+    assert [r.extra["code"] for r in done] == ["relaunched"], done
+    assert "no restart in place: no standby left for rank" in done[0].reason
