@@ -14,7 +14,7 @@ Targets come over the network, so they are checked against what a scheduler acce
 environment variable or a command line:
 
 >>> targets_of("rollback", {"rollback_step": 120, "exclude_nodes": ["n1"], "job": "j1"})
-RollbackTargets(exclude_nodes=('n1',), onset_ts=None, rollback_step=120)
+RollbackTargets(exclude_nodes=('n1',), onset_ts=None, ranks=(), rollback_step=120)
 
 >>> check_targets("evict", {"nodes": ["gpu-node-07", "n1.rack2"], "job": "j1"})
 {'nodes': ['gpu-node-07', 'n1.rack2'], 'exclude_nodes': ['gpu-node-07', 'n1.rack2']}
@@ -52,11 +52,13 @@ NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 NODE_HINT = "1-253 of letters, digits, '-', '_', '.', starting with a letter or digit"
 MAX_NODES = 512
 MAX_STEP = 10**12
+MAX_RANK = 10**7
+MAX_RANKS = 4096
 STEP = Int(minimum=0, maximum=MAX_STEP)
 JOB_OPS = JOB_ACTIONS
 #: the ``code`` of an ack, by status (a program decides on these, never on ``reason``)
 ACK_CODES = {
-    "done": ("relaunched", "excluded", "stopping"),
+    "done": ("relaunched", "restarted_in_place", "excluded", "stopping"),
     "already_satisfied": ("relaunched_since_onset", "restarted_in_place", "incident_restarted",
                           "already_excluded"),
     "failed": ("budget_exhausted", "launch_failed"),
@@ -70,23 +72,38 @@ class InvalidTarget(ValueError):
     """An order's target that will not be used; the message names it and why."""
 
 
-def check_nodes(value, path: str) -> list[str]:
-    """Distinct node names in order, each matching :data:`NODE_NAME`, at most
-    :data:`MAX_NODES` of them."""
+def _distinct(value, path: str, what: str, limit: int, valid, hint: str) -> list:
+    """The distinct items of list ``value`` in order, each ``valid``, at most ``limit``;
+    ``what``: the items' name (plural ``what + "s"``)."""
     if value is None:
         return []
     if type(value) is not list:
-        raise InvalidTarget(f"{path}: expected a list of node names, got {type(value).__name__}")
-    if len(value) > MAX_NODES:
-        raise InvalidTarget(f"{path}: {len(value)} nodes, more than {MAX_NODES}")
-    out: list[str] = []
-    for i, name in enumerate(value):
-        if type(name) is not str or not NODE_NAME.fullmatch(name):
-            shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."
-            raise InvalidTarget(f"{path}[{i}]: {shown} is not a node name ({NODE_HINT})")
-        if name not in out:
-            out.append(name)
+        raise InvalidTarget(f"{path}: expected a list of {what}s, got {type(value).__name__}")
+    if len(value) > limit:
+        raise InvalidTarget(f"{path}: {len(value)} {what.split()[0]}s, more than {limit}")
+    out: list = []
+    for i, item in enumerate(value):
+        if not valid(item):
+            shown = repr(item) if len(repr(item)) <= 60 else repr(item)[:57] + "..."
+            raise InvalidTarget(f"{path}[{i}]: {shown} is not a {what} ({hint})")
+        if item not in out:
+            out.append(item)
     return out
+
+
+def check_nodes(value, path: str) -> list[str]:
+    """Distinct node names in order, each matching :data:`NODE_NAME`, at most
+    :data:`MAX_NODES` of them."""
+    return _distinct(value, path, "node name", MAX_NODES,
+                     lambda name: type(name) is str and NODE_NAME.fullmatch(name), NODE_HINT)
+
+
+def check_ranks(value, path: str) -> list[int]:
+    """Distinct ranks in order, each an int from 0 to :data:`MAX_RANK`, at most
+    :data:`MAX_RANKS` of them."""
+    return _distinct(value, path, "rank", MAX_RANKS,
+                     lambda rank: type(rank) is int and 0 <= rank <= MAX_RANK,
+                     f"an integer from 0 to {MAX_RANK}")
 
 
 def _step(value, path: str) -> int | None:
@@ -110,22 +127,27 @@ def _onset(value) -> float | None:
 @dataclass(frozen=True, kw_only=True)
 class RestartTargets:
     """A restart: keep the job off ``exclude_nodes``; ``onset_ts``, when the incident began
-    (a launch since then already answers the order)."""
+    (a launch since then already answers the order); ``ranks``, the ranks the incident names
+    (``trainguard run --standby`` replaces only their processes, in place)."""
 
     OP: ClassVar[str] = "restart"
     exclude_nodes: tuple = ()
     onset_ts: float | None = None
+    ranks: tuple = ()
 
     @classmethod
     def check(cls, targets: dict) -> "RestartTargets":
         return cls(exclude_nodes=tuple(check_nodes(targets.get("exclude_nodes"),
                                                    "exclude_nodes")),
-                   onset_ts=_onset(targets.get("onset_ts")))
+                   onset_ts=_onset(targets.get("onset_ts")),
+                   ranks=tuple(check_ranks(targets.get("ranks"), "ranks")))
 
     def to_wire(self) -> dict:
         out: dict = {"exclude_nodes": list(self.exclude_nodes)}
         if self.onset_ts is not None:
             out["onset_ts"] = self.onset_ts
+        if self.ranks:
+            out["ranks"] = list(self.ranks)
         return out
 
 
@@ -140,7 +162,7 @@ class RollbackTargets(RestartTargets):
     @classmethod
     def check(cls, targets: dict) -> "RollbackTargets":
         base = RestartTargets.check(targets)
-        return cls(exclude_nodes=base.exclude_nodes, onset_ts=base.onset_ts,
+        return cls(exclude_nodes=base.exclude_nodes, onset_ts=base.onset_ts, ranks=base.ranks,
                    rollback_step=_step(targets.get("rollback_step"), "rollback_step"))
 
     def to_wire(self) -> dict:

@@ -279,7 +279,10 @@ def load_policy(path: str | Path | None, dry_run: bool = False) -> Policy:
 
 
 def _job_targets(incident: Incident) -> dict:
-    return {"job": incident.job, "onset_ts": incident.onset_ts}
+    out = {"job": incident.job, "onset_ts": incident.onset_ts}
+    if incident.ranks:
+        out["ranks"] = sorted(set(incident.ranks))
+    return out
 
 
 def _suspect_nodes(policy: Policy, loc: dict) -> list:

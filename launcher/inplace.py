@@ -22,8 +22,10 @@ G``, ``[inplace] fallback to a relaunch: ...``) and, with ``--status FILE``, one
 appended to FILE, which ``trainguard run`` reads to record the restart and to answer the
 action service's restart order for the same incident:
 ``{"event": "generation", "generation": G, "ts": T, "rank": R, "status": S, "failed_ts": F}``
-once standbys took every rank of generation G over (rank R failed with status S at F), and
-``{"event": "fallback", "ts": T, "reason": "..."}``.
+once standbys took every rank of generation G over (rank R failed with status S at F),
+``{"event": "ranks", "generation": G, "pids": {"0": PID, ...}}`` at the start and after each
+takeover (``trainguard run`` kills the processes of the ranks a restart order names, and
+standbys take them over), and ``{"event": "fallback", "ts": T, "reason": "..."}``.
 """
 from __future__ import annotations
 
@@ -103,6 +105,8 @@ def main(argv=None) -> int:
         standbys.append((next_standby, spawn(-1, next_standby)))
         next_standby += 1
     generation, finished, owed, last_failure, failure = 0, set(), 0, 0.0, {}
+    status.say(f"ranks {sorted(ranks)} started", event="ranks", generation=0,
+               pids={str(r): p.pid for r, (p, _) in ranks.items()})
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.append(signum))
@@ -148,6 +152,9 @@ def main(argv=None) -> int:
                 if all(joined == generation for _, joined in ranks.values()):
                     status.say(f"every rank of generation {generation} is taken over",
                                event="generation", generation=generation, **failure)
+                    status.say(f"generation {generation} runs", event="ranks",
+                               generation=generation,
+                               pids={str(r): p.pid for r, (p, _) in ranks.items()})
         return 0
     finally:
         _stop_all([p for _, p in standbys] + [p for p, _ in ranks.values()])

@@ -191,6 +191,7 @@ class Supervisor:
         self.inplace = StatusReader(inplace_status) if inplace_status else None
         self.inplace_ts = 0.0          # when warm standbys last took ranks over in place
         self.fallback = None           # why the standby launcher gave up, if it did
+        self.inplace_pids: dict = {}   # rank -> its process, in the standby launcher
 
     # ------------------------------------------------------------------ the loop
     def request_stop(self, signum: int) -> None:
@@ -308,6 +309,13 @@ class Supervisor:
             return self._ack(order, "already_satisfied", "restarted_in_place", (
                 f"warm standbys took the ranks over in place {self.inplace_ts - onset:.1f}s "
                 "after the incident began; not relaunched"))
+        if order.op == "restart" and self.excluded <= self.active_excluded:
+            killed = self._kill_ranks(targets.get("ranks") or [])
+            if killed:
+                self.restarted_incidents.add(incident)
+                return self._ack(order, "done", "restarted_in_place", (
+                    f"killed the process of rank(s) {', '.join(map(str, killed))}; warm "
+                    "standbys take the ranks over in place, no relaunch"))
         if self.restarts >= self.max_restarts:
             return self._ack(order, "failed", "budget_exhausted", (
                 f"all {self.max_restarts} restart(s) of --max-restarts are spent; not "
@@ -438,12 +446,29 @@ class Supervisor:
                                     "trigger": trigger, "code": code,
                                     "incarnation": self.incarnation}))
 
+    def _kill_ranks(self, ranks: list) -> list:
+        """Under the standby launcher, SIGKILL the live processes of ``ranks`` (each must be
+        a process of the command: a pid is never taken on trust); returns the ranks killed,
+        none unless every rank named has one."""
+        if self.inplace is None or not ranks or self.proc is None or self.proc.poll() is not None:
+            return []
+        tree = set(descendants(self.proc.pid))
+        pids = [self.inplace_pids.get(rank) for rank in ranks]
+        if not all(pid in tree for pid in pids):
+            return []
+        for pid in pids:
+            _kill(pid, signal.SIGKILL)
+        return list(ranks)
+
     def _inplace_news(self) -> None:
         """Record the standby launcher's restarts in place, and remember why it gave up."""
         for record in self.inplace.new():
             ts = record.get("ts")
             if record.get("event") == "fallback":
                 self.fallback = str(record.get("reason"))[:300]
+            elif record.get("event") == "ranks" and isinstance(record.get("pids"), dict):
+                self.inplace_pids = {int(r): pid for r, pid in record["pids"].items()
+                                     if str(r).isdigit() and type(pid) is int}
             elif record.get("event") == "generation" and type(ts) is float:
                 self.inplace_ts = max(self.inplace_ts, ts)
                 generation = record.get("generation")

@@ -51,7 +51,7 @@ def test_crash_becomes_planned_restart_records():
     assert summary(rec.events) == [("restart", "planned"), ("alert", "done")]
     restart = rec.events[0]
     assert restart.incident == "a1" and restart.job == "j1"
-    assert restart.targets == {"job": "j1", "onset_ts": T0, "exclude_nodes": []}
+    assert restart.targets == {"job": "j1", "onset_ts": T0, "exclude_nodes": [], "ranks": [1]}
     assert restart.extra["action_id"] == "a1:restart" and restart.extra["source"] == "actions"
     assert work.records == rec.events
     assert ev.decode(ev.encode(restart)) == restart  # valid SPEC action

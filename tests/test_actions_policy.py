@@ -23,7 +23,8 @@ def test_gpu_fault_evicts_the_machine_and_restarts():
     out = decide(Policy(), incident("gpu_fault", nodes=["n7"]), History())
     assert actions(out) == ["evict", "restart", "alert"]
     assert out[0].targets["nodes"] == ["n7"]
-    assert out[1].targets == {"job": "j1", "onset_ts": 100.0, "exclude_nodes": ["n7"]}
+    assert out[1].targets == {"job": "j1", "onset_ts": 100.0, "exclude_nodes": ["n7"],
+                              "ranks": [1]}
     assert all(d.status == "planned" for d in out)
 
 

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from snapshot_cluster import REPO, base_env, restored_lines
+from actions_harness import wait_for
 from test_supervisor import Orders, Running, acks, planned, records
 from trainguard.launcher.supervisor import Supervisor
 
@@ -26,7 +27,7 @@ def standby_supervisor(tmp_path, shm, chaos: str, standby: int, steps: int = 12)
     status = tmp_path / "inplace.jsonl"
     log = tmp_path / "run.log"
     env = {**base_env(tmp_path), "TRAINGUARD_SNAPSHOT_DIR": str(shm),
-           "TRAINGUARD_CHAOS": chaos}
+           "TRAINGUARD_CHAOS": chaos, "TRAINGUARD_CHAOS_LOG": str(tmp_path / "chaos.jsonl")}
     script = [str(REPO / "examples" / "train.py"), "--job", "j1", "--steps", str(steps),
               "--checkpoint-every", "1000", "--snapshot-every", "2", "--checkpoint-dir",
               str(tmp_path / "ckpt"), "--timeout", "60"]
@@ -61,8 +62,8 @@ def test_a_crash_is_taken_over_in_place_and_its_restart_order_is_already_satisfi
     assert "generation 1" in record.reason
 
     # the action service's restart order for that crash, which began before the takeover
-    crash = next(json.loads(line) for line in (tmp_path / "inplace.jsonl").read_text()
-                 .splitlines())
+    crash = next(r for r in map(json.loads, (tmp_path / "inplace.jsonl").read_text()
+                                .splitlines()) if r["event"] == "generation")
     order = planned(incident="crash-inc", onset=crash["ts"] - 1.0)
     assert sup.obey(order, {"exclude_nodes": [], "onset_ts": order.targets["onset_ts"]}) \
         == "already_satisfied"
@@ -83,3 +84,26 @@ def test_without_enough_standbys_the_supervisor_relaunches_and_says_why(tmp_path
     done = records(published, status="done")
     assert [r.extra["code"] for r in done] == ["relaunched"], done
     assert "no restart in place: no standby left for rank" in done[0].reason
+
+
+@pytest.mark.slow
+def test_a_restart_order_naming_a_hung_rank_replaces_only_its_process(tmp_path, shm, capfd):
+    sup, published, lines, _ = standby_supervisor(tmp_path, shm, "hang@step=5,rank=1",
+                                                  standby=2, steps=10)
+    chaos = tmp_path / "chaos.jsonl"
+    with Running(sup) as run:
+        wait_for(lambda: chaos.exists() and chaos.read_text().strip(), what="the hang",
+                 timeout=120)
+        sup.orders.put(planned(incident="hang-inc", onset=time.time() - 1.0, ranks=[1]))
+        wait_for(lambda: acks(published, incident="hang-inc"), what="the ack", timeout=30)
+        run.join(240)
+    out = capfd.readouterr().out
+    ack = acks(published, incident="hang-inc")[0]
+    assert (ack.status, ack.code) == ("done", "restarted_in_place"), ack.reason
+    assert run.code == 0, out[-4000:] + "\n".join(lines)
+    assert sup.incarnation == 0 and sup.restarts == 0      # never relaunched
+    assert "[inplace] rank 1 exited with status -9" in out and "fallback" not in out
+    found = restored_lines(out)
+    assert sorted(found) == [0, 1] and all(src == "memory" for _, _, src in found.values())
+    assert [r.extra["code"] for r in records(published, status="done")] == \
+        ["restarted_in_place"]
