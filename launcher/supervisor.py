@@ -303,13 +303,16 @@ class Supervisor:
                 "the incident began, with the exclusions asked for; not restarted again"))
         if self.inplace is not None:
             self._inplace_news()
+        # machines to exclude need a relaunch, where a relaunch can exclude (an srun)
+        excluding = not self.excluded <= self.active_excluded \
+            and with_exclusions(self.cmd, set()) is not None
         if (order.op == "restart" and onset is not None and onset < self.inplace_ts
-                and self.excluded <= self.active_excluded):
+                and not excluding):
             self.restarted_incidents.add(incident)
             return self._ack(order, "already_satisfied", "restarted_in_place", (
                 f"warm standbys took the ranks over in place {self.inplace_ts - onset:.1f}s "
                 "after the incident began; not relaunched"))
-        if order.op == "restart" and self.excluded <= self.active_excluded:
+        if order.op == "restart" and not excluding:
             killed = self._kill_ranks(targets.get("ranks") or [])
             if killed:
                 self.restarted_incidents.add(incident)

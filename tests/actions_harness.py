@@ -315,20 +315,31 @@ class Deployment:
     def torchrun(ranks: int = 4, steps: int = 60, checkpoint_every: int = 10,
                  step_sleep: float = 0.1, job: str = "e2e", extra: list | None = None) -> list:
         return [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                "--standalone", str(TRAIN_SCRIPT), "--job", job, "--steps", str(steps),
+                "--standalone", *Deployment.script(steps, checkpoint_every, step_sleep, job, extra)]
+
+    @staticmethod
+    def script(steps: int = 60, checkpoint_every: int = 10, step_sleep: float = 0.1,
+               job: str = "e2e", extra: list | None = None) -> list:
+        """examples/train.py and its arguments."""
+        return [str(TRAIN_SCRIPT), "--job", job, "--steps", str(steps),
                 "--checkpoint-every", str(checkpoint_every), "--step-sleep", str(step_sleep),
                 "--timeout", "300", *(extra or [])]
 
     def supervise(self, job: str, cmd: list, chaos: str | None = None, max_restarts: int = 2,
-                  grace: float = 5.0, name: str | None = None) -> subprocess.Popen:
+                  grace: float = 5.0, name: str | None = None,
+                  standby: tuple | None = None) -> subprocess.Popen:
+        """``trainguard run`` of ``cmd``; ``standby=(nproc, k)``: ``--nproc nproc --standby
+        k``, ``cmd`` being the Python script and its arguments."""
         ckpt = self.folder / f"ckpt-{job}"
-        env = {**self.env, "TRAINGUARD_CHAOS_LOG": str(self.folder / f"chaos-{job}.jsonl")}
+        env = {**self.env, "TRAINGUARD_CHAOS_LOG": str(self.folder / f"chaos-{job}.jsonl"),
+               "TRAINGUARD_SNAPSHOT_DIR": str(self.folder / f"snapshots-{job}")}
         if chaos:
             env["TRAINGUARD_CHAOS"] = chaos
+        inplace = ["--nproc", str(standby[0]), "--standby", str(standby[1])] if standby else []
         return self.procs.trainguard(name or f"run-{job}", "run", "--job", job,
                                      "--max-restarts", str(max_restarts), "--checkpoint-dir",
-                                     str(ckpt), "--grace", str(grace), "--", *cmd, env=env,
-                                     limit_s=self.limit_s)
+                                     str(ckpt), "--grace", str(grace), *inplace, "--", *cmd,
+                                     env=env, limit_s=self.limit_s)
 
     def chaos_log(self, job: str) -> list[dict]:
         return read_log(self.folder / f"chaos-{job}.jsonl")

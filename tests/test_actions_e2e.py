@@ -72,6 +72,31 @@ def _hang_scenario(d, c, hook):
     hook.wait_for(lambda reqs: any(b"hang" in r.body for r in reqs), timeout=10)
 
 
+def test_with_warm_standbys_a_hang_is_restarted_in_place_without_a_relaunch(world):
+    """Issue 20 point 3 through the whole pipeline: the restart order names the hung rank,
+    ``trainguard run --standby`` kills only its process and standbys take the ranks over."""
+    d, c, _ = world
+    d.start(policy={"capture": FAST_CAPTURE})
+    run = d.supervise("inplace", d.script(steps=STEPS, job="inplace",
+                                          extra=["--snapshot-every", "1"]),
+                      chaos="hang@step=25,rank=2", standby=(4, 4))
+    wait_for(lambda: run.poll() is not None, timeout=240, interval=0.5, what="the job's end")
+    assert run.returncode == 0, d.procs.log("run-inplace")[-3000:]
+    acts = [e for e in c["actions"].drain(1.0) if e.job == "inplace"]
+    restarts = [a for a in acts if a.action == "restart" and a.extra.get("ack_status")]
+    assert [(a.extra["ack_status"], a.extra.get("code")) for a in restarts] == \
+        [("done", "restarted_in_place")], d.procs.log("actions")[-3000:]
+    assert restarts[0].targets.get("ranks") == [2]
+    telemetry = c["telemetry"].drain(1.0)
+    launches = [e for e in telemetry if e.type == "lifecycle" and e.job == "inplace"
+                and e.rank is None and e.event == "start"]
+    assert len(launches) == 1                       # no relaunch
+    fault = d.chaos_log("inplace")[0]["injected_ts"]
+    resumed = [s.step for s in steps_of(telemetry, "inplace") if s.ts > fault + 1.0]
+    assert resumed and max(resumed) == STEPS - 1
+    assert "standby" in d.procs.log("run-inplace")
+
+
 def test_crash_is_restarted_and_resumed(world):
     d, c, _ = world
     d.start(policy={"capture": FAST_CAPTURE})
