@@ -86,9 +86,8 @@ def _distinct(value, path: str, what: str, limit: int, valid, hint: str) -> list
         if not valid(item):
             shown = repr(item) if len(repr(item)) <= 60 else repr(item)[:57] + "..."
             raise InvalidTarget(f"{path}[{i}]: {shown} is not a {what} ({hint})")
-        if item not in out:
-            out.append(item)
-    return out
+        out.append(item)
+    return list(dict.fromkeys(out))
 
 
 def check_nodes(value, path: str) -> list[str]:
@@ -211,7 +210,8 @@ assert set(TARGETS) == set(ev.ORDER_OPS) and set(JOB_OPS) <= set(TARGETS)
 def targets_of(op: str, targets):
     """The typed targets of an order of ``op``, checked and reduced to what ``op`` uses:
     ``nodes`` (evict), ``exclude_nodes`` (every job op; an eviction's nodes are excluded
-    too), ``onset_ts`` and ``rollback_step`` (restart, rollback). Anything else is left out.
+    too), ``onset_ts``, ``ranks`` and ``rollback_step`` (restart, rollback). Anything else
+    is left out.
     Raises :class:`InvalidTarget`."""
     if type(targets) is not dict:
         raise InvalidTarget("targets: expected an object")

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from trainguard.actions.model import JOB_ACTIONS, Decision, History, Incident
 from trainguard.actions.safety import DAY_S, apply_limits, covering_restart, restart_over
+from trainguard.actions.orders import MAX_RANK, MAX_RANKS
 from trainguard.config import ConfigError
 from trainguard.detectors.registry import default_ladder
 from trainguard.errors import UserError
@@ -279,9 +280,12 @@ def load_policy(path: str | Path | None, dry_run: bool = False) -> Policy:
 
 
 def _job_targets(incident: Incident) -> dict:
+    """A job order's targets; ``ranks`` (for a restart in place) only when the order may
+    carry them: an incident of more ranks restarts the whole job anyway."""
     out = {"job": incident.job, "onset_ts": incident.onset_ts}
-    if incident.ranks:
-        out["ranks"] = sorted(set(incident.ranks))
+    ranks = sorted({r for r in incident.ranks if type(r) is int and 0 <= r <= MAX_RANK})
+    if ranks and len(ranks) == len(set(incident.ranks)) and len(ranks) <= MAX_RANKS:
+        out["ranks"] = ranks
     return out
 
 

@@ -133,7 +133,7 @@ def _actions_for(actions: list[dict], anomaly_ids: set, later_ids: set, since: f
     return [a for a in actions
             if a.get("status") in ("done", "planned", "dry_run") and since <= a["ts"]
             and ((a.get("incident") in incidents and a["ts"] < cut)
-                 or (a.get("source") == "supervisor" and a.get("trigger") == "exit"
+                 or (a.get("source") == "supervisor" and a.get("trigger") in ("exit", "inplace")
                      and a["ts"] < until))]
 
 

@@ -40,8 +40,9 @@ class StagesConfig:
     heartbeat_summary_s: float = setting(5.0, "RankStage forwards an unchanged heartbeat "
                                               "this often")
     step_window: int = setting(32, "a rank's record counts toward its step while the job is "
-                                   "at most this many steps further (steps by number: a rank "
-                                   "that lags or a clock that is off still counts)", minimum=1)
+                                   "fewer than this many steps further (steps by number: a "
+                                   "rank that lags or a clock that is off still counts)",
+                               minimum=1)
     step_window_s: float = setting(5.0, "... and at most this many seconds of the job's clock "
                                         "after the step's first record")
     advance_grid_s: float = setting(0.5, "a job's detectors advance (time-driven checks) at "

@@ -241,8 +241,10 @@ class StepAggregator:
     others) still counts toward its step while the step is inside that window. A record of a
     step already closed is a restart when a lifecycle ``start`` came since; otherwise it is
     late, counted in ``late``, and comes out alone as a ``jobstep`` with ``"late": True``, for
-    the one check that makes sense on one rank (a non-finite loss). Memory: the highest step
-    of each rank, and the open steps (at most ``window`` of them, while a rank lags).
+    the one check that makes sense on one rank (a non-finite loss). A rank that stops
+    reporting steps while its peers go on (its telemetry lost) holds their steps open until
+    ``window_s`` or ``window``: it cannot be told from one that lags. Memory: the highest
+    step of each rank, and the open steps (at most ``window`` of them, while a rank lags).
 
     >>> agg = StepAggregator(window=3)
     >>> rec = lambda r, s: {"k": "step", "job": "j", "rank": r, "ts": float(s), "step": s}
@@ -297,6 +299,8 @@ class StepAggregator:
             self._closed = step - 1
             self._tops.clear()
             self._low, self._at_low, self._high = None, 0, -1
+            self._first_step.clear()          # the roster is learned again
+            self._stable = False
         self._restarted = False
         rank = item["rank"]
         if rank not in self._ranks:
@@ -317,7 +321,7 @@ class StepAggregator:
         if len(entry[2]) >= expected and complete:
             return self._close_through(step)
         last = self._high - self.window
-        if self._low > last and self._roster():
+        if self._low is not None and self._low > last and self._roster():
             last = self._low                  # every rank reported it or went past it
         if last > self._closed:
             out = self._close_through(last)
@@ -327,11 +331,14 @@ class StepAggregator:
 
     def _roster(self) -> bool:
         """Whether the ranks that reported are all the job has: the world size of lifecycle
-        ``start`` (or, a window after the first step, those that came: a rank that never
-        reports must not hold every step open), else once some rank reported a second step."""
+        ``start``, else the ranks seen once some rank reported a second step; or, a window
+        after the first step, those that came (a rank that never reports must not hold
+        every step open)."""
+        if self._high - self._base >= self.window:
+            return True
         if self._world:
-            return len(self._tops) >= self._world or self._high - self._base >= self.window
-        return self._stable
+            return len(self._tops) >= self._world
+        return self._stable and len(self._tops) >= len(self._ranks)
 
     def _raise_top(self, rank, step) -> None:
         if step > self._high:

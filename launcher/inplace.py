@@ -40,6 +40,7 @@ import sys
 import time
 
 from trainguard.checkpoint.inplace import ENABLED_ENV, STANDBY_ENV
+from trainguard.launcher.supervisor import _die_with_parent
 
 __all__ = ["main", "parse_args", "REFILL_AFTER_S"]
 
@@ -96,7 +97,8 @@ def main(argv=None) -> int:
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(max(rank, 0))}
         if standby is not None:
             env[STANDBY_ENV] = str(standby)
-        return subprocess.Popen([sys.executable, *args.script], env=env)
+        return subprocess.Popen([sys.executable, *args.script], env=env,
+                                preexec_fn=_die_with_parent())
 
     ranks = {r: (spawn(r), 0) for r in range(args.nproc)}
     standbys: list = []
@@ -112,9 +114,9 @@ def main(argv=None) -> int:
         signal.signal(sig, lambda signum, frame: stop.append(signum))
     try:
         while len(finished) < args.nproc:
-            if stop:
-                return 128 + stop[0]
             time.sleep(0.01)
+            if stop:                # torn down from outside: its ranks' exits are no failure
+                return 128 + stop[0]
             if owed and time.monotonic() - last_failure > REFILL_AFTER_S:
                 standbys.append((next_standby, spawn(-1, next_standby)))   # refill the pool,
                 next_standby += 1                     # once the new generation is under way

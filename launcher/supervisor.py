@@ -208,6 +208,8 @@ class Supervisor:
                 self._inplace_news()
             code = self.proc.poll()
             if code is not None:
+                if self.inplace is not None:
+                    self._inplace_news()           # its last words: why it gave up
                 status, name = exit_status(code)
                 self._publish_exit(code)
                 if code == 0:
@@ -389,6 +391,9 @@ class Supervisor:
             self._publish_exit(None, restart=True)    # announced first: the ranks' exits
             self._terminate(signal.SIGTERM)           # that follow are ours, not a crash
             self._publish_exit(self.proc.returncode, restart=True)
+        if self.inplace is not None:       # what the torn-down launcher wrote is no news
+            self.inplace.new()
+            self.inplace_pids, self.fallback = {}, None
         self.restarts += 1
         self._launch(resume=True)
 
@@ -471,7 +476,8 @@ class Supervisor:
                 self.fallback = str(record.get("reason"))[:300]
             elif record.get("event") == "ranks" and isinstance(record.get("pids"), dict):
                 self.inplace_pids = {int(r): pid for r, pid in record["pids"].items()
-                                     if str(r).isdigit() and type(pid) is int}
+                                     if re.fullmatch(r"[0-9]{1,9}", str(r))
+                                     and type(pid) is int}
             elif record.get("event") == "generation" and type(ts) is float:
                 self.inplace_ts = max(self.inplace_ts, ts)
                 generation = record.get("generation")
@@ -551,7 +557,8 @@ def main(args, config, keys=None) -> int:
         world_size = nproc or 1
         status = os.path.join(tempfile.mkdtemp(prefix="trainguard-run-"), "inplace.jsonl")
         cmd = [sys.executable, "-m", "trainguard.launcher.inplace", "--nproc",
-               str(world_size), "--standby", str(standby), "--status", status, "--", *cmd]
+               str(world_size), "--standby", str(standby), "--max-restarts",
+               str(args.max_restarts), "--status", status, "--", *cmd]
     keys = keys if keys is not None else signing_key_from_env()
     warn_if_unsigned(keys, "run", f"orders on {config.topics.orders}")
     started = time.time()

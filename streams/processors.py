@@ -237,13 +237,15 @@ class JobProcessor(_SlotsProcessor):
     def __len__(self) -> int:
         return len(self.state.slots)
 
-    def _slot(self, job: str, partition: int) -> JobSlot:
+    def _slot(self, job: str, partition: int, now: float | None = None) -> JobSlot:
         key = job.encode()
         slot = self.state.slots.get(key)
         if slot is not None:
             self.state.touch(key, slot)
         else:
             slot = self.state.load(key)
+            if slot is not None and now is not None:
+                slot.heard_again(now)
             if slot is None:
                 slot = JobSlot(self.make_stage(), partition)
                 if getattr(slot.stage, "job", "") is None:
@@ -263,7 +265,7 @@ class JobProcessor(_SlotsProcessor):
     def apply(self, value, partition: int, now: float) -> list[ev.Anomaly]:
         """Apply one summaries message; raises :class:`InvalidSummaries` for a bad one."""
         job, items = decode_summaries(value)
-        slot = self._slot(job, partition)
+        slot = self._slot(job, partition, now)
         slot.touched = now
         self.state.dirty.add(job.encode())
         stage, marks, observe = slot.stage, slot.marks, self.observe_lag
@@ -356,6 +358,8 @@ class JobProcessor(_SlotsProcessor):
         for key in keys:
             slot = self.state.load(key)
             if slot is not None:
+                if now is not None:
+                    slot.heard_again(now)
                 self._tuned(key.decode("utf-8", "replace"), slot)
                 loaded += 1
         return loaded

@@ -70,6 +70,13 @@ class JobSlot:
     low_source: int = -1           # the partition of the lowest newest ts (see heard())
     low: float = -math.inf         # the newest time every partition heard from has reached
 
+    def heard_again(self, wall: float) -> None:
+        """Loaded from a snapshot at wall time ``wall``: every partition it had heard from
+        counts as heard now (the wall times of the process that wrote it mean nothing
+        here), so one that lagged still holds steps open until ``idle_s`` passes."""
+        for source in self.sources.values():
+            source[1] = wall
+
     def steps_now(self, wall: float) -> float:
         """The job's clock for closing steps by their age: :meth:`now` held back to the
         partition read furthest behind (:meth:`heard`)."""

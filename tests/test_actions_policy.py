@@ -19,6 +19,17 @@ def actions(decisions):
     return [d.action for d in decisions]
 
 
+def test_a_restart_names_the_ranks_an_order_may_carry_and_no_more():
+    from trainguard.actions.orders import MAX_RANKS, order_of
+
+    small = decide(Policy(), incident("crash", ranks=[3, 1, 3]), History())
+    assert [d.targets.get("ranks") for d in small if d.action == "restart"] == [[1, 3]]
+    big = incident("hang", ranks=range(MAX_RANKS + 1))    # a hang of a 100k-rank job
+    restart = next(d for d in decide(Policy(), big, History()) if d.action == "restart")
+    assert "ranks" not in restart.targets                  # the order still goes out
+    assert "ranks" not in order_of(restart, big, ts=200.0).targets
+
+
 def test_gpu_fault_evicts_the_machine_and_restarts():
     out = decide(Policy(), incident("gpu_fault", nodes=["n7"]), History())
     assert actions(out) == ["evict", "restart", "alert"]

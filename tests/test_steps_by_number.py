@@ -142,3 +142,39 @@ def test_a_clock_a_minute_off_on_a_lagging_partition_still_names_its_slow_rank(o
     found, jobs = online(events, lagging_partition(10), sc.clock_offsets)
     assert [(k, r) for k, r, _ in found] == [("straggler", (5,))], found
     assert jobs.state.slots[b"j"].stage.steps.late == 0
+
+
+def _rec(rank, step, job="j"):
+    return {"k": "step", "job": job, "rank": rank, "ts": float(step), "step": step}
+
+
+def test_after_a_restart_with_no_world_size_a_step_waits_for_every_rank_again():
+    from trainguard.detectors.stages import StepAggregator
+
+    agg = StepAggregator(window=8)
+    for s in range(10):
+        for r in range(4):
+            agg.add(_rec(r, s))
+    agg.life({"event": "start"})                  # a restart; no world_size in the start
+    closed = []
+    for s in range(5, 9):                         # resumed from step 5
+        for r in range(4):
+            closed += agg.add(_rec(r, s))
+    assert [sorted(js["ranks"]) for js in closed] == [[0, 1, 2, 3]] * 4
+    assert agg.late == 0
+
+
+def test_a_rank_that_stops_reporting_holds_its_peers_steps_one_window_at_most():
+    from trainguard.detectors.stages import StepAggregator
+
+    agg = StepAggregator(window=4)
+    agg.life({"event": "start", "world_size": 3})
+    for s in range(3):
+        for r in range(3):
+            agg.add(_rec(r, s))
+    closed = []
+    for s in range(3, 20):                        # rank 2 stops; ranks 0 and 1 go on
+        for r in range(2):
+            closed += [(js["step"], s) for js in agg.add(_rec(r, s))]
+    assert closed == [(step, step + 4) for step in range(3, 16)]   # 4 steps late, in order
+    assert len(agg._open) <= 5

@@ -73,12 +73,15 @@ class InPlace:
             self.generation = int(self.store.get("generation"))
         else:                                  # warm: imports done; wait for a rank
             key = f"standby/{standby}"
+            parent = os.getppid()
             while True:
                 try:
-                    self.store.wait([key], datetime.timedelta(days=1))
+                    self.store.wait([key], datetime.timedelta(seconds=60))
                     break
-                except Exception:               # the store's wait timed out: wait again
-                    continue
+                except Exception:       # timed out, or the launcher's store is gone
+                    if os.getppid() != parent:
+                        os._exit(self.LEFT)     # the launcher died: nothing to wait for
+                    time.sleep(1.0)
             rank, generation = self.store.get(key).decode().split()
             self.rank, self.generation = int(rank), int(generation)
             env["RANK"], env["LOCAL_RANK"] = str(self.rank), str(self.rank)
