@@ -34,11 +34,11 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from trainguard.broker import free_port
 from trainguard.checkpoint.inplace import ENABLED_ENV, STANDBY_ENV
 from trainguard.launcher.supervisor import _die_with_parent
 
@@ -84,13 +84,10 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     status = _Status(args.status)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=300))
     store.set("generation", "0")
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
             "WORLD_SIZE": str(args.nproc), ENABLED_ENV: "1"}
 
     def spawn(rank: int, standby: int | None = None) -> subprocess.Popen:
@@ -107,8 +104,10 @@ def main(argv=None) -> int:
         standbys.append((next_standby, spawn(-1, next_standby)))
         next_standby += 1
     generation, finished, owed, last_failure, failure = 0, set(), 0, 0.0, {}
-    status.say(f"ranks {sorted(ranks)} started", event="ranks", generation=0,
-               pids={str(r): p.pid for r, (p, _) in ranks.items()})
+    def pids() -> dict:
+        return {str(r): proc.pid for r, (proc, _) in ranks.items()}
+
+    status.say(f"ranks {sorted(ranks)} started", event="ranks", generation=0, pids=pids())
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.append(signum))
@@ -155,8 +154,7 @@ def main(argv=None) -> int:
                     status.say(f"every rank of generation {generation} is taken over",
                                event="generation", generation=generation, **failure)
                     status.say(f"generation {generation} runs", event="ranks",
-                               generation=generation,
-                               pids={str(r): p.pid for r, (p, _) in ranks.items()})
+                               generation=generation, pids=pids())
         return 0
     finally:
         _stop_all([p for _, p in standbys] + [p for p, _ in ranks.values()])
