@@ -1,16 +1,18 @@
 """``trainguard demo``: the main job on one machine.
 
-A real 4-rank torchrun (gloo, CPU) training of ``examples/train.py`` under ``trainguard run``,
-with the stream worker, the action service and the node agent running against the local
-broker, goes through a chaos schedule (NaN, straggler, hang, crash, Xid 79). trainguard finds
-and handles each fault. Then the same job with the same schedule runs under plain
-``torchrun --max-restarts=3`` as the baseline. Both runs' ETTR are measured the same way, from
+A real 4-rank (gloo, CPU) training of ``examples/train.py`` under ``trainguard run
+--standby`` (issue 20: in-memory snapshots every step, warm standby processes that take the
+ranks over without a relaunch), with the stream worker, the action service and the node agent
+running against the local broker, goes through a chaos schedule (NaN, straggler, hang, crash,
+Xid 79). trainguard finds and handles each fault. Then the same job with the same schedule
+runs under plain ``torchrun --max-restarts=3`` (checkpoints on disk) as the baseline. Both runs' ETTR are measured the same way, from
 the training script's own step log; the scorecard, the HTML report and a recording of every
 event land in the output folder.
 """
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import sys
@@ -39,6 +41,7 @@ class DemoPlan:
     step_sleep: float = 0.15
     gloo_timeout: float = 90.0
     ranks: int = 4
+    snapshot_every: int = 1      #: trainguard's run: in-memory snapshots, every step
 
     def __post_init__(self):
         if self.steps < 200:
@@ -63,13 +66,25 @@ def example_script() -> Path:
     return script
 
 
+def script_argv(plan: DemoPlan, job: str, ckpt: Path, step_log: Path) -> list:
+    return [str(example_script()), "--job", job, "--steps", str(plan.steps),
+            "--checkpoint-every", str(plan.checkpoint_every), "--checkpoint-dir", str(ckpt),
+            "--step-sleep", str(plan.step_sleep), "--timeout", str(plan.gloo_timeout),
+            "--step-log", str(step_log), "--log-every", "20"]
+
+
 def torchrun_argv(plan: DemoPlan, job: str, ckpt: Path, step_log: Path, *restarts: str) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={plan.ranks}", *restarts, str(example_script()),
-            "--job", job, "--steps", str(plan.steps), "--checkpoint-every",
-            str(plan.checkpoint_every), "--checkpoint-dir", str(ckpt), "--step-sleep",
-            str(plan.step_sleep), "--timeout", str(plan.gloo_timeout), "--step-log",
-            str(step_log), "--log-every", "20"]
+            f"--nproc-per-node={plan.ranks}", *restarts,
+            *script_argv(plan, job, ckpt, step_log)]
+
+
+def standby_argv(plan: DemoPlan, job: str, ckpt: Path, step_log: Path, snapshots: Path) -> list:
+    """``trainguard run``'s arguments from ``--nproc`` on: the standby launcher, one warm
+    standby per rank, snapshots every ``plan.snapshot_every`` steps into ``snapshots``."""
+    return ["--nproc", str(plan.ranks), "--standby", str(plan.ranks), "--",
+            *script_argv(plan, job, ckpt, step_log), "--snapshot-every",
+            str(plan.snapshot_every), "--snapshot-dir", str(snapshots)]
 
 
 def chaos_env(plan: DemoPlan, run_dir: Path) -> dict:
@@ -111,6 +126,7 @@ def run_trainguard(plan: DemoPlan, config: Config, out: Path, minutes: float, vi
     run_dir.mkdir(parents=True)
     job = f"demo-{uuid.uuid4().hex[:6]}"
     node = socket.gethostname()
+    snapshots = Path("/dev/shm") / f"trainguard-{job}"    # host memory, removed at the end
     from trainguard.signing import KEY_ENV, generate_key
 
     env = {**chaos_env(plan, run_dir), "TRAINGUARD_BOOTSTRAP": config.bootstrap,
@@ -121,6 +137,15 @@ def run_trainguard(plan: DemoPlan, config: Config, out: Path, minutes: float, vi
 
     tap = EventTap(config, run_dir / "recording.jsonl.gz", job=job)
     tap.start()
+    try:
+        return _run_under_trainguard(plan, config, run_dir, job, node, snapshots, env, tap,
+                                     minutes, view)
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def _run_under_trainguard(plan, config, run_dir, job, node, snapshots, env, tap, minutes,
+                          view) -> dict:
     with ServiceSet(log_dir=run_dir / "logs") as services:
         view.status("set-up: starting the worker, the action service and the node agent")
         start_pipeline(services, config, env=env,
@@ -129,14 +154,16 @@ def run_trainguard(plan: DemoPlan, config: Config, out: Path, minutes: float, vi
                        actions_args=["--state", str(run_dir / "actions-state.json")],
                        agent_args=["--job", job, "--node", node, "--kmsg-extra",
                                    str(run_dir / "kmsg.log"), "--runtime-dir",
-                                   str(run_dir / "home" / "run")])
+                                   str(run_dir / "home" / "run"), "--snapshot-dir",
+                                   str(snapshots)])
         time.sleep(3)
         view.status(f"set-up done: training {job}, {plan.ranks} ranks under trainguard run")
         began = time.time()
         run = services.start_trainguard("run", [
             "run", "--job", job, "--checkpoint-dir", str(run_dir / "ckpt"), "--max-restarts", "8",
-            "--grace", "5", *kafka_args(config), "--",
-            *torchrun_argv(plan, job, run_dir / "ckpt", run_dir / "steps.jsonl")], env=env)
+            "--grace", "5", *kafka_args(config),
+            *standby_argv(plan, job, run_dir / "ckpt", run_dir / "steps.jsonl", snapshots)],
+            env=env)
         finished = wait_for(run, time.monotonic() + minutes * 60,
                             on_tick=lambda: view.update(tap, step_runs(run_dir / "steps.jsonl")))
         ended = time.time()
@@ -189,16 +216,40 @@ def median_detection_s(faults) -> float | None:
     return delays[len(delays) // 2] if delays else None
 
 
-def projection_at_scale(faults) -> dict | None:
+def projection_at_scale(faults, baseline_faults=()) -> dict | None:
     """Today's relaunch against issue 20's recovery at 9,600 and 100,000 GPUs, with this run's
-    detection time. The demo does not restart in place, so its in-memory row takes no in-place
-    gain (``inplace_ratio`` 1.0); ``bench/run.py recovery_inplace`` measures that ratio."""
+    detection time. The in-memory row's in-place gain is this run's own: its mean seconds lost
+    per fault over the baseline's (:func:`inplace_ratio`; 1.0, no gain, without a baseline);
+    ``bench/run.py recovery_inplace`` measures the restart alone."""
     detect = median_detection_s(faults)
     if detect is None:
         return None
     return projection([Recovery.relaunch(detect_s=detect),
-                       Recovery.in_memory(detect_s=detect, inplace_ratio=1.0,
+                       Recovery.in_memory(detect_s=detect,
+                                          inplace_ratio=inplace_ratio(faults, baseline_faults),
                                           snapshot_every_s=60.0, snapshot_overhead=0.01)])
+
+
+def inplace_ratio(faults, baseline_faults) -> float:
+    """Seconds lost under trainguard (in place) over the same under the baseline's relaunch
+    (plain torchrun), summed over the faults of the schedule (the same, in the same order)
+    that both recovered from; at most 1.0.
+
+    >>> from types import SimpleNamespace as F
+    >>> inplace_ratio([F(lost_s=9.0), F(lost_s=2.0), F(lost_s=1.0)],
+    ...               [{"injected_ts": 0.0, "recovered_ts": None},
+    ...                {"injected_ts": 0.0, "recovered_ts": 10.0},
+    ...                {"injected_ts": 5.0, "recovered_ts": 15.0}])
+    0.15
+    >>> inplace_ratio([F(lost_s=2.0)], [])
+    1.0
+    """
+    ours = theirs = 0.0
+    for fault, base in zip(faults, baseline_faults):
+        if fault.lost_s is not None and base.get("recovered_ts") is not None:
+            ours += fault.lost_s
+            theirs += base["recovered_ts"] - base["injected_ts"]
+    return min(1.0, round(ours / theirs, 3)) if theirs > 0 else 1.0
 
 
 def mean_loss_per_fault(faults, steps) -> float | None:
@@ -274,7 +325,7 @@ def scorecard(ours: dict, baseline: dict | None, out: Path) -> dict:
                       "completed": baseline["completed"], "wall_s": round(baseline["wall_s"], 1)}
                      if baseline else None),
         "loss_per_fault_s": round(loss, 1) if loss is not None else None,
-        "projection": projection_at_scale(faults),
+        "projection": projection_at_scale(faults, baseline["faults"] if baseline else ()),
         "completed": ours["completed"],
         "kept_steps": len(kept_steps(ours["steps"])),
         "wall_s": round(ours["ended"] - ours["began"], 1),

@@ -187,6 +187,12 @@ def restore_snapshot(args, model, opt, rank, world, node, log):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    # The model and optimizer first: a warm standby has them built (the first AdamW costs
+    # about a second of lazy imports) before it is given a rank; a restore overwrites them.
+    torch.manual_seed(args.seed)
+    corpus = load_corpus(args.data, args.seed)
+    model = GPT(context=args.context)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     inplace = InPlace.from_env(timeout_s=args.timeout)   # under trainguard run --standby
     if inplace is not None:
         inplace.join()                     # a standby waits here for the rank it takes
@@ -199,11 +205,6 @@ def main(argv=None):
                                       default_state_dir=ckpt_dir / "chaos-state")
     log = (lambda msg: print(f"[train] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
 
-    torch.manual_seed(args.seed)
-    corpus = load_corpus(args.data, args.seed)
-    model = GPT(context=args.context)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-
     snapshots, from_memory = None, -1
     if args.snapshot_every > 0:
         snapshots, from_memory = restore_snapshot(args, model, opt, rank, world, tg.settings.node,
@@ -213,10 +214,7 @@ def main(argv=None):
     # after a rollback the newest at or before TRAINGUARD_RESUME_STEP (trainguard.resume_step).
     chosen = trainguard.resume_step(checkpoint_steps(ckpt_dir)) if rank == 0 else None
     start = torch.tensor([chosen if chosen is not None else -1])
-    if inplace is not None and inplace.generation > 0:
-        start[0] = -1                      # a standby joins survivors that restore in memory
-    else:
-        dist.broadcast(start, src=0)
+    dist.broadcast(start, src=0)           # every rank of a generation is new: all agree
     start = int(start.item())
     if 0 <= from_memory and start <= from_memory:
         start = from_memory

@@ -26,6 +26,15 @@ once standbys took every rank of generation G over (rank R failed with status S 
 ``{"event": "ranks", "generation": G, "pids": {"0": PID, ...}}`` at the start and after each
 takeover (``trainguard run`` kills the processes of the ranks a restart order names, and
 standbys take them over), and ``{"event": "fallback", "ts": T, "reason": "..."}``.
+
+A rollback without a relaunch: ``trainguard run`` appends ``{"op": "rollback", "id": ID,
+"step": S}`` to the ``--control`` file (default: ``control.jsonl`` beside the status file).
+With a standby for every rank and restarts left, the launcher answers ``{"event":
+"rollback", "id": ID, "step": S}``, SIGKILLs every rank and puts S in the store for the next
+generation (``resume_step/<generation>``): the standbys that take the ranks over restore the
+newest snapshot at or before S (``TRAINGUARD_RESUME_STEP``). Otherwise it answers
+``{"event": "rollback_refused", "id": ID, "reason": "..."}`` and ``trainguard run``
+relaunches.
 """
 from __future__ import annotations
 
@@ -40,12 +49,14 @@ import time
 
 from trainguard.broker import free_port
 from trainguard.checkpoint.inplace import ENABLED_ENV, STANDBY_ENV
+from trainguard.launcher.inplace_status import StatusReader, control_path
 from trainguard.launcher.supervisor import _die_with_parent
 
 __all__ = ["main", "parse_args", "REFILL_AFTER_S"]
 
-#: seconds after the last failure before new standbys start
-REFILL_AFTER_S = 10.0
+#: seconds after the last failure before new standbys start (the restoring ranks take about
+#: half a second; faults can come a few seconds apart)
+REFILL_AFTER_S = 2.0
 
 
 def parse_args(argv=None):
@@ -57,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--max-restarts", type=int, default=3, help="in-place restarts at most")
     p.add_argument("--status", default=None, metavar="FILE",
                    help="append one JSON line per restart or fallback")
+    p.add_argument("--control", default=None, metavar="FILE",
+                   help="read requests (rollback) from FILE (default: beside --status)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
     args = p.parse_args(argv)
     if args.script and args.script[0] == "--":
@@ -108,6 +121,9 @@ def main(argv=None) -> int:
         return {str(r): proc.pid for r, (proc, _) in ranks.items()}
 
     status.say(f"ranks {sorted(ranks)} started", event="ranks", generation=0, pids=pids())
+    control = args.control or (control_path(args.status) if args.status else None)
+    requests = StatusReader(control) if control else None
+    rollback = None                 # the step the next generation restores at or before
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.append(signum))
@@ -120,6 +136,23 @@ def main(argv=None) -> int:
                 standbys.append((next_standby, spawn(-1, next_standby)))   # refill the pool,
                 next_standby += 1                     # once the new generation is under way
                 owed -= 1
+            for request in requests.new() if requests is not None else ():
+                if request.get("op") != "rollback" or type(request.get("step")) is not int \
+                        or request["step"] < 0 or type(request.get("id")) is not str:
+                    continue
+                refused = ("restarts in place are used up" if generation >= args.max_restarts
+                           else f"{len(standbys)} standby(s) for {args.nproc} ranks"
+                           if len(standbys) < args.nproc else None)
+                if refused:
+                    status.say(f"rollback refused: {refused}", event="rollback_refused",
+                               id=request["id"], reason=refused)
+                    continue
+                rollback = request["step"]
+                status.say(f"rollback to step {rollback}: every rank stops", event="rollback",
+                           id=request["id"], step=rollback)
+                for proc, joined in ranks.values():
+                    if joined == generation and proc.poll() is None:
+                        proc.kill()
             for rank, (proc, joined) in list(ranks.items()):
                 rc = proc.poll()
                 if rc is None or rank in finished:
@@ -137,6 +170,9 @@ def main(argv=None) -> int:
                     generation += 1
                     store.set("generation", str(generation))
                     failure = {"rank": rank, "status": rc, "failed_ts": time.time()}
+                    if rollback is not None:
+                        store.set(f"resume_step/{generation}", str(rollback))
+                        failure["rollback_step"], rollback = rollback, None
                     status.say(f"rank {rank} exited with status {rc} at "
                                f"{failure['failed_ts']:.3f}: generation {generation}")
                 if not standbys:

@@ -16,7 +16,10 @@ that follow for what they are) to ``<prefix>.telemetry``, and reads the
   ``done``;
 - ``restart`` / ``rollback``: SIGTERM to the process group, ``grace`` seconds, SIGKILL to the
   group and to every process that descended from the command (torchrun starts its workers
-  in sessions of their own), then relaunch;
+  in sessions of their own), then relaunch. Under ``--standby`` no relaunch where warm
+  standbys can take over: a restart kills only the ranks it names, a rollback asks the
+  standby launcher to stop every rank and restore at or before the step
+  (:mod:`trainguard.launcher.inplace_status`);
 - ``stop``: the command is stopped as on SIGTERM and the supervisor exits.
 
 Each order is answered by one ``ack`` on the same topic, whose ``status`` and ``code`` say
@@ -61,11 +64,11 @@ from trainguard import events as ev
 from trainguard.actions.orders import InvalidTarget, ack_of, check_targets
 from trainguard.collectors.nodename import node_name
 from trainguard.errors import UserError
-from trainguard.launcher.inplace_status import StatusReader
+from trainguard.launcher.inplace_status import StandbyLink
 from trainguard.launcher.order_feed import Delivery, OrderFeed, OrderPublisher
 from trainguard.launcher.order_feed import log as _log
 from trainguard.logs import context as log_context
-from trainguard.signing import Refusal, Verifier, sign
+from trainguard.signing import Refusal, Verifier
 
 __all__ = ["Supervisor", "main", "descendants", "guess_world_size",
            "exit_status", "with_exclusions"]
@@ -187,11 +190,8 @@ class Supervisor:
         self.restarted_incidents: set[str] = set()
         self._stop_signal: int | None = None
         self._signals = 0
-        #: the standby launcher's --status file (``trainguard run --standby``)
-        self.inplace = StatusReader(inplace_status) if inplace_status else None
-        self.inplace_ts = 0.0          # when warm standbys last took ranks over in place
-        self.fallback = None           # why the standby launcher gave up, if it did
-        self.inplace_pids: dict = {}   # rank -> its process, in the standby launcher
+        #: the standby launcher, through its --status file (``trainguard run --standby``)
+        self.inplace = StandbyLink(inplace_status) if inplace_status else None
 
     # ------------------------------------------------------------------ the loop
     def request_stop(self, signum: int) -> None:
@@ -226,9 +226,8 @@ class Supervisor:
                              f"({self.max_restarts}) spent, giving up")
                     return status
                 self.log(f"command exited with {what}; restarting")
-                fallback = (f" (no restart in place: {self.fallback}; the fallback)"
-                            if self.fallback else "")
-                self.fallback = None
+                why = self.inplace.fallback if self.inplace is not None else None
+                fallback = f" (no restart in place: {why}; the fallback)" if why else ""
                 self._relaunch()
                 self._record(incident, "restart", self._targets(), "done",
                              f"exit: the command exited with {what}; relaunched "
@@ -308,12 +307,13 @@ class Supervisor:
         # machines to exclude need a relaunch, where a relaunch can exclude (an srun)
         excluding = not self.excluded <= self.active_excluded \
             and with_exclusions(self.cmd, set()) is not None
-        if (order.op == "restart" and onset is not None and onset < self.inplace_ts
-                and not excluding):
+        if (order.op == "restart" and onset is not None and self.inplace is not None
+                and onset < self.inplace.inplace_ts and not excluding):
             self.restarted_incidents.add(incident)
             return self._ack(order, "already_satisfied", "restarted_in_place", (
-                f"warm standbys took the ranks over in place {self.inplace_ts - onset:.1f}s "
-                "after the incident began; not relaunched"))
+                f"warm standbys took the ranks over in place "
+                f"{self.inplace.inplace_ts - onset:.1f}s after the incident began; not "
+                "relaunched"))
         if order.op == "restart" and not excluding:
             killed = self._kill_ranks(targets.get("ranks") or [])
             if killed:
@@ -321,6 +321,13 @@ class Supervisor:
                 return self._ack(order, "done", "restarted_in_place", (
                     f"killed the process of rank(s) {', '.join(map(str, killed))}; warm "
                     "standbys take the ranks over in place, no relaunch"))
+        answer = self._rollback_in_place(order, rollback) if order.op == "rollback" \
+            and not excluding else None
+        if answer is not None and answer.get("event") == "rollback":
+            self.restarted_incidents.add(incident)
+            return self._ack(order, "done", "restarted_in_place", (
+                f"rollback to step {rollback}: every rank stopped; warm standbys take the ranks "
+                "over in place and restore the newest snapshot at or before it, no relaunch"))
         if self.restarts >= self.max_restarts:
             return self._ack(order, "failed", "budget_exhausted", (
                 f"all {self.max_restarts} restart(s) of --max-restarts are spent; not "
@@ -392,8 +399,7 @@ class Supervisor:
             self._terminate(signal.SIGTERM)           # that follow are ours, not a crash
             self._publish_exit(self.proc.returncode, restart=True)
         if self.inplace is not None:       # what the torn-down launcher wrote is no news
-            self.inplace.new()
-            self.inplace_pids, self.fallback = {}, None
+            self.inplace.forget()
         self.restarts += 1
         self._launch(resume=True)
 
@@ -455,38 +461,35 @@ class Supervisor:
                                     "incarnation": self.incarnation}))
 
     def _kill_ranks(self, ranks: list) -> list:
-        """Under the standby launcher, SIGKILL the live processes of ``ranks`` (each must be
-        a process of the command: a pid is never taken on trust); returns the ranks killed,
-        none unless every rank named has one."""
+        """Under the standby launcher, SIGKILL the live processes of ``ranks`` (only
+        processes of the command); returns the ranks killed."""
         if self.inplace is None or not ranks or self.proc is None or self.proc.poll() is not None:
             return []
-        tree = set(descendants(self.proc.pid))
-        pids = [self.inplace_pids.get(rank) for rank in ranks]
-        if not all(pid in tree for pid in pids):
-            return []
-        for pid in pids:
-            _kill(pid, signal.SIGKILL)
-        return list(ranks)
+        return self.inplace.kill(ranks, set(descendants(self.proc.pid)))
+
+    def _rollback_in_place(self, order: ev.Order, step) -> dict | None:
+        """Under the standby launcher, ask it to roll back to ``step`` in place; its answer,
+        or None (no launcher, or no answer: the order relaunches)."""
+        if self.inplace is None or type(step) is not int or self.proc is None:
+            return None
+        answer = self.inplace.rollback(step, order.order_id[:200],
+                                       alive=lambda: self.proc.poll() is None)
+        if answer is not None and answer.get("event") != "rollback":
+            self.log(f"no rollback in place: {str(answer.get('reason'))[:200]}; relaunching")
+        return answer
 
     def _inplace_news(self) -> None:
-        """Record the standby launcher's restarts in place, and remember why it gave up."""
-        for record in self.inplace.new():
-            ts = record.get("ts")
-            if record.get("event") == "fallback":
-                self.fallback = str(record.get("reason"))[:300]
-            elif record.get("event") == "ranks" and isinstance(record.get("pids"), dict):
-                self.inplace_pids = {int(r): pid for r, pid in record["pids"].items()
-                                     if re.fullmatch(r"[0-9]{1,9}", str(r))
-                                     and type(pid) is int}
-            elif record.get("event") == "generation" and type(ts) is float:
-                self.inplace_ts = max(self.inplace_ts, ts)
-                generation = record.get("generation")
-                self._record(f"{self.job}:inplace:{self.incarnation}:{generation}", "restart",
-                             self._targets(), "done",
-                             f"rank {record.get('rank')} exited with status "
-                             f"{record.get('status')}; warm standbys took the ranks over in "
-                             f"place (generation {generation}), no relaunch",
-                             code="restarted_in_place", trigger="inplace")
+        """Record the standby launcher's restarts in place."""
+        for record in self.inplace.news():
+            generation = record.get("generation")
+            rollback = record.get("rollback_step")
+            why = (f"a rollback to step {rollback} stopped every rank" if type(rollback) is int
+                   else f"rank {record.get('rank')} exited with status {record.get('status')}")
+            self._record(f"{self.job}:inplace:{self.incarnation}:{generation}", "restart",
+                         self._targets(), "done",
+                         f"{why}; warm standbys took the ranks over in place (generation "
+                         f"{generation}), no relaunch", code="restarted_in_place",
+                         trigger="inplace")
 
 
 @lru_cache(maxsize=1)

@@ -5,7 +5,8 @@ a crashed rank's generation is taken over by warm standbys that restore from the
 snapshots, the supervisor records it (code ``restarted_in_place``) and does not relaunch, and
 the action service's restart order for the same crash is answered ``already_satisfied``
 (``restarted_in_place``), not with a second restart. When the launcher runs out of
-standbys, the supervisor relaunches: the fallback, recorded as such. No broker: the
+standbys, the supervisor relaunches: the fallback, recorded as such. A rollback order stops
+every rank and the standbys restore at or before its step, without a relaunch. No broker: the
 supervisor's Kafka ends are lists, the collectors point at a closed port."""
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ from trainguard.launcher.supervisor import Supervisor
 pytest.importorskip("torch")
 
 
-def standby_supervisor(tmp_path, shm, chaos: str, standby: int, steps: int = 12):
+def standby_supervisor(tmp_path, shm, chaos: str, standby: int, steps: int = 12,
+                       extra=("--checkpoint-every", "1000")):
     status = tmp_path / "inplace.jsonl"
     log = tmp_path / "run.log"
     env = {**base_env(tmp_path), "TRAINGUARD_SNAPSHOT_DIR": str(shm),
            "TRAINGUARD_CHAOS": chaos, "TRAINGUARD_CHAOS_LOG": str(tmp_path / "chaos.jsonl")}
     script = [str(REPO / "examples" / "train.py"), "--job", "j1", "--steps", str(steps),
-              "--checkpoint-every", "1000", "--snapshot-every", "2", "--checkpoint-dir",
+              *extra, "--snapshot-every", "2", "--checkpoint-dir",
               str(tmp_path / "ckpt"), "--timeout", "60"]
     cmd = [sys.executable, "-m", "trainguard.launcher.inplace", "--nproc", "2", "--standby",
            str(standby), "--status", str(status), "--", *script]
@@ -39,6 +41,23 @@ def standby_supervisor(tmp_path, shm, chaos: str, standby: int, steps: int = 12)
                      log=lines.append, poll_s=0.05, world_size=2,
                      inplace_status=str(status))
     return sup, published, lines, log
+
+
+def obeyed_in_place(sup, published, lines, capfd, when, order) -> str:
+    """Run the supervisor; once ``when()``, give it ``order()``; the order must be acked
+    ``done`` / ``restarted_in_place``, the job finish, and nothing be relaunched. The output."""
+    with Running(sup) as run:
+        wait_for(when, what="the moment of the order", timeout=120)
+        sent = order()
+        sup.orders.put(sent)
+        wait_for(lambda: acks(published, incident=sent.incident), what="the ack", timeout=30)
+        run.join(240)
+    out = capfd.readouterr().out
+    ack = acks(published, incident=sent.incident)[0]
+    assert (ack.status, ack.code) == ("done", "restarted_in_place"), ack.reason
+    assert run.code == 0, out[-4000:] + "\n".join(lines)
+    assert sup.incarnation == 0 and sup.restarts == 0      # never relaunched
+    return out
 
 
 @pytest.mark.slow
@@ -91,19 +110,39 @@ def test_a_restart_order_naming_a_hung_rank_replaces_only_its_process(tmp_path, 
     sup, published, lines, _ = standby_supervisor(tmp_path, shm, "hang@step=5,rank=1",
                                                   standby=2, steps=10)
     chaos = tmp_path / "chaos.jsonl"
-    with Running(sup) as run:
-        wait_for(lambda: chaos.exists() and chaos.read_text().strip(), what="the hang",
-                 timeout=120)
-        sup.orders.put(planned(incident="hang-inc", onset=time.time() - 1.0, ranks=[1]))
-        wait_for(lambda: acks(published, incident="hang-inc"), what="the ack", timeout=30)
-        run.join(240)
-    out = capfd.readouterr().out
-    ack = acks(published, incident="hang-inc")[0]
-    assert (ack.status, ack.code) == ("done", "restarted_in_place"), ack.reason
-    assert run.code == 0, out[-4000:] + "\n".join(lines)
-    assert sup.incarnation == 0 and sup.restarts == 0      # never relaunched
+    out = obeyed_in_place(sup, published, lines, capfd, when=lambda: chaos.exists() and
+                          chaos.read_text().strip(),
+                          order=lambda: planned(incident="hang-inc", onset=time.time() - 1.0,
+                                                ranks=[1]))
     assert "[inplace] rank 1 exited with status -9" in out and "fallback" not in out
     found = restored_lines(out)
     assert sorted(found) == [0, 1] and all(src == "memory" for _, _, src in found.values())
     assert [r.extra["code"] for r in records(published, status="done")] == \
         ["restarted_in_place"]
+
+
+@pytest.mark.slow
+def test_a_rollback_order_is_carried_out_in_place_from_the_newest_copy_at_or_before_it(
+        tmp_path, shm, capfd):
+    sup, published, lines, _ = standby_supervisor(
+        tmp_path, shm, "", standby=2, steps=16,
+        extra=("--checkpoint-every", "4", "--step-sleep", "0.3", "--step-log",
+               str(tmp_path / "steps.jsonl")))
+    steps = tmp_path / "steps.jsonl"
+
+    def done_steps():
+        return [json.loads(line)["step"] for line in steps.read_text().splitlines()] \
+            if steps.exists() else []
+
+    out = obeyed_in_place(sup, published, lines, capfd,
+                          when=lambda: max(done_steps(), default=-1) >= 9,
+                          order=lambda: planned(op="rollback", incident="nan-inc",
+                                                onset=time.time() - 1.0, rollback_step=5))
+    assert "[inplace] rollback to step 5" in out and "fallback" not in out
+    # memory holds only the two newest snapshots: the disk copy at step 4 is the newest <= 5
+    assert "ckpt_00000004.pt at step 4" in out, out[-4000:]
+    done = done_steps()
+    again = done.index(4, done.index(9))                   # step 4 ran again after the order
+    assert done[again:] == list(range(4, 16)), done
+    [record] = records(published, status="done")
+    assert record.extra["code"] == "restarted_in_place" and "rollback to step 5" in record.reason

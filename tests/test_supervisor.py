@@ -379,3 +379,41 @@ def test_a_requeued_slurm_jobs_rollback_step_reaches_the_first_launch():
     assert sup._env(resume=False)["TRAINGUARD_RESUME_STEP"] == "40"
     assert "TRAINGUARD_RESUME_STEP" not in Supervisor(job="j1", cmd=["t"], environ={},
                                                       node="n")._env(resume=False)
+
+
+def test_the_standby_link_reads_answers_and_keeps_takeovers_seen_while_it_waits(tmp_path):
+    import json
+    import threading
+
+    from trainguard.launcher.inplace_status import StandbyLink, control_path
+
+    status = tmp_path / "inplace.jsonl"
+    link = StandbyLink(str(status))
+
+    def launcher(answer):          # what the standby launcher writes when it sees the request
+        control = tmp_path / "control.jsonl"
+        for _ in range(200):
+            if control.exists() and control.read_text().strip():
+                break
+            time.sleep(0.01)
+        request = json.loads(control.read_text().splitlines()[-1])
+        with open(status, "a") as out:
+            out.write(json.dumps({"event": "generation", "generation": 1, "ts": 7.0}) + "\n")
+            out.write(json.dumps({**answer, "id": request["id"]}) + "\n")
+
+    assert control_path(str(status)) == str(tmp_path / "control.jsonl")
+    worker = threading.Thread(target=launcher, args=({"event": "rollback", "step": 4},))
+    worker.start()
+    answer = link.rollback(4, "order-1", wait_s=5.0)
+    worker.join()
+    assert answer["event"] == "rollback" and answer["step"] == 4
+    assert [r["generation"] for r in link.news()] == [1] and link.inplace_ts == 7.0
+    assert link.news() == []
+    (tmp_path / "control.jsonl").unlink()
+    worker = threading.Thread(target=launcher, args=(
+        {"event": "rollback_refused", "reason": "1 standby(s) for 2 ranks"},))
+    worker.start()
+    assert link.rollback(4, "order-2", wait_s=5.0)["event"] == "rollback_refused"
+    worker.join()
+    assert link.rollback(4, "order-3", wait_s=0.1) is None         # no launcher answers
+    assert link.kill([0], tree={123}) == []                         # no pid known for rank 0

@@ -4,7 +4,9 @@ Under the standby launcher (:mod:`trainguard.launcher.inplace`, which sets
 ``TRAINGUARD_INPLACE=1``) a training script joins each *generation*'s process group through
 the launcher's store instead of ``init_process_group`` from the environment, and leaves at
 once when a collective fails because a peer died; a warm standby (the same script, started
-ahead, its imports done) takes the rank, restores from the in-memory snapshots and goes on::
+ahead, its imports done) takes the rank, restores from the in-memory snapshots and goes on.
+After a rollback in place the standby's ``TRAINGUARD_RESUME_STEP`` is the rollback's step
+(:func:`trainguard.resume_step`)::
 
     inplace = InPlace.from_env(timeout_s=60)
     if inplace is not None:
@@ -85,6 +87,10 @@ class InPlace:
             rank, generation = self.store.get(key).decode().split()
             self.rank, self.generation = int(rank), int(generation)
             env["RANK"], env["LOCAL_RANK"] = str(self.rank), str(self.rank)
+            rollback = f"resume_step/{self.generation}"   # a rollback in place: restore
+            if self.store.check([rollback]):                # at or before that step
+                step = self.store.get(rollback).decode()
+                env["TRAINGUARD_RESUME_STEP"] = env["TRAINGUARD_ROLLBACK_STEP"] = step
         dist.init_process_group(
             "gloo", store=dist.PrefixStore(f"generation{self.generation}", self.store),
             rank=self.rank, world_size=self.world, timeout=timeout)
