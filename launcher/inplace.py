@@ -23,7 +23,9 @@ appended to FILE, which ``trainguard run`` reads to record the restart and to an
 action service's restart order for the same incident:
 ``{"event": "generation", "generation": G, "ts": T, "rank": R, "status": S, "failed_ts": F}``
 once standbys took every rank of generation G over (rank R failed with status S at F),
-``{"event": "ranks", "generation": G, "pids": {"0": PID, ...}}`` at the start and after each
+``{"event": "failure", "generation": G, "rank": R, "status": S, "failed_ts": F}`` as soon as it
+raises the generation (``trainguard run`` holds a restart order back until the takeover is
+done), ``{"event": "ranks", "generation": G, "pids": {"0": PID, ...}}`` at the start and after each
 takeover (``trainguard run`` kills the processes of the ranks a restart order names, and
 standbys take them over), and ``{"event": "fallback", "ts": T, "reason": "..."}``.
 
@@ -174,7 +176,12 @@ def main(argv=None) -> int:
                         store.set(f"resume_step/{generation}", str(rollback))
                         failure["rollback_step"], rollback = rollback, None
                     status.say(f"rank {rank} exited with status {rc} at "
-                               f"{failure['failed_ts']:.3f}: generation {generation}")
+                               f"{failure['failed_ts']:.3f}: generation {generation}",
+                               event="failure", generation=generation, **failure)
+                while standbys and standbys[0][1].poll() is not None:
+                    k, dead = standbys.pop(0)       # a standby that died while it waited
+                    status.say(f"standby {k} exited with status {dead.returncode}")
+                    owed += 1
                 if not standbys:
                     reason = f"no standby left for rank {rank}"
                     status.say(f"fallback to a relaunch: {reason}", event="fallback",

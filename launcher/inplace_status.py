@@ -89,6 +89,7 @@ class StandbyLink:
         self.fallback = None
         self._answers: dict = {}       # request id -> the launcher's answer
         self._takeovers: list = []
+        self._failed = None            # the generation raised by a failure not yet taken over
 
     def news(self) -> list[dict]:
         """Read what the launcher wrote; returns the takeovers (``generation`` records) not
@@ -102,19 +103,36 @@ class StandbyLink:
             event, ts = record.get("event"), record.get("ts")
             if event == "fallback":
                 self.fallback = str(record.get("reason"))[:300]
+                self._failed = None
+            elif event == "failure" and type(record.get("generation")) is int:
+                self._failed = record["generation"]
             elif event == "ranks" and isinstance(record.get("pids"), dict):
                 self.pids = {int(r): pid for r, pid in record["pids"].items()
                              if re.fullmatch(r"[0-9]{1,9}", str(r)) and type(pid) is int}
             elif event == "generation" and type(ts) is float:
                 self.inplace_ts = max(self.inplace_ts, ts)
                 self._takeovers.append(record)
+                if self._failed is not None and record.get("generation") == self._failed:
+                    self._failed = None
             elif event in ("rollback", "rollback_refused") and type(record.get("id")) is str:
                 self._answers[record["id"]] = record
+
+    def settle(self, wait_s: float = 10.0, alive=lambda: True) -> bool:
+        """Wait while a takeover is under way (a rank failed, its generation not yet taken
+        over), so that an order about that failure is judged against its outcome; whether it
+        is over."""
+        deadline = time.monotonic() + wait_s
+        self._read()
+        while self._failed is not None and time.monotonic() < deadline and alive():
+            time.sleep(0.02)
+            self._read()
+        return self._failed is None
 
     def forget(self) -> None:
         """The launcher was torn down: what it wrote is no news."""
         self.reader.new()
         self.pids, self.fallback, self._answers, self._takeovers = {}, None, {}, []
+        self._failed = None
 
     def kill(self, ranks: list, tree: set) -> list:
         """SIGKILL the processes of ``ranks``, each of which must be in ``tree`` (the

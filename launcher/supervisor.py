@@ -74,7 +74,6 @@ __all__ = ["Supervisor", "main", "descendants", "guess_world_size",
            "exit_status", "with_exclusions"]
 
 
-
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (children, grandchildren, ...), from /proc."""
     children: dict[int, list[int]] = {}
@@ -302,7 +301,8 @@ class Supervisor:
             return self._ack(order, "already_satisfied", "relaunched_since_onset", (
                 f"launch {self.incarnation} started {self.launched_ts - onset:.1f}s after "
                 "the incident began, with the exclusions asked for; not restarted again"))
-        if self.inplace is not None:
+        if self.inplace is not None:     # a takeover under way: judge the order after it
+            self.inplace.settle(alive=lambda: self.proc is not None and self.proc.poll() is None)
             self._inplace_news()
         # machines to exclude need a relaunch, where a relaunch can exclude (an srun)
         excluding = not self.excluded <= self.active_excluded \
@@ -461,15 +461,13 @@ class Supervisor:
                                     "incarnation": self.incarnation}))
 
     def _kill_ranks(self, ranks: list) -> list:
-        """Under the standby launcher, SIGKILL the live processes of ``ranks`` (only
-        processes of the command); returns the ranks killed."""
+        """SIGKILL the processes of ``ranks`` under the standby launcher; the ranks killed."""
         if self.inplace is None or not ranks or self.proc is None or self.proc.poll() is not None:
             return []
         return self.inplace.kill(ranks, set(descendants(self.proc.pid)))
 
     def _rollback_in_place(self, order: ev.Order, step) -> dict | None:
-        """Under the standby launcher, ask it to roll back to ``step`` in place; its answer,
-        or None (no launcher, or no answer: the order relaunches)."""
+        """Ask the standby launcher to roll back to ``step`` in place; its answer, or None."""
         if self.inplace is None or type(step) is not int or self.proc is None:
             return None
         answer = self.inplace.rollback(step, order.order_id[:200],

@@ -1,9 +1,11 @@
 """Machines for the recovery tests: node agents holding snapshots, and torchrun per machine.
 
 Each "machine" is a node name, its own snapshot folder under /dev/shm and its own node agent
-(``trainguard agent --snapshot-dir``) on a loopback port: several machines on one host, told
-apart by name, folder and port (not network namespaces). Its ranks are one torchrun with
-``--nnodes``/``--node-rank`` and ``NODE_NAME`` set to the machine's name.
+(``trainguard agent --snapshot-dir``). Its ranks are one torchrun with
+``--nnodes``/``--node-rank`` and ``NODE_NAME`` set to the machine's name. On a
+:class:`Network` each machine is a network namespace of its own with its own address on a
+bridge (its agent, its ranks and its gloo connections live there, and a lost machine leaves
+the network); without one, the machines share the loopback and are told apart by port.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,14 +41,89 @@ def base_env(tmp: Path) -> dict:
     return env
 
 
+class Network:
+    """Network namespaces for machines: a bridge in this namespace and, per machine, a
+    namespace with one veth (``eth0``, 198.18-19.x.<n>/24) on it. ``Network.create()`` is None
+    where namespaces cannot be made (not root, no ``ip``): the machines then share the
+    loopback. ``close()`` deletes what it made."""
+
+    def __init__(self):
+        self.tag = uuid.uuid4().hex[:6]
+        self.bridge = f"tgb{self.tag}"
+        # 198.18.0.0/15: set aside for network tests (RFC 2544), never a real network's
+        self.subnet = f"198.{18 + int(self.tag[:2], 16) % 2}.{int(self.tag[2:4], 16)}"
+        self.spaces: list = []
+
+    @classmethod
+    def create(cls) -> "Network | None":
+        net = cls()
+        try:
+            net._ip("link", "add", net.bridge, "type", "bridge")
+            net._ip("addr", "add", f"{net.subnet}.254/24", "dev", net.bridge)
+            net._ip("link", "set", net.bridge, "up")
+        except (OSError, subprocess.CalledProcessError) as exc:
+            print(f"no network namespaces here ({exc}): machines share the loopback")
+            net.close()
+            return None
+        return net
+
+    @staticmethod
+    def _ip(*args, ns: str | None = None) -> None:
+        cmd = ["ip", *(["-n", ns] if ns else []), *args]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+    def join(self, machine: "Machine") -> None:
+        n = len(self.spaces) + 1
+        ns, veth = f"tg{self.tag}{machine.name}", f"tgv{self.tag}{n}"
+        self._ip("netns", "add", ns)
+        self.spaces.append(ns)
+        self._ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}b")
+        self._ip("link", "set", f"{veth}b", "master", self.bridge)
+        self._ip("link", "set", f"{veth}b", "up")
+        self._ip("link", "set", veth, "netns", ns)
+        self._ip("link", "set", veth, "name", "eth0", ns=ns)
+        self._ip("addr", "add", f"{self.subnet}.{n}/24", "dev", "eth0", ns=ns)
+        self._ip("link", "set", "eth0", "up", ns=ns)
+        self._ip("link", "set", "lo", "up", ns=ns)
+        machine.ns, machine.ip = ns, f"{self.subnet}.{n}"
+
+    def leave(self, machine: "Machine") -> None:
+        """The machine drops off the network (its namespace and its link go)."""
+        if machine.ns in self.spaces:
+            subprocess.run(["ip", "netns", "del", machine.ns], capture_output=True, timeout=30)
+            self.spaces.remove(machine.ns)
+
+    def close(self) -> None:
+        for ns in list(self.spaces):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self.spaces = []
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+
+
 class Machine:
-    def __init__(self, name: str, root: Path, port: int):
+    def __init__(self, name: str, root: Path, port: int, network: Network | None = None):
         self.name, self.dir, self.port = name, root / name, port
         self.agent = None
+        self.ns, self.ip = None, "127.0.0.1"
+        self.network = network
+        if network is not None:
+            network.join(self)
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.ip}:{self.port}"
+
+    def inside(self, cmd: list) -> list:
+        """``cmd`` run on this machine (in its network namespace)."""
+        return ["ip", "netns", "exec", self.ns, *cmd] if self.ns else cmd
+
+    def env(self, env: dict) -> dict:
+        """``env`` for a process on this machine: its node name, its snapshot folder, and
+        gloo on its own interface."""
+        out = {**env, "NODE_NAME": self.name, "TRAINGUARD_SNAPSHOT_DIR": str(self.dir)}
+        if self.ns:
+            out["GLOO_SOCKET_IFNAME"] = "eth0"
+        return out
 
     def start_agent(self, peers: list, env: dict, log: Path) -> "Machine":
         others = ",".join(f"{m.name}={m.address}" for m in peers if m is not self)
@@ -53,7 +131,7 @@ class Machine:
                "--metrics-port", "0", "--runtime-dir", str(self.dir.parent / f"{self.name}.run"),
                "--snapshot-dir", str(self.dir), "--snapshot-listen", self.address,
                "--snapshot-peers", others]
-        self.agent = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"),
+        self.agent = subprocess.Popen(self.inside(cmd), env=env, stdout=open(log, "wb"),
                                       stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
         while not (self.dir / "agent.sock").exists():
@@ -63,11 +141,13 @@ class Machine:
         return self
 
     def lose(self) -> None:
-        """The machine is gone: its agent killed and its memory dropped."""
+        """The machine is gone: its agent killed, its memory dropped, off the network."""
         if self.agent is not None and self.agent.poll() is None:
             os.killpg(self.agent.pid, signal.SIGKILL)
             self.agent.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.network is not None:
+            self.network.leave(self)
 
     def stop_agent(self) -> None:
         if self.agent is not None and self.agent.poll() is None:
@@ -90,12 +170,17 @@ class Machine:
 
 
 def torchrun(args: list, env: dict, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
-             port: int = 0, max_restarts: int = 0, log: Path) -> subprocess.Popen:
+             port: int = 0, max_restarts: int = 0, log: Path, on: Machine | None = None,
+             master: str = "127.0.0.1") -> subprocess.Popen:
+    """``on``: the machine it runs on (its namespace and environment); ``master``: the
+    address of node rank 0's machine."""
     where = (["--standalone"] if nnodes == 1 else
              ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr",
-              "127.0.0.1", "--master-port", str(port)])
+              master, "--master-port", str(port)])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--max-restarts", str(max_restarts), *where, str(TRAIN), *args]
+    if on is not None:
+        cmd, env = on.inside(cmd), on.env(env)
     return subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 

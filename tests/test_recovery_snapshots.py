@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from snapshot_cluster import (Machine, base_env, free_port, kill, restored_lines,  # noqa: E402
-                              torchrun)
+from snapshot_cluster import (Machine, Network, base_env, free_port, kill,  # noqa: E402
+                              restored_lines, torchrun)
 
 
 def wait(proc, timeout):
@@ -51,22 +51,25 @@ def test_crash_resumes_from_the_agent_held_snapshot_at_the_newest_common_step(tm
 
 @pytest.mark.slow
 def test_lost_machine_resumes_on_a_spare_from_the_buddies_copies(tmp_path, shm):
+    """Three machines, each a network namespace (where they can be made): the job runs on m1
+    and m2; m1 is lost (ranks killed, memory dropped, off the network) and the job comes back
+    on the spare m3 with m1's ranks restored from their copies on m2, not from disk."""
     env = base_env(tmp_path)
-    machines = [Machine(n, shm, free_port()) for n in ("m1", "m2", "m3")]
-    for m in machines:
-        m.start_agent(machines, env, tmp_path / f"agent-{m.name}.log")
-    m1, m2, m3 = machines
-    job = "lost-machine"
-    args = ["--job", job, "--steps", "400", "--checkpoint-every", "100000", "--snapshot-every",
-            "2", "--step-sleep", "0.05", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    network = Network.create()
+    machines = [Machine(n, shm, free_port(), network) for n in ("m1", "m2", "m3")]
     procs = []
     try:
+        for m in machines:
+            m.start_agent(machines, env, tmp_path / f"agent-{m.name}.log")
+        m1, m2, m3 = machines
+        job = "lost-machine"
+        args = ["--job", job, "--steps", "400", "--checkpoint-every", "100000",
+                "--snapshot-every", "2", "--step-sleep", "0.05", "--checkpoint-dir",
+                str(tmp_path / "ckpt")]
         port = free_port()
         for rank, m in ((0, m1), (1, m2)):
-            procs.append(torchrun(args, {**env, "NODE_NAME": m.name,
-                                         "TRAINGUARD_SNAPSHOT_DIR": str(m.dir)},
-                                  nproc=2, nnodes=2, node_rank=rank, port=port,
-                                  log=tmp_path / f"first-{m.name}.log"))
+            procs.append(torchrun(args, env, nproc=2, nnodes=2, node_rank=rank, port=port,
+                                  log=tmp_path / f"first-{m.name}.log", on=m, master=m1.ip))
         # m1's buddy is m2 (placement over m1, m2, m3): wait for its replicas there
         deadline = time.monotonic() + 180
         while min(max(m2.steps(job, r, "replica"), default=0) for r in (0, 1)) < 6:
@@ -74,7 +77,7 @@ def test_lost_machine_resumes_on_a_spare_from_the_buddies_copies(tmp_path, shm):
             assert all(p.poll() is None for p in procs)
             time.sleep(0.2)
         kill(procs[0])
-        m1.lose()                           # its ranks killed, its memory dropped
+        m1.lose()                           # its ranks killed, its memory dropped, unplugged
         kill(procs[1])                      # the job is relaunched, on the spare m3
         held = {r: m2.steps(job, r, "replica") for r in (0, 1)}
         held.update({r: m2.steps(job, r, "own") for r in (2, 3)})
@@ -83,9 +86,8 @@ def test_lost_machine_resumes_on_a_spare_from_the_buddies_copies(tmp_path, shm):
         port, total = free_port(), common + 4
         args[args.index("--steps") + 1] = str(total)
         logs = {m.name: tmp_path / f"second-{m.name}.log" for m in (m3, m2)}
-        procs = [torchrun(args, {**env, "NODE_NAME": m.name,
-                                 "TRAINGUARD_SNAPSHOT_DIR": str(m.dir)},
-                          nproc=2, nnodes=2, node_rank=rank, port=port, log=logs[m.name])
+        procs = [torchrun(args, env, nproc=2, nnodes=2, node_rank=rank, port=port,
+                          log=logs[m.name], on=m, master=m3.ip)
                  for rank, m in ((0, m3), (1, m2))]
         rcs = [wait(p, 240) for p in procs]
         out = "".join(path.read_text() for path in logs.values())
@@ -101,6 +103,8 @@ def test_lost_machine_resumes_on_a_spare_from_the_buddies_copies(tmp_path, shm):
             kill(p)
         for m in machines:
             m.stop_agent()
+        if network is not None:
+            network.close()
 
 
 @pytest.mark.slow

@@ -417,3 +417,34 @@ def test_the_standby_link_reads_answers_and_keeps_takeovers_seen_while_it_waits(
     worker.join()
     assert link.rollback(4, "order-3", wait_s=0.1) is None         # no launcher answers
     assert link.kill([0], tree={123}) == []                         # no pid known for rank 0
+
+
+def test_a_restart_order_during_a_takeover_in_place_waits_for_it_and_relaunches_nothing(
+        tmp_path):
+    """The action service's restart order for a crash can come while the standby launcher is
+    still handing the ranks to standbys: it is judged once the takeover is done
+    (``already_satisfied`` / ``restarted_in_place``), not carried out as a relaunch."""
+    from trainguard.launcher.inplace_status import append_record
+
+    status = str(tmp_path / "inplace.jsonl")
+    published = []
+    sup = Supervisor(job="j1", cmd=[sys.executable, "-c", "import time; time.sleep(60)"],
+                     grace_s=1.0, environ=dict(os.environ), node="hostA",
+                     publish=published.append, orders=Orders(), log=lambda m: None,
+                     poll_s=0.02, world_size=2, inplace_status=status)
+    with Running(sup):
+        wait_for(lambda: sup.proc is not None, what="the launch")
+        time.sleep(0.5)
+        failed = time.time()
+        append_record(status, {"event": "failure", "generation": 1, "rank": 1, "status": -9,
+                               "failed_ts": failed, "ts": failed})
+        done = {"event": "generation", "generation": 1, "rank": 1, "status": -9,
+                "failed_ts": failed}
+        threading.Timer(0.5, lambda: append_record(status, {**done, "ts": time.time()})).start()
+        sup.orders.put(planned(incident="crash-inc", onset=failed - 0.2, ranks=[1]))
+        wait_for(lambda: acks(published, incident="crash-inc"), what="the ack", timeout=15)
+    ack = acks(published, incident="crash-inc")[0]
+    assert (ack.status, ack.code) == ("already_satisfied", "restarted_in_place"), ack.reason
+    assert sup.restarts == 0 and sup.incarnation == 0
+    assert [r.extra["code"] for r in records(published, status="done")] == \
+        ["restarted_in_place"]
