@@ -5,9 +5,9 @@ A real 4-rank (gloo, CPU) training of ``examples/train.py`` under ``trainguard r
 ranks over without a relaunch), with the stream worker, the action service and the node agent
 running against the local broker, goes through a chaos schedule (NaN, straggler, hang, crash,
 Xid 79). trainguard finds and handles each fault. Then the same job with the same schedule
-runs under plain ``torchrun --max-restarts=3`` (checkpoints on disk) as the baseline. Both runs' ETTR are measured the same way, from
-the training script's own step log; the scorecard, the HTML report and a recording of every
-event land in the output folder.
+runs under plain ``torchrun --max-restarts=3`` (checkpoints on disk) as the baseline. Both
+runs' ETTR are measured the same way, from the training script's own step log; the scorecard,
+the HTML report and a recording of every event land in the output folder.
 """
 from __future__ import annotations
 
@@ -218,16 +218,19 @@ def median_detection_s(faults) -> float | None:
 
 def projection_at_scale(faults, baseline_faults=()) -> dict | None:
     """Today's relaunch against issue 20's recovery at 9,600 and 100,000 GPUs, with this run's
-    detection time. The in-memory row's in-place gain is this run's own: its mean seconds lost
-    per fault over the baseline's (:func:`inplace_ratio`; 1.0, no gain, without a baseline);
-    ``bench/run.py recovery_inplace`` measures the restart alone."""
+    detection time. The in-memory rows' in-place gain is this run's own: its seconds lost per
+    fault over the baseline's (:func:`inplace_ratio`; 1.0, no gain, without a baseline);
+    ``bench/run.py recovery_inplace`` measures the restart alone. The second in-memory row
+    has warm spare machines (a lost machine's ranks restart in place on a spare's standbys,
+    ``tests/test_recovery_snapshots.py``); the first relaunches onto a spare."""
     detect = median_detection_s(faults)
     if detect is None:
         return None
-    return projection([Recovery.relaunch(detect_s=detect),
-                       Recovery.in_memory(detect_s=detect,
-                                          inplace_ratio=inplace_ratio(faults, baseline_faults),
-                                          snapshot_every_s=60.0, snapshot_overhead=0.01)])
+    ratio = inplace_ratio(faults, baseline_faults)
+    return projection([Recovery.relaunch(detect_s=detect)] + [
+        Recovery.in_memory(detect_s=detect, inplace_ratio=ratio, snapshot_every_s=60.0,
+                           snapshot_overhead=0.01, warm_spares=spares)
+        for spares in (False, True)])
 
 
 def inplace_ratio(faults, baseline_faults) -> float:

@@ -32,8 +32,9 @@ inputs at a given size are published numbers, never the demo's small-job seconds
   save blocks 6.8-13.0 s at 2,048-16,384 GPUs).
 * **In-memory snapshots** (issue 20): the interval is the snapshot cadence, the blocking cost
   the measured share of a step (``bench/run.py snapshot``). A lost machine's ranks come back on
-  a spare from the buddies' copies, so its redone work is also half a snapshot interval, but the
-  spare is still a relaunch (warm standby machines are not built).
+  a spare from the buddies' copies, so its redone work is also half a snapshot interval; the
+  spare is a relaunch, or, with warm spare machines (``warm_spares``: the standby launcher's
+  ``--spare``), a restart in place like the others.
 
 >>> round(relaunch_s(9600), 1), round(relaunch_s(100_000), 1)
 (665.4, 1115.1)
@@ -44,6 +45,10 @@ inputs at a given size are published numbers, never the demo's small-job seconds
 ...                           snapshot_overhead=0.01)
 >>> round(ettr(9600, fast), 4), round(ettr(100_000, fast), 4)
 (0.9592, 0.639)
+>>> spares = Recovery.in_memory(detect_s=25.0, inplace_ratio=0.25, snapshot_every_s=60.0,
+...                             snapshot_overhead=0.01, warm_spares=True)
+>>> round(ettr(9600, spares), 4), round(ettr(100_000, spares), 4)
+(0.9787, 0.8348)
 """
 from __future__ import annotations
 
@@ -101,6 +106,9 @@ class Recovery:
     inplace_ratio: float | None
     checkpoint_every_s: float
     checkpoint_blocking_s: float
+    #: a lost machine's ranks are taken over by a warm spare machine's standbys (in place)
+    #: instead of a relaunch onto a spare
+    warm_spares: bool = False
 
     @classmethod
     def relaunch(cls, *, detect_s: float) -> Recovery:
@@ -111,12 +119,15 @@ class Recovery:
 
     @classmethod
     def in_memory(cls, *, detect_s: float, inplace_ratio: float, snapshot_every_s: float,
-                  snapshot_overhead: float) -> Recovery:
+                  snapshot_overhead: float, warm_spares: bool = False) -> Recovery:
         """Issue 20: snapshots in memory every ``snapshot_every_s`` costing
-        ``snapshot_overhead`` of the time between them; healthy machines restart in place."""
-        return cls(name="in_memory", detect_s=detect_s, inplace_ratio=inplace_ratio,
+        ``snapshot_overhead`` of the time between them; healthy machines restart in place, and
+        with ``warm_spares`` a lost machine's ranks too, on a spare machine's standbys."""
+        return cls(name="in_memory_warm_spares" if warm_spares else "in_memory",
+                   detect_s=detect_s, inplace_ratio=inplace_ratio,
                    checkpoint_every_s=snapshot_every_s,
-                   checkpoint_blocking_s=snapshot_overhead * snapshot_every_s)
+                   checkpoint_blocking_s=snapshot_overhead * snapshot_every_s,
+                   warm_spares=warm_spares)
 
     def restart_s(self, gpus: int) -> float:
         """Mean seconds from detection to resumed training over the fault mix."""
@@ -124,6 +135,8 @@ class Recovery:
         if self.inplace_ratio is None:
             return full
         in_place = max(self.inplace_ratio * full, hot_update_s(gpus))
+        if self.warm_spares:
+            return in_place
         return MACHINE_LOST_SHARE * full + (1.0 - MACHINE_LOST_SHARE) * in_place
 
 

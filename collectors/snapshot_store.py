@@ -55,7 +55,8 @@ class SnapshotStoreConfig:
     scan_interval_s: float = 0.1              #: how often new snapshots are looked for
     retain_s: float = 86400.0                 #: a job's files untouched this long are removed
     max_bytes: int = 1 << 40                  #: the largest replica accepted
-    peer_timeout_s: float = 10.0
+    peer_timeout_s: float = 10.0              #: a request to a peer, its transfer included
+    peer_connect_timeout_s: float = 2.0       #: ... its connection alone (a lost machine)
 
 
 def parse_peers(text: str) -> dict:
@@ -234,7 +235,8 @@ class SnapshotStore:
         address = self.config.peers[self.buddy]
         try:
             reply, _ = request(address, sign_object(header, self.keys), data,
-                               timeout=self.config.peer_timeout_s)
+                               timeout=self.config.peer_timeout_s,
+                               connect_timeout=self.config.peer_connect_timeout_s)
         except (OSError, WireError) as exc:
             log.debug("replica to %s (%s) not sent: %s", self.buddy, address, exc)
             return
@@ -356,7 +358,8 @@ class SnapshotStore:
                 reply, _ = request(address, sign_object({**header, "id": uuid.uuid4().hex,
                                                          "ts": self.clock(), "node": self.node},
                                                         self.keys),
-                                   timeout=self.config.peer_timeout_s)
+                                   timeout=self.config.peer_timeout_s,
+                                   connect_timeout=self.config.peer_connect_timeout_s)
             except (OSError, WireError):
                 return node, None
             refusal = self.replies.check_signature(reply)
@@ -398,7 +401,8 @@ class SnapshotStore:
         try:
             with open(tmp, "wb") as out:
                 reply, sha = request(self.config.peers[node], header, out=out,
-                                     timeout=self.config.peer_timeout_s)
+                                     timeout=self.config.peer_timeout_s,
+                                     connect_timeout=self.config.peer_connect_timeout_s)
             refusal = self.replies.check_signature(reply)
             manifest = reply.get("manifest")
             if refusal is not None or not reply.get("ok") or sha != reply.get("sha256") \

@@ -131,3 +131,69 @@ def test_warm_standbys_take_over_without_a_relaunch(tmp_path, shm):
     assert common in (6, 8)
     assert all(step == common and source == "memory" for _, step, source in found.values())
     assert f"[train] done: steps {common}..11" in out
+
+
+@pytest.mark.slow
+def test_a_lost_machines_ranks_go_to_a_spares_warm_standbys_without_a_relaunch(tmp_path, shm):
+    """Issue 20, warm standby machines: one standby launcher per machine (m1 hosts the store,
+    m2, and the spare m3 with standbys only), each machine a network namespace. m2 is lost
+    (everything on it killed, its memory dropped, off the network): m1's launcher finds it
+    silent, gives ranks 2 and 3 to m3's standbys, m1's own standbys take ranks 0 and 1, and
+    the job finishes from the newest common step with nothing relaunched and nothing read
+    from disk."""
+    import subprocess
+    import sys
+
+    from snapshot_cluster import REPO, TRAIN
+
+    env = base_env(tmp_path)
+    network = Network.create()
+    machines = [Machine(n, shm, free_port(), network) for n in ("m1", "m2", "m3")]
+    m1, m2, m3 = machines
+    job, port = "warm-spare", free_port()
+    args = [str(TRAIN), "--job", job, "--steps", "120", "--checkpoint-every", "100000",
+            "--snapshot-every", "2", "--step-sleep", "0.05", "--timeout", "60",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    roles = {m1: ["--nnodes", "2", "--node-rank", "0"], m2: ["--nnodes", "2", "--node-rank", "1"],
+             m3: ["--nnodes", "2", "--spare"]}
+    procs, logs = {}, {m.name: tmp_path / f"launcher-{m.name}.log" for m in machines}
+    try:
+        for m in machines:
+            m.start_agent(machines, env, tmp_path / f"agent-{m.name}.log")
+        for m, role in roles.items():
+            cmd = [sys.executable, "-m", "trainguard.launcher.inplace", "--nproc", "2",
+                   "--standby", "2", *role, "--master", f"{m1.ip}:{port}", "--node", m.name,
+                   "--", *args]
+            procs[m.name] = subprocess.Popen(m.inside(cmd), env=m.env(env), cwd=REPO,
+                                             stdout=open(logs[m.name], "wb"),
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+        # m2's ranks have copies on another machine (their buddy): then m2 is lost
+        deadline = time.monotonic() + 180
+        while min(max((s for m in (m1, m3) for s in m.steps(job, r, "replica")), default=0)
+                  for r in (2, 3)) < 6:
+            assert time.monotonic() < deadline, logs["m2"].read_text()[-3000:]
+            assert all(p.poll() is None for p in procs.values()), \
+                "".join(log.read_text()[-2000:] for log in logs.values())
+            time.sleep(0.2)
+        kill(procs.pop("m2"))
+        m2.lose()
+        rcs = {name: wait(p, 240) for name, p in procs.items()}
+        out = "".join(logs[name].read_text() for name in ("m1", "m3"))
+        assert rcs == {"m1": 0, "m3": 0}, out[-5000:]
+        assert "machine 1 lost: its ranks [2, 3] go to spare m3" in out, out[-5000:]
+        assert "fallback" not in out
+        found = restored_lines(out)
+        assert sorted(found) == [0, 1, 2, 3], out[-5000:]
+        common = {step for _, step, _ in found.values()}
+        assert len(common) == 1, found
+        assert {r: found[r][2] for r in (0, 1)} == {0: "memory", 1: "memory"}, found
+        assert all(found[r][2] in ("memory", "buddy:m1", "buddy:m3") for r in (2, 3)), found
+        assert f"[train] done: steps {common.pop()}..119" in out
+        assert not (tmp_path / "ckpt" / "dcp").exists()        # nothing came from disk
+    finally:
+        for p in procs.values():
+            kill(p)
+        for m in machines:
+            m.stop_agent()
+        if network is not None:
+            network.close()

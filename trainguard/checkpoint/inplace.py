@@ -84,9 +84,9 @@ class InPlace:
                     if os.getppid() != parent:
                         os._exit(self.LEFT)     # the launcher died: nothing to wait for
                     time.sleep(1.0)
-            rank, generation = self.store.get(key).decode().split()
-            self.rank, self.generation = int(rank), int(generation)
-            env["RANK"], env["LOCAL_RANK"] = str(self.rank), str(self.rank)
+            given = self.store.get(key).decode().split()     # rank generation [local rank]
+            self.rank, self.generation = int(given[0]), int(given[1])
+            env["RANK"], env["LOCAL_RANK"] = given[0], given[2] if len(given) > 2 else given[0]
             rollback = f"resume_step/{self.generation}"   # a rollback in place: restore
             if self.store.check([rollback]):                # at or before that step
                 step = self.store.get(rollback).decode()

@@ -62,11 +62,17 @@ def copy_body(stream: BinaryIO, nbytes: int, out: BinaryIO) -> str:
     return h.hexdigest()
 
 
-def connect(address: str, timeout: float) -> socket.socket:
-    """``host:port`` (TCP) or a path (a Unix socket)."""
+def connect(address: str, timeout: float,
+            connect_timeout: Optional[float] = None) -> socket.socket:
+    """``host:port`` (TCP) or a path (a Unix socket). ``connect_timeout`` (default
+    ``timeout``) bounds the connection alone: a machine that is gone answers nothing, and a
+    restore must not wait for it as long as for a live peer's transfer."""
     if ":" in address and not address.startswith("/"):
         host, _, port = address.rpartition(":")
-        return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+        sock = socket.create_connection((host.strip("[]"), int(port)),
+                                        timeout=connect_timeout or timeout)
+        sock.settimeout(timeout)
+        return sock
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     sock.connect(address)
@@ -74,10 +80,11 @@ def connect(address: str, timeout: float) -> socket.socket:
 
 
 def request(address: str, header: dict, body=None, *, timeout: float = 10.0,
-            out: Optional[BinaryIO] = None) -> tuple:
+            out: Optional[BinaryIO] = None, connect_timeout: Optional[float] = None) -> tuple:
     """Send one request; ``(reply header, sha256 of the reply's body or None)``, the body
     copied to ``out`` when there is one."""
-    with connect(address, timeout) as sock, sock.makefile("rwb") as stream:
+    with connect(address, timeout, connect_timeout) as sock, \
+            sock.makefile("rwb") as stream:
         write_message(stream, header, body)
         reply = read_header(stream)
         sha = None
