@@ -59,6 +59,7 @@ import trainguard
 import trainguard.apps.chaos
 import trainguard.checkpoint
 from trainguard.checkpoint.inplace import InPlace
+from trainguard.collectors.resume import requested_resume_step
 
 
 def parse_args(argv=None):
@@ -168,7 +169,6 @@ def init_distributed(timeout: float):
 def restore_snapshot(args, model, opt, rank, world, node, log):
     """The in-memory checkpoint of this rank, and the step it restored (-1: none)."""
     from trainguard.checkpoint import InMemoryCheckpoint, SnapshotConfig
-    from trainguard.collectors.resume import requested_resume_step
 
     config = SnapshotConfig(every=args.snapshot_every, dir=args.snapshot_dir,
                             persist_dir=str(Path(args.checkpoint_dir) / "dcp"),
@@ -228,6 +228,9 @@ def main(argv=None):
     else:
         start = 0
         log(f"starting at step 0 (no checkpoint in {ckpt_dir}), {world} ranks")
+    if rank == 0 and requested_resume_step() is not None:   # a rollback: the checkpoints
+        for later in (s for s in checkpoint_steps(ckpt_dir) if s > start):   # past it are
+            (ckpt_dir / f"ckpt_{later:08d}.pt").unlink(missing_ok=True)    # the abandoned branch
     ddp = DDP(model)
     tg.watch_ddp(ddp)  # times the gradient all-reduce wait: compute_time tells stragglers apart
 

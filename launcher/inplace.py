@@ -129,6 +129,11 @@ class _Fallback(Exception):
     """Stop every process and exit 1: the outer launcher relaunches."""
 
 
+class _Fenced(Exception):
+    """This machine was taken for lost (it was silent too long) and its ranks run elsewhere:
+    stop every process here and hand nothing over."""
+
+
 class Launcher:
     """One machine's ranks and standbys (see the module's docstring)."""
 
@@ -204,6 +209,8 @@ class Launcher:
         self.cluster.beat()
         if self.store.check(["fallback"]):
             raise _Fallback(self.store.get("fallback").decode())
+        if not self.cluster.spare and self.store.check([f"lost/{self.cluster.node_rank}"]):
+            raise _Fenced()
         generation = int(self.store.get("generation"))
         if generation > self.generation:
             self.generation, self.raised_at = generation, now
@@ -232,6 +239,7 @@ class Launcher:
         # and they left): they join that one; a machine that went silent raises it now
         generation = self.generation if self.raised_at > self.cluster.last_moved(node_rank) \
             else self._raise(self.generation)
+        self.store.set(f"lost/{node_rank}", str(generation))   # should it come back: fenced
         spare = self.cluster.place(ranks, generation)
         if spare is None:
             reason = f"machine {node_rank} was lost and no spare has {len(ranks)} standbys"
@@ -246,9 +254,15 @@ class Launcher:
             if request.get("op") != "rollback" or type(request.get("step")) is not int \
                     or request["step"] < 0 or type(request.get("id")) is not str:
                 continue
-            refused = ("restarts in place are used up" if self.generation >= self.args.max_restarts
+            running = [proc for proc, joined in self.ranks.values()
+                       if joined == self.generation and proc.poll() is None]
+            refused = ("not on several machines" if self.args.nnodes > 1 or self.args.spare
+                       else "restarts in place are used up"
+                       if self.generation >= self.args.max_restarts
+                       else "some ranks have finished" if self.finished
+                       else "not every rank is running" if len(running) < len(self.ranks)
                        else f"{len(self.standbys)} standby(s) for {len(self.ranks)} ranks"
-                       if len(self.standbys) < len(self.ranks) or self.args.nnodes > 1 else None)
+                       if len(self.standbys) < len(self.ranks) else None)
             if refused:
                 self.status.say(f"rollback refused: {refused}", event="rollback_refused",
                                 id=request["id"], reason=refused)
@@ -256,9 +270,8 @@ class Launcher:
             self.rollback = request["step"]
             self.status.say(f"rollback to step {self.rollback}: every rank stops",
                             event="rollback", id=request["id"], step=self.rollback)
-            for proc, joined in self.ranks.values():
-                if joined == self.generation and proc.poll() is None:
-                    proc.kill()
+            for proc in running:
+                proc.kill()
 
     def _exits(self) -> None:
         for rank, (proc, joined) in list(self.ranks.items()):
@@ -374,16 +387,20 @@ def main(argv=None) -> int:
                 status.say(f"fallback to a relaunch: the store at {args.master} is gone "
                            f"({exc})", event="fallback", reason="the store is gone")
                 return 1
+            except _Fenced:
+                status.say("this machine was taken for lost and its ranks run elsewhere: "
+                           "stopping everything here", event="fenced")
+                return 0
             except _Fallback as exc:
                 status.say(f"fallback to a relaunch: {exc}", event="fallback", reason=str(exc))
                 if hosting and args.nnodes > 1:
                     store.set("fallback", str(exc))
                 return 1
         if hosting and args.nnodes > 1:          # the others still use the store
-            deadline = time.monotonic() + 120
-            while not launcher._all_done() and time.monotonic() < deadline and not stop:
-                launcher.cluster.beat()
-                time.sleep(0.1)
+            while not launcher._all_done() and not stop:
+                launcher._cluster_news()          # still the judge of lost machines
+                launcher._reap_replaced()
+                time.sleep(0.05)
         return 0
     finally:
         launcher.stop_all()

@@ -76,21 +76,30 @@ class Cluster:
         self.store.set(f"spare/{self.node}", str(standbys))
 
     def watch(self) -> list:
-        """The leader: the node ranks newly taken for lost."""
+        """The leader: the node ranks newly taken for lost (and the spares' marks, so that
+        :meth:`place` passes over a silent spare)."""
         if not self.leader:
             return []
         now, out = self.clock(), []
-        for n in range(1, self.nnodes):
+        for n in [*range(1, self.nnodes), *(f"spare-{name}" for name in self._spares())]:
             if n in self.lost or not self.store.check([f"alive/{n}"]):
                 continue                      # not started yet: not watched yet
             value = self.store.get(f"alive/{n}")
             seen = self._seen.get(n)
             if seen is None or seen[0] != value:
                 self._seen[n] = (value, now)
-            elif now - seen[1] > self.lost_after_s:
+            elif now - seen[1] > self.lost_after_s and type(n) is int:
                 self.lost.add(n)
                 out.append(n)
         return out
+
+    def _spares(self) -> list:
+        count = int(self.store.get("spares")) if self.store.check(["spares"]) else 0
+        return [self.store.get(f"spares/{i}").decode() for i in range(count)]
+
+    def _silent(self, key, now: float) -> bool:
+        seen = self._seen.get(key)
+        return seen is not None and now - seen[1] > self.lost_after_s
 
     def last_moved(self, node_rank: int) -> float:
         """When (this clock) the leader last saw ``node_rank`` mark itself alive."""
@@ -102,11 +111,10 @@ class Cluster:
 
     def place(self, ranks: list, generation: int) -> str | None:
         """The leader: give ``ranks`` to a spare with a standby for each; its name, or None."""
-        count = int(self.store.get("spares")) if self.store.check(["spares"]) else 0
-        for index in range(count):
-            name = self.store.get(f"spares/{index}").decode()
-            if self.store.check([f"assign/{name}"]):
-                continue                      # already took a machine's ranks
+        now = self.clock()
+        for name in self._spares():
+            if self.store.check([f"assign/{name}"]) or self._silent(f"spare-{name}", now):
+                continue                      # already took a machine's ranks, or is gone
             if int(self.store.get(f"spare/{name}")) >= len(ranks):
                 self.store.set(f"assign/{name}", f"{generation} {','.join(map(str, ranks))}")
                 return name

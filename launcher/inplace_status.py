@@ -129,8 +129,13 @@ class StandbyLink:
         return self._failed is None
 
     def forget(self) -> None:
-        """The launcher was torn down: what it wrote is no news."""
+        """The launcher was torn down: what it wrote is no news, and what was asked of it is
+        not asked of the next one (its control file starts empty)."""
         self.reader.new()
+        try:
+            open(self.control, "w").close()
+        except OSError:
+            pass
         self.pids, self.fallback, self._answers, self._takeovers = {}, None, {}, []
         self._failed = None
 

@@ -32,10 +32,10 @@ never carried out: it goes to ``<prefix>.deadletter`` with the reason and is ack
 
 Each relaunch gets ``TRAINGUARD_RESUME=1``, ``TRAINGUARD_CHECKPOINT_DIR``,
 ``TRAINGUARD_EXCLUDE_NODES`` (comma list, accumulated; for the command's information: the
-exclusion itself is the ``srun --exclude`` above), ``TRAINGUARD_RESTART_COUNT`` and, for a
-rollback, ``TRAINGUARD_RESUME_STEP`` (SPEC §6; also as ``TRAINGUARD_ROLLBACK_STEP``, its
-older name); every launch gets ``TRAINGUARD_JOB``. A non-zero
-exit is restarted too, and recorded on ``<prefix>.actions`` (extra ``trigger: "exit"``).
+exclusion itself is the ``srun --exclude`` above), ``TRAINGUARD_RESTART_COUNT`` and, the
+launch right after a rollback, ``TRAINGUARD_RESUME_STEP`` (SPEC §6; also as
+``TRAINGUARD_ROLLBACK_STEP``); every launch gets ``TRAINGUARD_JOB``. A non-zero exit is
+restarted too, and recorded on ``<prefix>.actions`` (extra ``trigger: "exit"``).
 Every relaunch, whatever its cause, spends one of ``max_restarts``; once they are spent, a
 crash ends the supervisor with the command's exit code and a restart order is acked
 ``failed`` (code ``budget_exhausted``). SIGINT and SIGTERM are passed on to the command (a
@@ -186,6 +186,7 @@ class Supervisor:
         self.excluded: set[str] = set()
         self.active_excluded: set[str] = set()
         self.rollback_step: int | None = resume_step  # a rollback's, from before this run
+        self.resume_once = resume_step  # ... given to the next launch only
         self.restarted_incidents: set[str] = set()
         self._stop_signal: int | None = None
         self._signals = 0
@@ -325,6 +326,7 @@ class Supervisor:
             and not excluding else None
         if answer is not None and answer.get("event") == "rollback":
             self.restarted_incidents.add(incident)
+            self.rollback_step = rollback
             return self._ack(order, "done", "restarted_in_place", (
                 f"rollback to step {rollback}: every rank stopped; warm standbys take the ranks "
                 "over in place and restore the newest snapshot at or before it, no relaunch"))
@@ -334,7 +336,7 @@ class Supervisor:
                 "restarted"))
         self.restarted_incidents.add(incident)
         if order.op == "rollback":
-            self.rollback_step = rollback
+            self.rollback_step = self.resume_once = rollback
         try:
             self._relaunch()
         except OSError as exc:
@@ -367,9 +369,9 @@ class Supervisor:
             env["TRAINGUARD_CHECKPOINT_DIR"] = str(Path(self.checkpoint_dir).resolve())
         if self.excluded:
             env["TRAINGUARD_EXCLUDE_NODES"] = ",".join(sorted(self.excluded))
-        if self.rollback_step is not None:
-            env["TRAINGUARD_RESUME_STEP"] = str(self.rollback_step)
-            env["TRAINGUARD_ROLLBACK_STEP"] = str(self.rollback_step)
+        if self.resume_once is not None:     # the launch after a rollback; the ones after
+            env["TRAINGUARD_RESUME_STEP"] = str(self.resume_once)    # it resume the newest
+            env["TRAINGUARD_ROLLBACK_STEP"] = str(self.resume_once)
         from trainguard.integrations.instrument import enabled, instrument_env
 
         if self.instrument or enabled(env):
@@ -382,6 +384,7 @@ class Supervisor:
         cmd = with_exclusions(self.cmd, self.excluded) or self.cmd
         self.proc = subprocess.Popen(cmd, env=self._env(resume), start_new_session=True,
                                      preexec_fn=_die_with_parent())
+        self.resume_once = None
         self.incarnation += 1
         self.launched_ts = self.clock()
         self.active_excluded = set(self.excluded)

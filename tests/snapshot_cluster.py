@@ -53,6 +53,7 @@ class Network:
         # 198.18.0.0/15: set aside for network tests (RFC 2544), never a real network's
         self.subnet = f"198.{18 + int(self.tag[:2], 16) % 2}.{int(self.tag[2:4], 16)}"
         self.spaces: list = []
+        self.links: list = []
 
     @classmethod
     def create(cls) -> "Network | None":
@@ -61,6 +62,9 @@ class Network:
             net._ip("link", "add", net.bridge, "type", "bridge")
             net._ip("addr", "add", f"{net.subnet}.254/24", "dev", net.bridge)
             net._ip("link", "set", net.bridge, "up")
+            probe = f"tg{net.tag}probe"           # namespaces need more rights than links
+            net._ip("netns", "add", probe)
+            net._ip("netns", "del", probe)
         except (OSError, subprocess.CalledProcessError) as exc:
             print(f"no network namespaces here ({exc}): machines share the loopback")
             net.close()
@@ -78,6 +82,7 @@ class Network:
         self._ip("netns", "add", ns)
         self.spaces.append(ns)
         self._ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}b")
+        self.links.append(f"{veth}b")
         self._ip("link", "set", f"{veth}b", "master", self.bridge)
         self._ip("link", "set", f"{veth}b", "up")
         self._ip("link", "set", veth, "netns", ns)
@@ -96,7 +101,9 @@ class Network:
     def close(self) -> None:
         for ns in list(self.spaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        self.spaces = []
+        for link in self.links:                # gone with their namespace, unless a join failed
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
+        self.spaces, self.links = [], []
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
 
 

@@ -105,6 +105,23 @@ def test_restores_the_newest_complete_snapshot_and_never_a_torn_one(shm):
     assert ck4.restore() is None
 
 
+def test_a_rollback_drops_the_abandoned_branch_so_a_later_restart_cannot_bring_it_back(shm):
+    config = SnapshotConfig(every=2, dir=str(shm))
+    ck, model, opt = fresh(config)
+    train(ck, model, opt, 6)                           # slots: 4 and 6, the branch abandoned
+    ck.close()
+    ck2, model2, opt2 = fresh(config)
+    assert ck2.restore(at_most=5).step == 4            # the rollback
+    weights = train(ck2, model2, opt2, 5, first=4)     # one step on, no snapshot yet
+    ck2.close()
+    ck3, _, _ = fresh(config)
+    assert ck3.restore().step == 4                     # a crash now: not 6 again
+    ck4, _, _ = fresh(config)
+    assert ck4.restore(at_most=3) is None              # nothing at or before 3 here ...
+    assert ck4.restore() is None                       # ... and nothing past it kept
+    assert 5 in weights
+
+
 def test_a_snapshot_that_does_not_fit_is_refused_with_one_line(shm, caplog):
     ck, model, opt = fresh(SnapshotConfig(every=1, dir=str(shm), max_bytes=1000))
     with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint.snapshot"):

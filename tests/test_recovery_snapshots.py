@@ -55,10 +55,9 @@ def test_lost_machine_resumes_on_a_spare_from_the_buddies_copies(tmp_path, shm):
     and m2; m1 is lost (ranks killed, memory dropped, off the network) and the job comes back
     on the spare m3 with m1's ranks restored from their copies on m2, not from disk."""
     env = base_env(tmp_path)
-    network = Network.create()
-    machines = [Machine(n, shm, free_port(), network) for n in ("m1", "m2", "m3")]
-    procs = []
+    network, machines, procs = Network.create(), [], []
     try:
+        machines = [Machine(n, shm, free_port(), network) for n in ("m1", "m2", "m3")]
         for m in machines:
             m.start_agent(machines, env, tmp_path / f"agent-{m.name}.log")
         m1, m2, m3 = machines
@@ -147,17 +146,17 @@ def test_a_lost_machines_ranks_go_to_a_spares_warm_standbys_without_a_relaunch(t
     from snapshot_cluster import REPO, TRAIN
 
     env = base_env(tmp_path)
-    network = Network.create()
-    machines = [Machine(n, shm, free_port(), network) for n in ("m1", "m2", "m3")]
-    m1, m2, m3 = machines
+    network, machines, procs = Network.create(), [], {}
     job, port = "warm-spare", free_port()
     args = [str(TRAIN), "--job", job, "--steps", "120", "--checkpoint-every", "100000",
             "--snapshot-every", "2", "--step-sleep", "0.05", "--timeout", "60",
             "--checkpoint-dir", str(tmp_path / "ckpt")]
-    roles = {m1: ["--nnodes", "2", "--node-rank", "0"], m2: ["--nnodes", "2", "--node-rank", "1"],
-             m3: ["--nnodes", "2", "--spare"]}
-    procs, logs = {}, {m.name: tmp_path / f"launcher-{m.name}.log" for m in machines}
+    logs = {name: tmp_path / f"launcher-{name}.log" for name in ("m1", "m2", "m3")}
     try:
+        machines = [Machine(n, shm, free_port(), network) for n in ("m1", "m2", "m3")]
+        m1, m2, m3 = machines
+        roles = {m1: ["--nnodes", "2", "--node-rank", "0"],
+                 m2: ["--nnodes", "2", "--node-rank", "1"], m3: ["--nnodes", "2", "--spare"]}
         for m in machines:
             m.start_agent(machines, env, tmp_path / f"agent-{m.name}.log")
         for m, role in roles.items():

@@ -379,6 +379,12 @@ def test_a_requeued_slurm_jobs_rollback_step_reaches_the_first_launch():
     assert sup._env(resume=False)["TRAINGUARD_RESUME_STEP"] == "40"
     assert "TRAINGUARD_RESUME_STEP" not in Supervisor(job="j1", cmd=["t"], environ={},
                                                       node="n")._env(resume=False)
+    sup = Supervisor(job="j1", cmd=[sys.executable, "-c", "pass"], environ={}, node="n",
+                     resume_step=40)
+    sup._launch(resume=False)            # the launch after a rollback resumes at or before it;
+    sup.proc.wait()                      # the ones after it resume the newest (a rollback
+    assert "TRAINGUARD_RESUME_STEP" not in sup._env(resume=True)    # drops what it undid)
+    assert sup.rollback_step == 40
 
 
 def test_the_standby_link_reads_answers_and_keeps_takeovers_seen_while_it_waits(tmp_path):

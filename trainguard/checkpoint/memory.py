@@ -5,6 +5,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+from . import layout
 from .restore import Restored, Sources, agree_and_load
 from .snapshot import SnapshotConfig, Snapshotter
 from .state import apply, capture
@@ -52,7 +53,21 @@ class InMemoryCheckpoint:
         if restored is not None:
             apply(restored.tree, **self._objects)
             restored.seconds = time.perf_counter() - began
+        if at_most is not None:       # a rollback, restored here or (None) from elsewhere
+            self.drop_newer(restored.step if restored is not None else at_most)
         return restored
+
+    def drop_newer(self, step: int) -> int:
+        """After a rollback to ``step``: this rank's own snapshots of later steps are the
+        abandoned branch; they go (their manifests), so that a later restart cannot restore
+        them. Copies a buddy machine holds are not reached (docs/RECOVERY.md). How many went."""
+        dropped = 0
+        for path in self.snapshotter.dir.glob("slot*.bin"):
+            manifest = layout.read_manifest(path)
+            if manifest is not None and manifest.get("step", -1) > step:
+                layout.manifest_path(path).unlink(missing_ok=True)
+                dropped += 1
+        return dropped
 
     def find(self, *, group=None, at_most: Optional[int] = None) -> Optional[Restored]:
         """:meth:`restore` without loading: the newest step every rank has, read and verified,
