@@ -12,10 +12,10 @@ the HTML report and a recording of every event land in the output folder.
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -126,7 +126,6 @@ def run_trainguard(plan: DemoPlan, config: Config, out: Path, minutes: float, vi
     run_dir.mkdir(parents=True)
     job = f"demo-{uuid.uuid4().hex[:6]}"
     node = socket.gethostname()
-    snapshots = Path("/dev/shm") / f"trainguard-{job}"    # host memory, removed at the end
     from trainguard.signing import KEY_ENV, generate_key
 
     env = {**chaos_env(plan, run_dir), "TRAINGUARD_BOOTSTRAP": config.bootstrap,
@@ -137,16 +136,11 @@ def run_trainguard(plan: DemoPlan, config: Config, out: Path, minutes: float, vi
 
     tap = EventTap(config, run_dir / "recording.jsonl.gz", job=job)
     tap.start()
-    try:
-        return _run_under_trainguard(plan, config, run_dir, job, node, snapshots, env, tap,
-                                     minutes, view)
-    finally:
-        shutil.rmtree(snapshots, ignore_errors=True)
-
-
-def _run_under_trainguard(plan, config, run_dir, job, node, snapshots, env, tap, minutes,
-                          view) -> dict:
-    with ServiceSet(log_dir=run_dir / "logs") as services:
+    # the in-memory snapshots: host memory, for this run only (removed after the services)
+    with tempfile.TemporaryDirectory(prefix=f"trainguard-{job}-", dir="/dev/shm",
+                                     ignore_cleanup_errors=True) as shm, \
+            ServiceSet(log_dir=run_dir / "logs") as services:
+        snapshots = Path(shm)
         view.status("set-up: starting the worker, the action service and the node agent")
         start_pipeline(services, config, env=env,
                        worker_args=["--data-dir", str(run_dir / "worker"), "--id",

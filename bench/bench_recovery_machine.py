@@ -20,7 +20,7 @@ lost machine is the demo's in-place ratio).
 from __future__ import annotations
 
 import json
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -40,18 +40,19 @@ def _first_after(log: Path, ts: float) -> float | None:
 
 
 def _wait_for_copies(machines, job: str, ranks, procs) -> None:
+    from snapshot_cluster import copied_elsewhere
+
     m1, _, m3 = machines
     deadline = time.monotonic() + 180
-    while min(max((s for m in (m1, m3) for s in m.steps(job, r, "replica")), default=0)
-              for r in ranks) < 6:
+    while copied_elsewhere((m1, m3), job, ranks) < 6:
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
             raise RuntimeError("the job did not get going")
         time.sleep(0.2)
 
 
 def _one(mode: str, root: Path) -> dict:
-    from snapshot_cluster import (TRAIN, Machine, Network, base_env, free_port, kill,
-                                  torchrun)
+    from snapshot_cluster import (Machine, Network, base_env, free_port, kill,
+                                  standby_launcher, tear_down, torchrun)
 
     folder = root / mode
     folder.mkdir(parents=True)
@@ -71,14 +72,9 @@ def _one(mode: str, root: Path) -> dict:
         if mode == "warm_spare":
             roles = {m1: ["--node-rank", "0"], m2: ["--node-rank", "1"], m3: ["--spare"]}
             for m, role in roles.items():
-                cmd = [sys.executable, "-m", "trainguard.launcher.inplace", "--nproc", "2",
-                       "--standby", "2", "--nnodes", "2", *role, "--master",
-                       f"{m1.ip}:{port}", "--node", m.name, "--lost-after", str(LOST_AFTER_S),
-                       "--", str(TRAIN), *args]
-                procs[m.name] = subprocess.Popen(m.inside(cmd), env=m.env(env),
-                                                 stdout=open(folder / f"{m.name}.log", "wb"),
-                                                 stderr=subprocess.STDOUT,
-                                                 start_new_session=True)
+                procs[m.name] = standby_launcher(
+                    m, role, master=f"{m1.ip}:{port}", args=args, env=env,
+                    log=folder / f"{m.name}.log", extra=["--lost-after", str(LOST_AFTER_S)])
         else:
             for rank, m in ((0, m1), (1, m2)):
                 procs[m.name] = torchrun(args, env, nproc=2, nnodes=2, node_rank=rank,
@@ -103,13 +99,8 @@ def _one(mode: str, root: Path) -> dict:
         return {"resumed_s": round(resumed, 2) if resumed is not None else None,
                 "network_namespaces": network is not None}
     finally:
-        for p in procs.values():
-            kill(p)
-        for m in machines:
-            m.stop_agent()
-        if network is not None:
-            network.close()
-        subprocess.run(["rm", "-rf", str(shm)], check=False)
+        tear_down(procs.values(), machines, network)
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def run() -> dict:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import signal
 import subprocess
@@ -63,7 +62,7 @@ from trainguard.broker import free_port
 from trainguard.checkpoint.inplace import ENABLED_ENV, STANDBY_ENV
 from trainguard.collectors.nodename import node_name
 from trainguard.launcher.inplace_cluster import Cluster
-from trainguard.launcher.inplace_status import StatusReader, control_path
+from trainguard.launcher.inplace_status import StatusReader, append_record, control_path
 from trainguard.launcher.supervisor import _die_with_parent
 
 __all__ = ["main", "parse_args", "REFILL_AFTER_S"]
@@ -121,8 +120,7 @@ class _Status:
     def say(self, text: str, **record) -> None:
         print(f"[inplace] {text}", flush=True)
         if self.path and record:
-            with open(self.path, "a") as out:
-                out.write(json.dumps({**record, "ts": time.time()}) + "\n")
+            append_record(self.path, {**record, "ts": time.time()})
 
 
 class _Fallback(Exception):
@@ -341,13 +339,12 @@ class Launcher:
                 proc.kill()
 
 
-def _store(args):
+def _store(args, hosting: bool):
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=300)
     if args.master:
         host, _, port = args.master.rpartition(":")
-        hosting = args.node_rank == 0 and not args.spare
         return dist.TCPStore(host, int(port), is_master=hosting, wait_for_workers=False,
                              timeout=timeout if hosting else datetime.timedelta(seconds=60))
     return dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
@@ -357,8 +354,8 @@ def _store(args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     status = _Status(args.status)
-    store = _store(args)
     hosting = args.node_rank == 0 and not args.spare
+    store = _store(args, hosting)
     if hosting:
         store.set("generation", "0")
     host = args.master.rpartition(":")[0] if args.master else "127.0.0.1"
@@ -393,10 +390,10 @@ def main(argv=None) -> int:
                 return 0
             except _Fallback as exc:
                 status.say(f"fallback to a relaunch: {exc}", event="fallback", reason=str(exc))
-                if hosting and args.nnodes > 1:
+                if launcher.cluster.leader:
                     store.set("fallback", str(exc))
                 return 1
-        if hosting and args.nnodes > 1:          # the others still use the store
+        if launcher.cluster.leader:              # the others still use the store
             while not launcher._all_done() and not stop:
                 launcher._cluster_news()          # still the judge of lost machines
                 launcher._reap_replaced()

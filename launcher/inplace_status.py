@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import time
 
 __all__ = ["StatusReader", "StandbyLink", "append_record", "control_path"]
@@ -139,19 +138,11 @@ class StandbyLink:
         self.pids, self.fallback, self._answers, self._takeovers = {}, None, {}, []
         self._failed = None
 
-    def kill(self, ranks: list, tree: set) -> list:
-        """SIGKILL the processes of ``ranks``, each of which must be in ``tree`` (the
-        command's processes: a pid is never taken on trust); returns the ranks killed, none
-        unless every rank named has one."""
+    def pids_of(self, ranks: list, tree: set) -> list:
+        """The processes of ``ranks``, each of which must be in ``tree`` (the command's
+        processes: a pid is never taken on trust); none unless every rank named has one."""
         pids = [self.pids.get(rank) for rank in ranks]
-        if not ranks or not all(pid in tree for pid in pids):
-            return []
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return list(ranks)
+        return pids if ranks and all(pid in tree for pid in pids) else []
 
     def rollback(self, step: int, request: str, wait_s: float = 5.0,
                  alive=lambda: True) -> dict | None:

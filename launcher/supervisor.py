@@ -465,9 +465,12 @@ class Supervisor:
 
     def _kill_ranks(self, ranks: list) -> list:
         """SIGKILL the processes of ``ranks`` under the standby launcher; the ranks killed."""
-        if self.inplace is None or not ranks or self.proc is None or self.proc.poll() is not None:
+        if self.inplace is None or self.proc is None or self.proc.poll() is not None:
             return []
-        return self.inplace.kill(ranks, set(descendants(self.proc.pid)))
+        pids = self.inplace.pids_of(ranks, set(descendants(self.proc.pid)))
+        for pid in pids:
+            _kill(pid, signal.SIGKILL)
+        return list(ranks) if pids else []
 
     def _rollback_in_place(self, order: ev.Order, step) -> dict | None:
         """Ask the standby launcher to roll back to ``step`` in place; its answer, or None."""

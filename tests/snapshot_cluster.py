@@ -220,6 +220,35 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def standby_launcher(m: Machine, role: list, *, master: str, args: list, env: dict, log: Path,
+                     nproc: int = 2, nnodes: int = 2, extra=()) -> subprocess.Popen:
+    """Machine ``m``'s standby launcher (``role``: ``--node-rank R`` or ``--spare``; ``extra``:
+    more of its options) of train.py with ``args``, one warm standby per rank, the store at
+    ``master``."""
+    cmd = [sys.executable, "-m", "trainguard.launcher.inplace", "--nproc", str(nproc),
+           "--standby", str(nproc), "--nnodes", str(nnodes), *role, "--master", master,
+           "--node", m.name, *extra, "--", str(TRAIN), *args]
+    return subprocess.Popen(m.inside(cmd), env=m.env(env), cwd=REPO, stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def copied_elsewhere(machines: list, job: str, ranks) -> int:
+    """The newest step that each of ``ranks`` has a replica of on one of ``machines``."""
+    return min(max((s for m in machines for s in m.steps(job, r, "replica")), default=0)
+               for r in ranks)
+
+
+def tear_down(procs, machines: list, network: "Network | None") -> None:
+    """Kill ``procs`` (and what they started), stop the machines' agents, remove the
+    network."""
+    for proc in procs:
+        kill(proc)
+    for m in machines:
+        m.stop_agent()
+    if network is not None:
+        network.close()
+
+
 def restored_lines(out: str) -> dict:
     """``{rank: (newest, restored, source)}`` from the ``[snapshot]`` lines of train.py."""
     pattern = re.compile(r"\[snapshot\] rank (\d+) on \S+: newest (-?\d+), restored step "

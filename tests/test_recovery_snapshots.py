@@ -9,8 +9,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from snapshot_cluster import (Machine, Network, base_env, free_port, kill,  # noqa: E402
-                              restored_lines, torchrun)
+from snapshot_cluster import (Machine, Network, base_env, copied_elsewhere,  # noqa: E402
+                              free_port, kill, restored_lines, standby_launcher, tear_down,
+                              torchrun)
 
 
 def wait(proc, timeout):
@@ -98,12 +99,7 @@ def test_lost_machine_resumes_on_a_spare_from_the_buddies_copies(tmp_path, shm):
         assert f"[train] done: steps {common}..{total - 1}" in out
         assert not (tmp_path / "ckpt" / "dcp").exists()        # nothing came from disk
     finally:
-        for p in procs:
-            kill(p)
-        for m in machines:
-            m.stop_agent()
-        if network is not None:
-            network.close()
+        tear_down(procs, machines, network)
 
 
 @pytest.mark.slow
@@ -140,36 +136,25 @@ def test_a_lost_machines_ranks_go_to_a_spares_warm_standbys_without_a_relaunch(t
     silent, gives ranks 2 and 3 to m3's standbys, m1's own standbys take ranks 0 and 1, and
     the job finishes from the newest common step with nothing relaunched and nothing read
     from disk."""
-    import subprocess
-    import sys
-
-    from snapshot_cluster import REPO, TRAIN
-
     env = base_env(tmp_path)
     network, machines, procs = Network.create(), [], {}
     job, port = "warm-spare", free_port()
-    args = [str(TRAIN), "--job", job, "--steps", "120", "--checkpoint-every", "100000",
+    args = ["--job", job, "--steps", "120", "--checkpoint-every", "100000",
             "--snapshot-every", "2", "--step-sleep", "0.05", "--timeout", "60",
             "--checkpoint-dir", str(tmp_path / "ckpt")]
     logs = {name: tmp_path / f"launcher-{name}.log" for name in ("m1", "m2", "m3")}
     try:
         machines = [Machine(n, shm, free_port(), network) for n in ("m1", "m2", "m3")]
         m1, m2, m3 = machines
-        roles = {m1: ["--nnodes", "2", "--node-rank", "0"],
-                 m2: ["--nnodes", "2", "--node-rank", "1"], m3: ["--nnodes", "2", "--spare"]}
+        roles = {m1: ["--node-rank", "0"], m2: ["--node-rank", "1"], m3: ["--spare"]}
         for m in machines:
             m.start_agent(machines, env, tmp_path / f"agent-{m.name}.log")
         for m, role in roles.items():
-            cmd = [sys.executable, "-m", "trainguard.launcher.inplace", "--nproc", "2",
-                   "--standby", "2", *role, "--master", f"{m1.ip}:{port}", "--node", m.name,
-                   "--", *args]
-            procs[m.name] = subprocess.Popen(m.inside(cmd), env=m.env(env), cwd=REPO,
-                                             stdout=open(logs[m.name], "wb"),
-                                             stderr=subprocess.STDOUT, start_new_session=True)
+            procs[m.name] = standby_launcher(m, role, master=f"{m1.ip}:{port}", args=args,
+                                             env=env, log=logs[m.name])
         # m2's ranks have copies on another machine (their buddy): then m2 is lost
         deadline = time.monotonic() + 180
-        while min(max((s for m in (m1, m3) for s in m.steps(job, r, "replica")), default=0)
-                  for r in (2, 3)) < 6:
+        while copied_elsewhere((m1, m3), job, (2, 3)) < 6:
             assert time.monotonic() < deadline, logs["m2"].read_text()[-3000:]
             assert all(p.poll() is None for p in procs.values()), \
                 "".join(log.read_text()[-2000:] for log in logs.values())
@@ -190,9 +175,4 @@ def test_a_lost_machines_ranks_go_to_a_spares_warm_standbys_without_a_relaunch(t
         assert f"[train] done: steps {common.pop()}..119" in out
         assert not (tmp_path / "ckpt" / "dcp").exists()        # nothing came from disk
     finally:
-        for p in procs.values():
-            kill(p)
-        for m in machines:
-            m.stop_agent()
-        if network is not None:
-            network.close()
+        tear_down(procs.values(), machines, network)

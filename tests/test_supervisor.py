@@ -422,7 +422,7 @@ def test_the_standby_link_reads_answers_and_keeps_takeovers_seen_while_it_waits(
     assert link.rollback(4, "order-2", wait_s=5.0)["event"] == "rollback_refused"
     worker.join()
     assert link.rollback(4, "order-3", wait_s=0.1) is None         # no launcher answers
-    assert link.kill([0], tree={123}) == []                         # no pid known for rank 0
+    assert link.pids_of([0], tree={123}) == []                      # no pid known for rank 0
 
 
 def test_a_restart_order_during_a_takeover_in_place_waits_for_it_and_relaunches_nothing(
