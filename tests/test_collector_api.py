@@ -122,6 +122,22 @@ def test_init_reads_torchrun_env_and_registers_the_rank(tmp_path):
     assert tg.dropped >= 3  # start, step, exit (and heartbeats) could not be delivered
 
 
+def test_events_left_undelivered_at_exit_are_said_once_with_their_number(tmp_path, caplog):
+    """No heartbeat follows the exit, so what the last flush could not deliver is logged."""
+    tg = trainguard.init(job="exit-job", bootstrap=f"127.0.0.1:{closed_port()}",
+                         environ={"RANK": "3"}, runtime_dir=tmp_path, handle_signals=False,
+                         stack_signal=None, flush_timeout=0.3)
+    for step in range(5):
+        with tg.step(step):
+            pass
+    tg.close()
+    tg.close()
+    lost = [r.getMessage() for r in caplog.records if "not delivered" in r.getMessage()]
+    assert len(lost) == 1, caplog.text
+    assert lost[0].startswith("trainguard: rank 3 of job exit-job: ")
+    assert int(lost[0].split(": ")[2].split()[0]) >= 6  # start, five steps, exit
+
+
 def test_bad_kafka_environment_disables_telemetry_but_never_raises(tmp_path, caplog):
     environ = {"TRAINGUARD_KAFKA_CONFIG": str(tmp_path / "missing.properties")}
     tg = trainguard.init(job="bad-env", environ=environ, runtime_dir=tmp_path,
