@@ -26,6 +26,11 @@ WORK = Path(os.environ.get("SUITE_PROFILE_DIR", "/tmp/trainguard-suite-profile")
 DURATIONS = ROOT / "tests" / "durations.json"
 
 
+def plain_id(nodeid: str) -> str:
+    """A test's id without the ``@group`` that tests/conftest.py adds for the lanes."""
+    return nodeid[:nodeid.rfind("@")] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
+
+
 def start_process_probe() -> None:
     """In every process: write ``{test, argv, cpu}`` to WORK/procs/<pid>.json each second."""
     import threading
@@ -34,8 +39,9 @@ def start_process_probe() -> None:
 
     def dump():
         t = os.times()
-        record = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
-                  "argv": sys.argv[:3], "cpu": round(t.user + t.system, 2)}
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        record = {"test": plain_id(test), "argv": sys.argv[:3],
+                  "cpu": round(t.user + t.system, 2)}
         try:
             (folder / f"{pid}.json").write_text(json.dumps(record))
         except OSError:
@@ -60,7 +66,8 @@ if "pytest" in sys.modules:  # loaded as the plugin (-p suite_profile), not as t
         t0, c0 = time.monotonic(), time.process_time()
         yield
         with open(WORK / "tests.jsonl", "a") as out:
-            out.write(json.dumps({"id": item.nodeid, "wall": round(time.monotonic() - t0, 2),
+            out.write(json.dumps({"id": plain_id(item.nodeid),
+                                  "wall": round(time.monotonic() - t0, 2),
                                   "cpu": round(time.process_time() - c0, 2)}) + "\n")
 
 

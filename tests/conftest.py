@@ -71,10 +71,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         if "slurm" in defs:  # two loopback Slurm clusters at once name the same nodes
-            item.add_marker(pytest.mark.xdist_group("slurm"))
             unit = "slurm"
         elif any(d.scope == "module" for fixturedefs in defs.values() for d in fixturedefs):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
             unit = item.module.__name__
         else:
             unit = item.nodeid
@@ -83,6 +81,24 @@ def pytest_collection_modifyitems(config, items):
     costs = {unit: tuple(map(sum, zip(*(measured.get(i.nodeid, UNMEASURED) for i in members))))
              for unit, members in units.items()}
     items[:] = [item for unit in lane_order(costs) for item in units[unit]]
+    for unit, members in units.items():
+        if len(members) > 1 or unit == "slurm":
+            for item in members:
+                in_group(item, unit)
+
+
+def in_group(item, group: str) -> None:
+    """Keep ``item`` in the lane of the other tests of ``group`` (``--dist loadgroup``).
+
+    xdist groups a test by the ``@group`` it appends to the test's id. Under pytest 9 the id
+    lives in ``Node._id`` and xdist 3.8's ``item._nodeid = ...`` is lost: no test was grouped,
+    two Slurm clusters ran at once and shared fixtures ran once per lane. So the id is set
+    here (xdist's own suffix, where it works, names the same group again).
+    """
+    item.add_marker(pytest.mark.xdist_group(group))
+    if getattr(item.config.option, "loadgroup", False) and hasattr(item, "_id") \
+            and not item.nodeid.endswith(f"@{group}"):
+        item._id = type(item._id).parse(f"{item.nodeid}@{group}")
 
 
 def lane_order(costs: dict[str, tuple[float, float]]) -> list[str]:
