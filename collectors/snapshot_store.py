@@ -282,6 +282,11 @@ class SnapshotStore:
                                                       "steps": sorted(self.held(job, rank))}))
         if op == "get" and not local:
             return self._send(wfile, job, rank, step)
+        if op == "drop" and not local:
+            return write_message(wfile, self._signed({"ok": True, "dropped": self._drop_newer(
+                job, rank, step)}))
+        if op == "drop_newer" and local:
+            return write_message(wfile, self._drop_everywhere(job, rank, step))
         if op == "steps" and local:
             return write_message(wfile, {"ok": True, "steps": self._all_steps(job, rank)})
         if op == "fetch" and local:
@@ -322,6 +327,30 @@ class SnapshotStore:
         self._prune(folder)
         self.stats["received"] += 1
         write_message(wfile, self._signed({"ok": True}))
+
+    def _drop_newer(self, job: str, rank: int, step: int) -> int:
+        """The replicas held here of (job, rank) past ``step``, which a rollback abandoned,
+        go; how many."""
+        dropped = 0
+        with self._lock:
+            for path in (self.dir / "replica" / job / f"rank{rank}").glob("step*.bin"):
+                manifest = layout.read_manifest(path)
+                if manifest is not None and manifest.get("step", -1) > step:
+                    layout.manifest_path(path).unlink(missing_ok=True)
+                    path.unlink(missing_ok=True)
+                    dropped += 1
+        return dropped
+
+    def _drop_everywhere(self, job: str, rank: int, step: int) -> dict:
+        """A rank rolled back to ``step``: its replicas past it go here and on every peer
+        that answers; ``unreached`` names the peers that did not."""
+        replies = self._ask_peers({"op": "drop", "job": job, "rank": rank, "step": step})
+        done = {n: r for n, r in replies.items() if r.get("ok")}
+        dropped = self._drop_newer(job, rank, step) + sum(
+            r["dropped"] for r in done.values() if type(r.get("dropped")) is int)
+        return {"ok": True, "dropped": dropped,
+                "unreached": sorted(n for n in self.config.peers if n != self.node
+                                    and n not in done)}
 
     def _prune(self, folder: Path) -> None:
         with self._lock:

@@ -361,6 +361,8 @@ def main(argv=None) -> int:
     host = args.master.rpartition(":")[0] if args.master else "127.0.0.1"
     base = {**os.environ, "MASTER_ADDR": host, "MASTER_PORT": str(store.port),
             "WORLD_SIZE": str(args.nproc * args.nnodes), ENABLED_ENV: "1"}
+    if "OMP_NUM_THREADS" not in os.environ and args.nproc > 1:
+        base["OMP_NUM_THREADS"] = "1"     # as torchrun: ranks and standbys share the cores
     launcher = Launcher(args, store, status, base, args.node or node_name(os.environ))
     control = args.control or (control_path(args.status) if args.status else None)
     requests = StatusReader(control) if control else None

@@ -112,8 +112,9 @@ def lane_order(costs: dict[str, tuple[float, float]]) -> list[str]:
     >>> lane_order({"a": (100, 90), "b": (60, 2), "c": (50, 45), "d": (30, 1), "e": (1, 1)})
     ['a', 'b', 'c', 'd', 'e']
     """
-    busy = sorted((u for u, (w, c) in costs.items() if c >= 0.5 * w), key=lambda u: -costs[u][0])
-    waiting = sorted((u for u in costs if u not in set(busy)), key=lambda u: -costs[u][0])
+    longest_first = sorted(costs, key=lambda u: -costs[u][0])
+    busy = [u for u in longest_first if costs[u][1] >= 0.5 * costs[u][0]]
+    waiting = [u for u in longest_first if costs[u][1] < 0.5 * costs[u][0]]
     totals = [sum(costs[u][0] for u in us) or 1.0 for us in (busy, waiting)]
     done = [0.0, 0.0]
     order = []

@@ -1,5 +1,5 @@
-"""End to end: a real 4-rank torchrun (gloo) job under ``trainguard run``, with ``trainguard
-worker``, ``agent`` and ``actions`` running, faults from ``trainguard.apps.chaos``.
+"""End to end: a real torchrun (gloo) job of 2 or 3 ranks under ``trainguard run``, with
+``trainguard worker``, ``agent`` and ``actions`` running, faults from ``trainguard.apps.chaos``.
 
 Each scenario takes about a minute on two cores; they run with ``TRAINGUARD_E2E=1``, which
 ``make test`` sets (``TRAINGUARD_E2E=0 make test`` leaves them out).
@@ -54,7 +54,7 @@ def test_hang_is_localized_restarted_and_resumed(world, tmp_path):
 
 
 def _hang_scenario(d, c, hook):
-    run = d.supervise("hang", d.torchrun(4, steps=STEPS, job="hang"),
+    run = d.supervise("hang", d.torchrun(3, steps=STEPS, job="hang"),
                       chaos="hang@step=25,rank=2")
     wait_for(lambda: run.poll() is not None, timeout=240, interval=0.5, what="the job's end")
     assert run.returncode == 0, d.procs.log("run-hang")[-2000:]
@@ -79,7 +79,7 @@ def test_with_warm_standbys_a_hang_is_restarted_in_place_without_a_relaunch(worl
     d.start(policy={"capture": FAST_CAPTURE})
     run = d.supervise("inplace", d.script(steps=STEPS, job="inplace",
                                           extra=["--snapshot-every", "1"]),
-                      chaos="hang@step=25,rank=2", standby=(4, 4))
+                      chaos="hang@step=25,rank=2", standby=(3, 3))
     wait_for(lambda: run.poll() is not None, timeout=240, interval=0.5, what="the job's end")
     assert run.returncode == 0, d.procs.log("run-inplace")[-3000:]
     acts = [e for e in c["actions"].drain(1.0) if e.job == "inplace"]
@@ -100,7 +100,7 @@ def test_with_warm_standbys_a_hang_is_restarted_in_place_without_a_relaunch(worl
 def test_crash_is_restarted_and_resumed(world):
     d, c, _ = world
     d.start(policy={"capture": FAST_CAPTURE})
-    run = d.supervise("crash", d.torchrun(4, steps=STEPS, job="crash"),
+    run = d.supervise("crash", d.torchrun(2, steps=STEPS, job="crash"),
                       chaos="crash@step=25,rank=1")
     wait_for(lambda: run.poll() is not None, timeout=240, interval=0.5, what="the job's end")
     assert run.returncode == 0, d.procs.log("run-crash")[-2000:]
@@ -115,7 +115,7 @@ def test_repeated_failures_hit_the_restart_cap_and_page(world):
     d.start(policy={"capture": FAST_CAPTURE, "limits": {"max_restarts": 1},
                     "alerts": {"webhook": {"url": hook.url("/hook"), "retries": 1}}})
     chaos = "crash@step=12,rank=1;crash@step=22,rank=1;crash@step=32,rank=1"
-    run = d.supervise("loop", d.torchrun(4, steps=STEPS, job="loop"), chaos=chaos,
+    run = d.supervise("loop", d.torchrun(2, steps=STEPS, job="loop"), chaos=chaos,
                       max_restarts=5)
     wait_for(lambda: any(a.extra.get("code") == "page" for a in c["actions"].drain(0.5)
                          if a.job == "loop"), timeout=240, what="the page")

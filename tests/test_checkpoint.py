@@ -196,6 +196,39 @@ def test_replicas_are_signed_and_a_spare_restores_from_the_buddy(shm):
             store.stop()
 
 
+def test_a_rollback_drops_the_abandoned_branch_on_the_buddy_and_on_disk_too(shm, tmp_path):
+    """Rolled back from 6 to 4, then machine a is lost: its spare restores 4 from the buddy,
+    not the abandoned 6 that the buddy held; the disk copies past 4 are gone too."""
+    import shutil
+
+    s = stores(shm, ("a", "b", "c"), KEYS)
+    dcp = tmp_path / "dcp"
+    try:
+        config = SnapshotConfig(every=2, dir=str(shm / "a"), persist_dir=str(dcp),
+                                persist_every_s=1e-6)
+        ck, model, opt = fresh(config)
+        weights = train(ck, model, opt, 6)
+        ck.close()
+        deadline = time.monotonic() + 10
+        while sorted(s["b"].held("unit", 0)) != [4, 6]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ck2, _, _ = fresh(config)
+        assert ck2.restore(at_most=5).step == 4            # the rollback
+        ck2.close()
+        assert sorted(s["b"].held("unit", 0)) == [4]
+        assert not [p for p in dcp.glob("step_*/rank_0") if int(p.parent.name[5:]) > 4]
+        s["a"].stop()
+        shutil.rmtree(shm / "a")                           # machine a is lost
+        spare, model3, _ = fresh(SnapshotConfig(every=2, dir=str(shm / "c")))
+        restored = spare.restore()
+        assert (restored.step, restored.source) == (4, "buddy:b")
+        assert torch.equal(model3.weight, weights[4])
+    finally:
+        for store in s.values():
+            store.stop()
+
+
 def put(address, header, body):
     reply, _ = request(address, header, body, timeout=5)
     return reply
@@ -231,6 +264,13 @@ def test_unsigned_forged_and_tampered_replicas_are_refused(shm):
         good = sign_object({**header, "id": "6"}, KEYS)
         assert put(address, good, body)["ok"] and list(s["b"].held("unit", 0)) == [2]
         assert put(address, good, body)["code"] == "replayed"
+        drop = {"op": "drop", "ts": time.time(), "node": "evil", "job": "unit", "rank": 0,
+                "step": 0}
+        assert request(address, {**drop, "id": "7"}, timeout=5)[0]["code"] == "unsigned"
+        assert list(s["b"].held("unit", 0)) == [2]
+        assert request(address, sign_object({**drop, "id": "8"}, KEYS), timeout=5)[0][
+            "dropped"] == 1
+        assert s["b"].held("unit", 0) == {}
     finally:
         for store in s.values():
             store.stop()

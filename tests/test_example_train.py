@@ -1,4 +1,4 @@
-"""examples/train.py for real: 4 CPU ranks under torchrun with gloo, checkpoints and resume.
+"""examples/train.py for real: 2 CPU ranks under torchrun with gloo, checkpoints and resume.
 
 No broker is needed: the collector is pointed at a closed port and drops its events.
 """
@@ -19,7 +19,7 @@ TRAIN = REPO / "examples" / "train.py"
 
 
 def torchrun(args, env, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(TRAIN), *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

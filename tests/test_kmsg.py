@@ -283,7 +283,9 @@ def test_real_dev_kmsg_is_followed_from_its_end_or_replayed(monkeypatch):
         assert _wait(lambda: len(lines) > quiet + 20)  # the kernel's existing records
     finally:
         replay.stop()
-    assert quiet <= 3 < 20 < len(lines) - quiet  # from the end: old records not replayed
+    # from the end: not the old records (a test beside this one that makes network
+    # namespaces adds a few new ones)
+    assert quiet < 20 < len(lines) - quiet
     assert all(";" in line for line in lines)  # raw "prefix;message" records
 
 

@@ -47,3 +47,13 @@ def test_a_modules_tests_that_share_a_module_fixture_run_in_one_lane(tmp_path):
     shared = {lane for test, lane in lanes.items() if "test_shares_the_job" in test}
     assert len(lanes) == 10 and len(shared) == 1, run.stdout[-3000:]
     assert all(test.endswith("@test_shared") for test in lanes if "shares" in test)
+
+
+def test_the_units_go_longest_first_with_the_waiting_ones_spread_among_the_busy_ones():
+    from conftest import lane_order
+
+    costs = {"busy-100": (100, 90), "busy-50": (50, 45), "busy-10": (10, 9), "busy-9": (9, 8),
+             "waits-60": (60, 2), "waits-30": (30, 1)}
+    assert lane_order(costs) == ["busy-100", "waits-60", "busy-50", "waits-30", "busy-10",
+                                 "busy-9"]
+    assert lane_order({}) == []

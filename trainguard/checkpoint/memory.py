@@ -58,16 +58,25 @@ class InMemoryCheckpoint:
         return restored
 
     def drop_newer(self, step: int) -> int:
-        """After a rollback to ``step``: this rank's own snapshots of later steps are the
-        abandoned branch; they go (their manifests), so that a later restart cannot restore
-        them. Copies a buddy machine holds are not reached (docs/RECOVERY.md). How many went."""
-        dropped = 0
+        """After a rollback to ``step``: this rank's snapshots of later steps are the abandoned
+        branch; they go, so that a later restart cannot restore them: its own (their
+        manifests), the replicas the node agents hold (here and on the peers that answer) and
+        its disk copies. How many went."""
+        own = 0
         for path in self.snapshotter.dir.glob("slot*.bin"):
             manifest = layout.read_manifest(path)
             if manifest is not None and manifest.get("step", -1) > step:
                 layout.manifest_path(path).unlink(missing_ok=True)
-                dropped += 1
-        return dropped
+                own += 1
+        reply = self.sources.drop_agent_newer(step) or {}
+        replicas = reply.get("dropped") if type(reply.get("dropped")) is int else 0
+        disk = self.sources.drop_disk_newer(step)
+        if own or replicas or disk or reply.get("unreached"):
+            log.warning("trainguard: rank %d rolled back to step %d: dropped the later "
+                        "snapshots (%d own, %d replicas, %d on disk)%s", self.rank, step, own,
+                        replicas, disk, f"; peers not reached: {', '.join(reply['unreached'])}"
+                        if reply.get("unreached") else "")
+        return own + replicas + disk
 
     def find(self, *, group=None, at_most: Optional[int] = None) -> Optional[Restored]:
         """:meth:`restore` without loading: the newest step every rank has, read and verified,

@@ -71,6 +71,29 @@ class Sources:
     def steps(self) -> set:
         return set(self.own()) | set(self.agent()) | set(self.disk())
 
+    def drop_agent_newer(self, step: int) -> Optional[dict]:
+        """After a rollback to ``step``: the node agent drops the replicas of this rank past
+        it, on this machine and on its peers (None: no agent answered)."""
+        return self._ask({"op": "drop_newer", "job": self.job, "rank": self.rank, "step": step})
+
+    def drop_disk_newer(self, step: int) -> int:
+        """After a rollback to ``step``: this rank's disk copies past it go; how many."""
+        import shutil
+
+        if not self.config.persist_dir:
+            return 0
+        dropped = 0
+        for folder in Path(self.config.persist_dir).glob(f"step_*/rank_{self.rank}"):
+            done = folder.parent.name[len("step_"):]
+            if done.isdigit() and int(done) > step:
+                shutil.rmtree(folder, ignore_errors=True)
+                try:
+                    folder.parent.rmdir()         # the step's folder, once every rank left it
+                except OSError:
+                    pass
+                dropped += 1
+        return dropped
+
     def _ask(self, header: dict) -> Optional[dict]:
         from .wire import WireError, request
 
