@@ -126,6 +126,7 @@ class SnapshotStore:
         self._threads: list = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._rollbacks: dict = {}    # (job, rank) -> (step kept, wall time of the drop)
         self.buddy = self._buddy()
 
     def _buddy(self) -> Optional[str]:
@@ -275,6 +276,8 @@ class SnapshotStore:
             if refusal is not None:
                 return self._refuse(wfile, refusal.code, refusal.reason, header)
         rank, step = header["rank"], header.get("step", 0)
+        if op in ("drop", "drop_newer") and type(header.get("step")) is not int:
+            return self._refuse(wfile, "malformed", "a drop names the step it keeps", header)
         if op == "put" and not local:
             return self._receive(rfile, wfile, header, job, rank, step)
         if op == "list" and not local:
@@ -307,6 +310,8 @@ class SnapshotStore:
         if nbytes > st.f_bavail * st.f_frsize:
             return self._refuse(wfile, "no_space", f"{nbytes} bytes do not fit in {self.dir}",
                                 header)
+        if self._abandoned(job, rank, manifest):
+            return self._refuse(wfile, "abandoned", f"step {step} is past a rollback", header)
         folder = self.dir / "replica" / job / f"rank{rank}"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"step{step:010d}.bin"
@@ -318,9 +323,15 @@ class SnapshotStore:
                 tmp.unlink(missing_ok=True)
                 return self._refuse(wfile, "bad_digest", "the bytes do not match the signed "
                                                          "SHA-256", header)
-            layout.manifest_path(path).unlink(missing_ok=True)
-            os.replace(tmp, path)
-            layout.write_manifest(path, {k: v for k, v in manifest.items() if k != "format"})
+            with self._lock:  # a drop that came while the bytes travelled wins
+                if self._abandoned(job, rank, manifest):
+                    tmp.unlink(missing_ok=True)
+                    return self._refuse(wfile, "abandoned", f"step {step} is past a rollback",
+                                        header)
+                layout.manifest_path(path).unlink(missing_ok=True)
+                os.replace(tmp, path)
+                layout.write_manifest(path, {k: v for k, v in manifest.items()
+                                             if k != "format"})
         except (OSError, WireError) as exc:
             tmp.unlink(missing_ok=True)
             return self._refuse(wfile, "incomplete", str(exc), header)
@@ -329,17 +340,28 @@ class SnapshotStore:
         write_message(wfile, self._signed({"ok": True}))
 
     def _drop_newer(self, job: str, rank: int, step: int) -> int:
-        """The replicas held here of (job, rank) past ``step``, which a rollback abandoned,
-        go; how many."""
+        """The copies held here of (job, rank) past ``step``, which a rollback abandoned, go
+        (replicas, and the slots the rank left here before it moved); a replica of them still
+        on its way is refused when it arrives. How many went."""
         dropped = 0
         with self._lock:
-            for path in (self.dir / "replica" / job / f"rank{rank}").glob("step*.bin"):
-                manifest = layout.read_manifest(path)
-                if manifest is not None and manifest.get("step", -1) > step:
-                    layout.manifest_path(path).unlink(missing_ok=True)
-                    path.unlink(missing_ok=True)
-                    dropped += 1
+            self._rollbacks[(job, rank)] = (step, self.clock())
+            for folder, pattern in (("own", "slot*.bin"), ("replica", "step*.bin")):
+                for path in (self.dir / folder / job / f"rank{rank}").glob(pattern):
+                    manifest = layout.read_manifest(path)
+                    if manifest is not None and manifest.get("step", -1) > step:
+                        layout.manifest_path(path).unlink(missing_ok=True)
+                        if folder == "replica":
+                            path.unlink(missing_ok=True)
+                        dropped += 1
         return dropped
+
+    def _abandoned(self, job: str, rank: int, manifest: dict) -> bool:
+        """A snapshot taken before a rollback to an older step (its branch was abandoned)."""
+        rollback = self._rollbacks.get((job, rank))
+        return rollback is not None and manifest.get("step", -1) > rollback[0] \
+            and not (isinstance(manifest.get("ts"), (int, float))
+                     and manifest["ts"] > rollback[1])
 
     def _drop_everywhere(self, job: str, rank: int, step: int) -> dict:
         """A rank rolled back to ``step``: its replicas past it go here and on every peer

@@ -12,22 +12,33 @@
 # file system), or the cache cannot be built, .venv is made the plain way.
 set -euo pipefail
 PY=$1 EXTRAS=$2
-key=$( { cat pyproject.toml; "$PY" -VV; echo "$EXTRAS"; } | sha256sum | cut -c1-16)
+key=$( { cat pyproject.toml; "$PY" -VV; readlink -f "$(command -v "$PY")"; uname -m
+         echo "$EXTRAS"; } | sha256sum | cut -c1-16)
 cache=$TRAINGUARD_HOME/venvs/$key
 
-if [ ! -x "$cache/bin/python" ]; then
+build() {  # in a subshell of a condition, where set -e does not hold: each step is checked
   echo "building the test packages' venv once for this pyproject.toml: $cache"
-  mkdir -p "$TRAINGUARD_HOME/venvs"
-  building=$cache.building.$$
-  trap 'rm -rf "$building"' EXIT
-  "$PY" -m venv --prompt .venv "$building"
-  "$building/bin/python" -m pip install -q --upgrade pip
-  # trainguard pulls in its dependencies; then it goes: each clone installs its own
-  "$building/bin/python" -m pip install -q -e ".[$EXTRAS]"
-  "$building/bin/python" -m pip uninstall -q -y trainguard
-  rm -f "$building"/bin/trainguard
-  mv "$building" "$cache" 2>/dev/null || rm -rf "$building"  # another build won the race
-  trap - EXIT
+  mkdir -p "$TRAINGUARD_HOME/venvs" || return 1
+  # builds killed half-way leave their folders: gone after two hours
+  find "$TRAINGUARD_HOME/venvs" -maxdepth 1 -name '*.building.*' -mmin +120 \
+    -exec rm -rf {} + 2>/dev/null
+  local building=$cache.building.$$
+  if ! { "$PY" -m venv --prompt .venv "$building" &&
+         "$building/bin/python" -m pip install -q --upgrade pip &&
+         # trainguard pulls in its dependencies; then it goes: each clone installs its own
+         "$building/bin/python" -m pip install -q -e ".[$EXTRAS]" &&
+         "$building/bin/python" -m pip uninstall -q -y trainguard; }; then
+    rm -rf "$building"
+    return 1
+  fi
+  [ -x "$cache/bin/python" ] || rm -rf "$cache"          # a broken one goes, a good one stays
+  mv -T "$building" "$cache" 2>/dev/null || rm -rf "$building"  # another build won the race
+}
+
+if [ ! -x "$cache/bin/python" ] && ! (build); then
+  echo "warning: the shared venv could not be built; installing into .venv directly" >&2
+  "$PY" -m venv .venv
+  exit 0  # scripts/test.sh installs everything
 fi
 
 here=$(pwd)/.venv

@@ -15,8 +15,9 @@ broker is fenced after 3 s; 4-5 s when it was the active controller): a rank tha
 inside that window flushes for only 3 s (the collector's ``flush_timeout``) and can lose what
 it sent since the broker died (measured: 7 of rank 0's steps with the crash 3 s after the
 kill; all 22 with two test lanes loading the machine). docs/OPERATIONS.md, "Three brokers",
-says so, and the rank says how many it lost. ``failover_s`` is when the metadata first named
-no partition led by the victim, ``crash_after_failover_s`` how long after that the crash came.
+says so, and the rank says how many it lost. ``failover_s`` is when the metadata first gave
+every partition a leader other than the victim, ``crash_after_failover_s`` how long after that
+the crash came.
 """
 from __future__ import annotations
 
@@ -70,6 +71,19 @@ def leaders(config, prefix: str) -> collections.Counter:
     return collections.Counter(p.leader for name, meta in topics.items()
                                if name.startswith(prefix) for p in meta.partitions.values()
                                if p.leader >= 0)
+
+
+def _failed_over(config, prefix: str, victim: int) -> bool:
+    """Every partition of the ``prefix`` topics has a leader, and none is ``victim``; False
+    while the metadata cannot be read."""
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        topics = AdminClient(config.kafka()).list_topics(timeout=2).topics
+    except Exception:
+        return False
+    return all(p.leader >= 0 and p.leader != victim for name, meta in topics.items()
+               if name.startswith(prefix) for p in meta.partitions.values())
 
 
 def worker_metrics(port: int) -> dict[str, float]:
@@ -144,10 +158,10 @@ def broker_loss_run(folder: Path, config, victim, *, replicas: int, steps: int =
             def acted(events):
                 return [a for a in events if a.job == JOB and a.action == "restart"]
 
-            failover = None  # when the metadata first names no partition led by the victim
+            failover = None  # when every partition first has a leader other than the victim
             while True:
                 down = time.time() - killed
-                if failover is None and not leaders(config, topics.prefix).get(victim.node_id):
+                if failover is None and _failed_over(config, topics.prefix, victim.node_id):
                     failover = time.time()
                 if (down >= min_down_s and acted(collectors["actions"].drain(0.3))) \
                         or down >= max_down_s:

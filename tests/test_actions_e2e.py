@@ -55,12 +55,12 @@ def test_hang_is_localized_restarted_and_resumed(world, tmp_path):
 
 def _hang_scenario(d, c, hook):
     run = d.supervise("hang", d.torchrun(3, steps=STEPS, job="hang"),
-                      chaos="hang@step=25,rank=2")
+                      chaos="hang@step=25,rank=1")
     wait_for(lambda: run.poll() is not None, timeout=240, interval=0.5, what="the job's end")
     assert run.returncode == 0, d.procs.log("run-hang")[-2000:]
     acts = [e for e in c["actions"].drain(1.0) if e.job == "hang"]
     capture = [a for a in acts if a.action == "capture_stacks" and a.status == "done"]
-    assert capture and capture[0].targets["suspects"] == [2], d.procs.log("actions")[-3000:]
+    assert capture and capture[0].targets["suspects"] == [1], d.procs.log("actions")[-3000:]
     assert [a.status for a in acts if a.action == "restart"
             and a.extra.get("ack_status") == "done"] == ["done"]
     fault = d.chaos_log("hang")[0]["injected_ts"]
@@ -79,14 +79,14 @@ def test_with_warm_standbys_a_hang_is_restarted_in_place_without_a_relaunch(worl
     d.start(policy={"capture": FAST_CAPTURE})
     run = d.supervise("inplace", d.script(steps=STEPS, job="inplace",
                                           extra=["--snapshot-every", "1"]),
-                      chaos="hang@step=25,rank=2", standby=(3, 3))
+                      chaos="hang@step=25,rank=1", standby=(3, 3))
     wait_for(lambda: run.poll() is not None, timeout=240, interval=0.5, what="the job's end")
     assert run.returncode == 0, d.procs.log("run-inplace")[-3000:]
     acts = [e for e in c["actions"].drain(1.0) if e.job == "inplace"]
     restarts = [a for a in acts if a.action == "restart" and a.extra.get("ack_status")]
     assert [(a.extra["ack_status"], a.extra.get("code")) for a in restarts] == \
         [("done", "restarted_in_place")], d.procs.log("actions")[-3000:]
-    assert restarts[0].targets.get("ranks") == [2]
+    assert restarts[0].targets.get("ranks") == [1]
     telemetry = c["telemetry"].drain(1.0)
     launches = [e for e in telemetry if e.type == "lifecycle" and e.job == "inplace"
                 and e.rank is None and e.event == "start"]

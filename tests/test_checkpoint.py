@@ -172,6 +172,26 @@ def stores(shm, names, keys):
                              node=n, keys=keys).start() for n in names}
 
 
+def held_soon(store, steps: list) -> None:
+    deadline = time.monotonic() + 10
+    while sorted(store.held("unit", 0)) != steps:
+        assert time.monotonic() < deadline, (sorted(store.held("unit", 0)), steps)
+        time.sleep(0.05)
+
+
+def lose_a_and_restore_on_spare_c(s, shm, weights: dict, step: int) -> None:
+    """Machine a is lost (its agent stopped, its memory gone); a rank on the spare c
+    restores ``step`` from the buddy b's copy."""
+    import shutil
+
+    s["a"].stop()
+    shutil.rmtree(shm / "a")
+    spare, model, _ = fresh(SnapshotConfig(every=2, dir=str(shm / "c")))
+    restored = spare.restore()
+    assert (restored.step, restored.source) == (step, "buddy:b")
+    assert torch.equal(model.weight, weights[step])
+
+
 def test_replicas_are_signed_and_a_spare_restores_from_the_buddy(shm):
     s = stores(shm, ("a", "b", "c"), KEYS)
     try:
@@ -179,18 +199,8 @@ def test_replicas_are_signed_and_a_spare_restores_from_the_buddy(shm):
         ck, model, opt = (lambda c: c)(fresh(SnapshotConfig(every=2, dir=str(shm / "a"))))
         weights = train(ck, model, opt, 4)
         ck.close()
-        deadline = time.monotonic() + 10
-        while sorted(s["b"].held("unit", 0)) != [2, 4]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        s["a"].stop()
-        import shutil
-
-        shutil.rmtree(shm / "a")                       # machine a is lost
-        spare, model2, _ = fresh(SnapshotConfig(every=2, dir=str(shm / "c")))
-        restored = spare.restore()
-        assert (restored.step, restored.source) == (4, "buddy:b")
-        assert torch.equal(model2.weight, weights[4])
+        held_soon(s["b"], [2, 4])
+        lose_a_and_restore_on_spare_c(s, shm, weights, 4)
     finally:
         for store in s.values():
             store.stop()
@@ -199,31 +209,26 @@ def test_replicas_are_signed_and_a_spare_restores_from_the_buddy(shm):
 def test_a_rollback_drops_the_abandoned_branch_on_the_buddy_and_on_disk_too(shm, tmp_path):
     """Rolled back from 6 to 4, then machine a is lost: its spare restores 4 from the buddy,
     not the abandoned 6 that the buddy held; the disk copies past 4 are gone too."""
-    import shutil
-
     s = stores(shm, ("a", "b", "c"), KEYS)
     dcp = tmp_path / "dcp"
     try:
         config = SnapshotConfig(every=2, dir=str(shm / "a"), persist_dir=str(dcp),
                                 persist_every_s=1e-6)
         ck, model, opt = fresh(config)
-        weights = train(ck, model, opt, 6)
+        weights = {}
+        for done in range(1, 7):       # each disk copy written before the next is due
+            weights.update(train(ck, model, opt, done, first=done - 1))
+            if ck.snapshotter._persist_thread is not None:
+                ck.snapshotter._persist_thread.join(60)
         ck.close()
-        deadline = time.monotonic() + 10
-        while sorted(s["b"].held("unit", 0)) != [4, 6]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        assert (dcp / "step_00000006" / "rank_0").is_dir()
+        held_soon(s["b"], [4, 6])
         ck2, _, _ = fresh(config)
         assert ck2.restore(at_most=5).step == 4            # the rollback
         ck2.close()
         assert sorted(s["b"].held("unit", 0)) == [4]
         assert not [p for p in dcp.glob("step_*/rank_0") if int(p.parent.name[5:]) > 4]
-        s["a"].stop()
-        shutil.rmtree(shm / "a")                           # machine a is lost
-        spare, model3, _ = fresh(SnapshotConfig(every=2, dir=str(shm / "c")))
-        restored = spare.restore()
-        assert (restored.step, restored.source) == (4, "buddy:b")
-        assert torch.equal(model3.weight, weights[4])
+        lose_a_and_restore_on_spare_c(s, shm, weights, 4)   # not the abandoned 6
     finally:
         for store in s.values():
             store.stop()
@@ -271,6 +276,12 @@ def test_unsigned_forged_and_tampered_replicas_are_refused(shm):
         assert request(address, sign_object({**drop, "id": "8"}, KEYS), timeout=5)[0][
             "dropped"] == 1
         assert s["b"].held("unit", 0) == {}
+        # a replica of the abandoned branch that was on its way when the drop came
+        assert put(address, sign_object({**header, "id": "9"}, KEYS), body)["code"] == \
+            "abandoned"
+        newer = {**manifest, "ts": time.time() + 1}     # the new branch's step 2
+        assert put(address, sign_object({**header, "id": "10", "manifest": newer}, KEYS),
+                   body)["ok"]
     finally:
         for store in s.values():
             store.stop()

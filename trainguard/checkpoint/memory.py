@@ -68,14 +68,19 @@ class InMemoryCheckpoint:
             if manifest is not None and manifest.get("step", -1) > step:
                 layout.manifest_path(path).unlink(missing_ok=True)
                 own += 1
-        reply = self.sources.drop_agent_newer(step) or {}
-        replicas = reply.get("dropped") if type(reply.get("dropped")) is int else 0
+        reply = self.sources.drop_agent_newer(step)
+        replicas = reply.get("dropped") if reply and type(reply.get("dropped")) is int else 0
         disk = self.sources.drop_disk_newer(step)
-        if own or replicas or disk or reply.get("unreached"):
+        if reply is None:
+            missed = "; no node agent answered: copies on other machines are not dropped"
+        elif reply.get("unreached"):
+            missed = f"; peers not reached: {', '.join(map(str, reply['unreached']))}"
+        else:
+            missed = ""
+        if own or replicas or disk or missed:
             log.warning("trainguard: rank %d rolled back to step %d: dropped the later "
                         "snapshots (%d own, %d replicas, %d on disk)%s", self.rank, step, own,
-                        replicas, disk, f"; peers not reached: {', '.join(reply['unreached'])}"
-                        if reply.get("unreached") else "")
+                        replicas, disk, missed)
         return own + replicas + disk
 
     def find(self, *, group=None, at_most: Optional[int] = None) -> Optional[Restored]:

@@ -85,7 +85,8 @@ class Sources:
         dropped = 0
         for folder in Path(self.config.persist_dir).glob(f"step_*/rank_{self.rank}"):
             done = folder.parent.name[len("step_"):]
-            if done.isdigit() and int(done) > step:
+            manifest = layout.read_manifest(folder / "snapshot.bin") or {}
+            if done.isdigit() and int(done) > step and manifest.get("job") in (self.job, None):
                 shutil.rmtree(folder, ignore_errors=True)
                 try:
                     folder.parent.rmdir()         # the step's folder, once every rank left it
