@@ -5,7 +5,7 @@ So every Python process of the run writes its CPU seconds and the test it belong
 ``PYTEST_CURRENT_TEST`` it inherited) to a folder, once a second and at exit, and the
 plugin writes each test's wall and in-process CPU time. ``merge`` adds them up::
 
-    python scripts/suite_profile.py run -- -n 3 --dist loadgroup --no-loadscope-reorder
+    python scripts/suite_profile.py run -- -n 2 --dist loadgroup
     python scripts/suite_profile.py merge                           # tests/durations.json
 
 ``run`` puts this folder first on ``PYTHONPATH`` (the ``sitecustomize`` below loads in every

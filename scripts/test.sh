@@ -56,7 +56,7 @@ export TRAINGUARD_BOOTSTRAP=127.0.0.1:$port
 lanes=${TRAINGUARD_TEST_LANES:-2}
 lane_args=()
 if [ "$lanes" -gt 1 ]; then
-  lane_args=(-n "$lanes" --dist loadgroup --no-loadscope-reorder)  # our order, not by size
+  lane_args=(-n "$lanes" --dist loadgroup)
 fi
 set +e
 .venv/bin/python -m pytest "${lane_args[@]}" "$@"
