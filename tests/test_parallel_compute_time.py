@@ -106,10 +106,8 @@ def test_the_rank_sleeping_in_its_forward_has_the_highest_compute_time(parallel_
     before = {rank: statistics.median(e.compute_time for e in got if 2 <= e.step < SLOW_FROM)
               for rank, got in steps.items()}
     print(name, "compute_time medians before", before, "after", medians)
-    # the sleep is counted once per forward (for pp, once per micro-batch: 4 per step); the
-    # rise is measured against the peers' own change, which a loaded machine shifts for all
-    peers_rise = statistics.mean(medians[p] - before[p] for p in peers)
-    assert medians[slow] - before[slow] - peers_rise > 0.8 * SLOW_SECONDS, (before, medians)
+    # the sleep is counted once per forward (for pp, once per micro-batch: 4 per step)
+    assert medians[slow] > before[slow] + 0.8 * SLOW_SECONDS, (before, medians)
     for peer in peers:
         assert medians[slow] > medians[peer] + 0.6 * SLOW_SECONDS, (peer, medians)
 
