@@ -45,9 +45,17 @@ def check_kafka(config, topics: list[str], timeout: float = 10.0) -> None:
                         f"with `trainguard topics create --prefix {config.topics.prefix}`")
 
 
-def _partitions(consumer, topic: str, timeout: float = 10.0) -> list[int]:
-    meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
-    return sorted(meta.partitions) if meta and meta.partitions else []
+def _partitions(consumer, topic: str, timeout: float = 10.0, wait_s: float = 10.0) -> list[int]:
+    """The topic's partitions; [] when it has none ``wait_s`` seconds on (in a cluster, the
+    broker asked may learn of a topic just created a moment after the one that created it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
+        if meta and meta.partitions and not meta.error:
+            return sorted(meta.partitions)
+        if time.monotonic() >= deadline:
+            return []
+        time.sleep(0.2)
 
 
 def _retrying(call, seconds: float = 15.0):
