@@ -50,10 +50,10 @@ trap cleanup EXIT
 export TRAINGUARD_BOOTSTRAP=127.0.0.1:$port
 
 # Lanes: the tests run side by side in TRAINGUARD_TEST_LANES lanes (pytest-xdist; 1: one after
-# the other). Two by default: three finish about 2 minutes sooner on two cores, but starve the
-# compute-time measurements of the FSDP2 job (2 of 4 runs failed them). The grouping and the
-# order are in tests/conftest.py and docs/TESTING.md.
-lanes=${TRAINGUARD_TEST_LANES:-2}
+# the other). Three by default on two cores: the tests that mostly wait on real time share one
+# lane, the others compute in two. The grouping and the order are in tests/conftest.py and
+# docs/TESTING.md.
+lanes=${TRAINGUARD_TEST_LANES:-3}
 lane_args=()
 if [ "$lanes" -gt 1 ]; then
   lane_args=(-n "$lanes" --dist loadgroup)

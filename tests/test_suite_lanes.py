@@ -57,3 +57,18 @@ def test_the_units_go_longest_first_with_the_waiting_ones_spread_among_the_busy_
     assert lane_order(costs) == ["busy-100", "waits-60", "busy-50", "waits-30", "busy-10",
                                  "busy-9"]
     assert lane_order({}) == []
+
+
+def test_with_three_lanes_the_waiting_units_share_one_lane():
+    import doctest
+
+    import conftest
+    from conftest import waiting_lane
+
+    assert doctest.run_docstring_examples(waiting_lane, {"waiting_lane": waiting_lane}) is None
+    assert doctest.testmod(conftest).failed == 0
+    costs = {"busy": (300, 290), "waits-200": (200, 3), "waits-90": (90, 1),
+             "waits-20": (20, 1), "slurm": (50, 2)}
+    # a third of 660 s is 220 s: the longest waiting unit, then what still fits; Slurm never
+    assert waiting_lane(costs, 3) == {"waits-200", "waits-20"}
+    assert waiting_lane(costs, 2) == set()
