@@ -18,6 +18,7 @@ store, a part of ``trainguard agent`` (``--snapshot-dir``):
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import shutil
@@ -57,6 +58,8 @@ class SnapshotStoreConfig:
     max_bytes: int = 1 << 40                  #: the largest replica accepted
     peer_timeout_s: float = 10.0              #: a request to a peer, its transfer included
     peer_connect_timeout_s: float = 2.0       #: ... its connection alone (a lost machine)
+    drop_retry_s: float = 5.0                 #: how often a drop a peer missed is sent again
+    drop_give_up_s: float = 3600.0            #: ... and for how long
 
 
 def parse_peers(text: str) -> dict:
@@ -126,7 +129,8 @@ class SnapshotStore:
         self._threads: list = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._rollbacks: dict = {}    # (job, rank) -> (step kept, wall time of the drop)
+        self._rollbacks: dict = {}    # (job, rank) -> (step kept, wall time of the rollback)
+        self._pending_drops: dict = {}  # (peer, job, rank) -> the drop it has not answered
         self.buddy = self._buddy()
 
     def _buddy(self) -> Optional[str]:
@@ -198,21 +202,30 @@ class SnapshotStore:
     def held(self, job: str, rank: int) -> dict:
         """``{step: path}`` of the complete snapshots of (job, rank) on this machine."""
         out = {}
+        for _, path, manifest in self._copies(job, rank):
+            out.setdefault(manifest["step"], path)
+        return out
+
+    def _copies(self, job: str, rank: int):
+        """``(folder, path, manifest)`` of each complete copy of (job, rank) held here: the
+        slots the rank wrote on this machine (``own``), then the replicas from its buddy."""
         for folder, pattern in (("own", "slot*.bin"), ("replica", "step*.bin")):
             for path in (self.dir / folder / job / f"rank{rank}").glob(pattern):
                 manifest = layout.read_manifest(path)
                 if manifest is not None and manifest.get("job") == job \
                         and manifest.get("rank") == rank:
-                    out.setdefault(manifest["step"], path)
-        return out
+                    yield folder, path, manifest
 
     # -- replication -----------------------------------------------------------------------
     def _replicate_loop(self) -> None:
-        next_cleanup = 0.0
+        next_cleanup = next_retry = 0.0
         while not self._stop.wait(self.config.scan_interval_s):
             if self.buddy is not None:
                 for path in sorted((self.dir / "own").glob("*/rank*/slot*.bin")):
                     self._replicate(path)
+            if self._pending_drops and time.monotonic() >= next_retry:
+                next_retry = time.monotonic() + self.config.drop_retry_s
+                self._retry_drops()
             if time.monotonic() >= next_cleanup:
                 next_cleanup = time.monotonic() + 60.0
                 self.cleanup()
@@ -286,8 +299,11 @@ class SnapshotStore:
         if op == "get" and not local:
             return self._send(wfile, job, rank, step)
         if op == "drop" and not local:
+            before = header.get("before")
+            before = min(before, self.clock()) if type(before) in (int, float) \
+                and math.isfinite(before) else None
             return write_message(wfile, self._signed({"ok": True, "dropped": self._drop_newer(
-                job, rank, step)}))
+                job, rank, step, before)}))
         if op == "drop_newer" and local:
             return write_message(wfile, self._drop_everywhere(job, rank, step))
         if op == "steps" and local:
@@ -339,40 +355,83 @@ class SnapshotStore:
         self.stats["received"] += 1
         write_message(wfile, self._signed({"ok": True}))
 
-    def _drop_newer(self, job: str, rank: int, step: int) -> int:
-        """The copies held here of (job, rank) past ``step``, which a rollback abandoned, go
-        (replicas, and the slots the rank left here before it moved); a replica of them still
-        on its way is refused when it arrives. How many went."""
+    def _drop_newer(self, job: str, rank: int, step: int, before: Optional[float] = None) -> int:
+        """The copies held here of (job, rank) past ``step`` taken before the rollback (wall
+        time ``before``; default now), the branch it abandoned, go (replicas, and the slots
+        the rank left here before it moved); a replica of them still on its way is refused
+        when it arrives. A drop that comes late (retried) keeps what the rank took since.
+        How many went."""
         dropped = 0
+        before = self.clock() if before is None else before
         with self._lock:
-            self._rollbacks[(job, rank)] = (step, self.clock())
-            for folder, pattern in (("own", "slot*.bin"), ("replica", "step*.bin")):
-                for path in (self.dir / folder / job / f"rank{rank}").glob(pattern):
-                    manifest = layout.read_manifest(path)
-                    if manifest is not None and manifest.get("step", -1) > step:
-                        layout.manifest_path(path).unlink(missing_ok=True)
-                        if folder == "replica":
-                            path.unlink(missing_ok=True)
-                        dropped += 1
+            if self._rollbacks.get((job, rank), (0, -math.inf))[1] <= before:
+                self._rollbacks[(job, rank)] = (step, before)
+            for folder, path, manifest in list(self._copies(job, rank)):
+                if manifest.get("step", -1) > step and not self._taken_after(manifest, before):
+                    layout.manifest_path(path).unlink(missing_ok=True)
+                    if folder == "replica":
+                        path.unlink(missing_ok=True)
+                    dropped += 1
+            # the rank's slots past the step (their manifests gone) are sent again when taken
+            # again, even bit for bit the same (a rollback replays the same data and RNG)
+            own = self.dir / "own" / job / f"rank{rank}"
+            for path in [p for p in self._sent if p.parent == own]:
+                manifest = layout.read_manifest(path)
+                if manifest is None or manifest.get("step", -1) > step:
+                    self._sent.pop(path, None)
         return dropped
+
+    @staticmethod
+    def _taken_after(manifest: dict, when: float) -> bool:
+        return isinstance(manifest.get("ts"), (int, float)) and manifest["ts"] > when
 
     def _abandoned(self, job: str, rank: int, manifest: dict) -> bool:
         """A snapshot taken before a rollback to an older step (its branch was abandoned)."""
         rollback = self._rollbacks.get((job, rank))
         return rollback is not None and manifest.get("step", -1) > rollback[0] \
-            and not (isinstance(manifest.get("ts"), (int, float))
-                     and manifest["ts"] > rollback[1])
+            and not self._taken_after(manifest, rollback[1])
 
     def _drop_everywhere(self, job: str, rank: int, step: int) -> dict:
         """A rank rolled back to ``step``: its replicas past it go here and on every peer
-        that answers; ``unreached`` names the peers that did not."""
-        replies = self._ask_peers({"op": "drop", "job": job, "rank": rank, "step": step})
+        that answers; ``unreached`` names the peers that did not, to which the drop is sent
+        again every ``drop_retry_s`` (:meth:`_retry_drops`)."""
+        before = self.clock()
+        header = {"op": "drop", "job": job, "rank": rank, "step": step, "before": before}
+        replies = self._ask_peers(header)
         done = {n: r for n, r in replies.items() if r.get("ok")}
-        dropped = self._drop_newer(job, rank, step) + sum(
+        dropped = self._drop_newer(job, rank, step, before) + sum(
             r["dropped"] for r in done.values() if type(r.get("dropped")) is int)
-        return {"ok": True, "dropped": dropped,
-                "unreached": sorted(n for n in self.config.peers if n != self.node
-                                    and n not in done)}
+        unreached = sorted(n for n in self.config.peers if n != self.node and n not in done)
+        with self._lock:
+            for node in self.config.peers:
+                if node in unreached:
+                    self._pending_drops[(node, job, rank)] = header
+                else:              # a later rollback reached it: it covers the earlier one
+                    self._pending_drops.pop((node, job, rank), None)
+        return {"ok": True, "dropped": dropped, "unreached": unreached}
+
+    def _retry_drops(self) -> None:
+        """Send each drop a peer missed again; given up after ``drop_give_up_s``."""
+        with self._lock:
+            pending = list(self._pending_drops.items())
+        silent = set()                   # peers that did not answer this round: asked once
+        for (node, job, rank), header in pending:
+            address = self.config.peers.get(node)
+            given_up = self.clock() - header["before"] > self.config.drop_give_up_s
+            reply = None if given_up or address is None or node in silent \
+                else self._ask_peer(node, address, header)
+            if not (given_up or (reply and reply.get("ok"))):
+                silent.add(node)
+                continue
+            with self._lock:
+                if self._pending_drops.get((node, job, rank)) is header:
+                    del self._pending_drops[(node, job, rank)]
+            if given_up:
+                log.warning("snapshots: %s never answered the drop of rank %d of %s past step "
+                            "%d; gave up", node, rank, job, header["step"])
+            else:
+                log.info("snapshots: %s dropped %s copies of rank %d of %s past step %d (sent "
+                         "again)", node, reply.get("dropped"), rank, job, header["step"])
 
     def _prune(self, folder: Path) -> None:
         with self._lock:
@@ -402,24 +461,23 @@ class SnapshotStore:
     def _ask_peers(self, header: dict) -> dict:
         """``{node: reply}`` from every peer that answers with a valid signature."""
         peers = {n: a for n, a in self.config.peers.items() if n != self.node}
-
-        def ask(item):
-            node, address = item
-            try:
-                reply, _ = request(address, sign_object({**header, "id": uuid.uuid4().hex,
-                                                         "ts": self.clock(), "node": self.node},
-                                                        self.keys),
-                                   timeout=self.config.peer_timeout_s,
-                                   connect_timeout=self.config.peer_connect_timeout_s)
-            except (OSError, WireError):
-                return node, None
-            refusal = self.replies.check_signature(reply)
-            return node, (reply if refusal is None else None)
-
         if not peers:
             return {}
         with ThreadPoolExecutor(max_workers=min(16, len(peers))) as pool:
-            return {n: r for n, r in pool.map(ask, peers.items()) if r is not None}
+            replies = pool.map(lambda item: self._ask_peer(*item, header), peers.items())
+            return {n: r for n, r in zip(peers, replies) if r is not None}
+
+    def _ask_peer(self, node: str, address: str, header: dict) -> Optional[dict]:
+        """The signed reply of one peer to ``header`` (signed here, fresh), or None."""
+        try:
+            reply, _ = request(address, sign_object({**header, "id": uuid.uuid4().hex,
+                                                     "ts": self.clock(), "node": self.node},
+                                                    self.keys),
+                               timeout=self.config.peer_timeout_s,
+                               connect_timeout=self.config.peer_connect_timeout_s)
+        except (OSError, WireError):
+            return None
+        return reply if self.replies.check_signature(reply) is None else None
 
     def _all_steps(self, job: str, rank: int) -> dict:
         steps = {str(s): "local" for s in self.held(job, rank)}

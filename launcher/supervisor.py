@@ -63,6 +63,7 @@ from pathlib import Path
 from trainguard import events as ev
 from trainguard.actions.orders import InvalidTarget, ack_of, check_targets
 from trainguard.collectors.nodename import node_name
+from trainguard.collectors.resume import RESUME_STEP_VARS, requested_resume_step
 from trainguard.errors import UserError
 from trainguard.launcher.inplace_status import StandbyLink
 from trainguard.launcher.order_feed import Delivery, OrderFeed, OrderPublisher
@@ -185,7 +186,15 @@ class Supervisor:
         self.launched_ts = 0.0
         self.excluded: set[str] = set()
         self.active_excluded: set[str] = set()
-        self.rollback_step: int | None = resume_step  # a rollback's, from before this run
+        # a rollback's step from before this run (a resubmitted Slurm job's environment
+        # carries it): the first launch resumes at or before it; the ones after resume the
+        # newest, or a restart would roll the progress since back again each time
+        inherited = requested_resume_step(self.environ)
+        for name in RESUME_STEP_VARS:
+            self.environ.pop(name, None)
+        if resume_step is None:
+            resume_step = inherited
+        self.rollback_step: int | None = resume_step
         self.resume_once = resume_step  # ... given to the next launch only
         self.restarted_incidents: set[str] = set()
         self._stop_signal: int | None = None

@@ -122,6 +122,21 @@ def test_a_rollback_drops_the_abandoned_branch_so_a_later_restart_cannot_bring_i
     assert 5 in weights
 
 
+
+def test_the_framework_callbacks_drop_the_abandoned_branch_after_a_rollback_too(shm):
+    from trainguard.integrations.callbacks import CallbackSnapshots
+
+    config = SnapshotConfig(every=2, dir=str(shm))
+    ck, model, opt = fresh(config)
+    train(ck, model, opt, 6)                           # slots: 4 and 6
+    ck.close()
+    rolled_back = CallbackSnapshots(config=config, environ={"TRAINGUARD_RESUME_STEP": "5"})
+    assert rolled_back.find("unit").step == 4
+    rolled_back.close()
+    again = CallbackSnapshots(config=config, environ={})   # a crash before the next snapshot
+    assert again.find("unit").step == 4                # not 6, the branch rolled back
+    again.close()
+
 def test_a_snapshot_that_does_not_fit_is_refused_with_one_line(shm, caplog):
     ck, model, opt = fresh(SnapshotConfig(every=1, dir=str(shm), max_bytes=1000))
     with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint.snapshot"):
@@ -164,11 +179,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stores(shm, names, keys):
+def stores(shm, names, keys, **kw):
     ports = {n: free_port() for n in names}
     peers = {n: f"127.0.0.1:{p}" for n, p in ports.items()}
     return {n: SnapshotStore(SnapshotStoreConfig(dir=str(shm / n), listen=peers[n],
-                                                 peers=peers, scan_interval_s=0.05),
+                                                 peers=peers, scan_interval_s=0.05, **kw),
                              node=n, keys=keys).start() for n in names}
 
 
@@ -233,6 +248,39 @@ def test_a_rollback_drops_the_abandoned_branch_on_the_buddy_and_on_disk_too(shm,
         for store in s.values():
             store.stop()
 
+
+
+def test_a_drop_the_buddy_missed_is_sent_again_and_keeps_what_came_after(shm, caplog):
+    """The buddy's agent is down when the rank rolls back from 6 to 4: the rank says so, and
+    the node agent sends the drop again until the buddy answers; the buddy then holds 4, not
+    the abandoned 6, and a spare restores 4. A drop that arrives again later keeps the copies
+    taken after the rollback."""
+    s = stores(shm, ("a", "b", "c"), KEYS, drop_retry_s=0.2)
+    try:
+        config = SnapshotConfig(every=2, dir=str(shm / "a"))
+        ck, model, opt = fresh(config)
+        weights = train(ck, model, opt, 6)
+        ck.close()
+        held_soon(s["b"], [4, 6])
+        s["b"].stop()                                   # its memory stays
+        ck2, model2, opt2 = fresh(config)
+        with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint.memory"):
+            assert ck2.restore(at_most=5).step == 4
+        assert "peers not reached: b, c" not in caplog.text     # c answered
+        assert "peers not reached: b (the node agent sends them the drop again)" in caplog.text
+        assert sorted(s["b"].held("unit", 0)) == [4, 6]          # missed it
+        s["b"] = SnapshotStore(s["b"].config, node="b", keys=KEYS).start()   # back
+        held_soon(s["b"], [4])                          # the drop, sent again
+        assert not s["a"]._pending_drops
+        weights.update(train(ck2, model2, opt2, 8, first=4))     # the new branch: 6 and 8
+        ck2.close()
+        held_soon(s["b"], [6, 8])
+        rollback_ts = s["a"]._rollbacks[("unit", 0)][1]
+        assert s["b"]._drop_newer("unit", 0, 4, before=rollback_ts) == 0   # late: kept
+        lose_a_and_restore_on_spare_c(s, shm, weights, 8)
+    finally:
+        for store in s.values():
+            store.stop()
 
 def put(address, header, body):
     reply, _ = request(address, header, body, timeout=5)

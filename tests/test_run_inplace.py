@@ -146,3 +146,35 @@ def test_a_rollback_order_is_carried_out_in_place_from_the_newest_copy_at_or_bef
     assert done[again:] == list(range(4, 16)), done
     [record] = records(published, status="done")
     assert record.extra["code"] == "restarted_in_place" and "rollback to step 5" in record.reason
+
+
+@pytest.mark.parametrize("rolled_back", [False, True])
+def test_a_standby_keeps_a_resume_step_only_when_its_generation_was_rolled_back(rolled_back):
+    """The launch's TRAINGUARD_RESUME_STEP belongs to its first generation: a standby that
+    takes a rank over after a crash resumes the newest, unless the launcher wrote a rollback
+    step for the generation it joins."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from trainguard.broker import free_port
+    from trainguard.checkpoint.inplace import InPlace
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True,
+                          timeout=datetime.timedelta(seconds=10))
+    store.set("standby/0", "0 1 0")                # rank 0 of generation 1
+    if rolled_back:
+        store.set("resume_step/1", "12")
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "1",
+           "TRAINGUARD_INPLACE": "1", "TRAINGUARD_STANDBY": "0",
+           "TRAINGUARD_RESUME_STEP": "40", "TRAINGUARD_ROLLBACK_STEP": "40"}
+    inplace = InPlace.from_env(timeout_s=10, environ=env)
+    inplace.join()
+    try:
+        assert (inplace.rank, inplace.generation) == (0, 1)
+        expected = "12" if rolled_back else None
+        assert env.get("TRAINGUARD_RESUME_STEP") == env.get("TRAINGUARD_ROLLBACK_STEP") \
+            == expected
+    finally:
+        dist.destroy_process_group()

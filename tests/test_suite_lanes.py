@@ -67,8 +67,11 @@ def test_with_three_lanes_the_waiting_units_share_one_lane():
 
     assert doctest.run_docstring_examples(waiting_lane, {"waiting_lane": waiting_lane}) is None
     assert doctest.testmod(conftest).failed == 0
-    costs = {"busy": (300, 290), "waits-200": (200, 3), "waits-90": (90, 1),
+    costs = {"busy": (500, 490), "waits-200": (200, 3), "waits-90": (90, 1),
              "waits-20": (20, 1), "slurm": (50, 2)}
-    # a third of 660 s is 220 s: the longest waiting unit, then what still fits; Slurm never
-    assert waiting_lane(costs, 3) == {"waits-200", "waits-20"}
+    # 0.7 of a third of 860 s is 200.7 s: the longest waiting unit, then what still fits
+    # (nothing here); Slurm never
+    assert waiting_lane(costs, 3) == {"waits-200"}
+    costs["waits-200"] = (170, 3)
+    assert waiting_lane(costs, 3) == {"waits-200", "waits-20"}      # 0.7 * 830 / 3 = 193.7
     assert waiting_lane(costs, 2) == set()

@@ -387,6 +387,27 @@ def test_a_requeued_slurm_jobs_rollback_step_reaches_the_first_launch():
     assert sup.rollback_step == 40
 
 
+
+def test_a_resume_step_in_the_runs_own_environment_reaches_the_first_launch_only():
+    """A resubmitted Slurm job's environment carries the rollback's step for the whole job:
+    handed to every launch, each restart inside the job would roll the progress since back
+    to it again (and drop what it undid)."""
+    environ = {"TRAINGUARD_RESUME_STEP": "40", "TRAINGUARD_ROLLBACK_STEP": "40", "X": "1"}
+    sup = Supervisor(job="j1", cmd=[sys.executable, "-c", "pass"], environ=environ, node="n")
+    first = sup._env(resume=False)
+    assert (first["TRAINGUARD_RESUME_STEP"], first["TRAINGUARD_ROLLBACK_STEP"]) == ("40", "40")
+    sup._launch(resume=False)
+    sup.proc.wait()
+    later = sup._env(resume=True)
+    assert "TRAINGUARD_RESUME_STEP" not in later and "TRAINGUARD_ROLLBACK_STEP" not in later
+    assert later["X"] == "1" and sup.rollback_step == 40
+    # the step given by the Slurm comment wins over the environment's
+    assert Supervisor(job="j1", cmd=["t"], environ=environ, node="n",
+                      resume_step=30)._env(resume=False)["TRAINGUARD_RESUME_STEP"] == "30"
+    # a malformed one is ignored (with a warning), as the training side would
+    assert "TRAINGUARD_RESUME_STEP" not in Supervisor(
+        job="j1", cmd=["t"], environ={"TRAINGUARD_RESUME_STEP": "x"}, node="n")._env(False)
+
 def test_the_standby_link_reads_answers_and_keeps_takeovers_seen_while_it_waits(tmp_path):
     import json
     import threading

@@ -74,7 +74,8 @@ class InMemoryCheckpoint:
         if reply is None:
             missed = "; no node agent answered: copies on other machines are not dropped"
         elif reply.get("unreached"):
-            missed = f"; peers not reached: {', '.join(map(str, reply['unreached']))}"
+            missed = (f"; peers not reached: {', '.join(map(str, reply['unreached']))} (the "
+                      "node agent sends them the drop again)")
         else:
             missed = ""
         if own or replicas or disk or missed:

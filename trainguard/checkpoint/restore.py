@@ -59,12 +59,14 @@ class Sources:
         return self._agent_steps
 
     def disk(self) -> dict:
+        """``{step: folder}`` of this rank's complete disk copies of this job (another job's
+        copies in the same folder are not ours)."""
         if not self.config.persist_dir:
             return {}
         out = {}
         for m in Path(self.config.persist_dir).glob(f"step_*/rank_{self.rank}/snapshot.json"):
             manifest = layout.read_manifest(m.with_suffix(".bin"))
-            if manifest is not None:
+            if manifest is not None and manifest.get("job") in (self.job, None):
                 out[manifest["step"]] = m.parent
         return out
 
@@ -80,13 +82,9 @@ class Sources:
         """After a rollback to ``step``: this rank's disk copies past it go; how many."""
         import shutil
 
-        if not self.config.persist_dir:
-            return 0
         dropped = 0
-        for folder in Path(self.config.persist_dir).glob(f"step_*/rank_{self.rank}"):
-            done = folder.parent.name[len("step_"):]
-            manifest = layout.read_manifest(folder / "snapshot.bin") or {}
-            if done.isdigit() and int(done) > step and manifest.get("job") in (self.job, None):
+        for done, folder in self.disk().items():
+            if done > step:
                 shutil.rmtree(folder, ignore_errors=True)
                 try:
                     folder.parent.rmdir()         # the step's folder, once every rank left it

@@ -245,12 +245,16 @@ class CallbackSnapshots:
         """The :class:`~trainguard.checkpoint.Restored` snapshot to resume from: the newest step
         every rank has (at most ``TRAINGUARD_RESUME_STEP``), read and verified, when on every
         rank it is at least ``disk_step`` (the step of the checkpoint the framework would load;
-        -1: none); else None. A collective: every rank calls it as training starts."""
+        -1: none); else None. After a rollback the snapshots past the step resumed go, so that
+        a later restart cannot bring the abandoned branch back. A collective: every rank calls
+        it as training starts."""
         from trainguard.checkpoint.restore import all_min
 
         checkpoint = self.open(job)
-        restored = checkpoint.find(group=self.group,
-                                   at_most=requested_resume_step(self.environ))
+        rollback = requested_resume_step(self.environ)
+        restored = checkpoint.find(group=self.group, at_most=rollback)
+        if rollback is not None:      # the abandoned branch goes (as InMemoryCheckpoint.restore)
+            checkpoint.drop_newer(restored.step if restored is not None else rollback)
         if restored is None:          # the same on every rank
             return None
         if not all_min(1 if restored.step >= disk_step else 0, self.group):
