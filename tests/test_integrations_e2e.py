@@ -39,7 +39,7 @@ class Job:
     name: str
     script: tuple[str, ...]
     instrument: bool = False
-    resume_step: int | None = None     # TRAINGUARD_RESUME_STEP of every launch
+    resume_step: int | None = None     # TRAINGUARD_RESUME_STEP of every launch (env ... torchrun)
 
     @property
     def job(self) -> str:
@@ -72,8 +72,9 @@ def launch(procs: Procs, job: Job, env: dict, folder):
     torchrun = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--standalone",
                 str(REPO / job.script[0]), *job.script[1:]]
     env = {**env, "FAULT_HANG": f"2:{HANG_AT}", "FAULT_KILL": f"1:{KILL_AT}"}
-    if job.resume_step is not None:
-        env["TRAINGUARD_RESUME_STEP"] = str(job.resume_step)
+    if job.resume_step is not None:   # in the command's environment: trainguard run would give
+        torchrun = ["env", f"TRAINGUARD_RESUME_STEP={job.resume_step}", *torchrun]  # its own
+        # to its first launch only (a rollback's step holds for the launch right after it)
     return procs.trainguard(
         f"run-{job.name}", "run", "--job", job.job, *(["--instrument"] * job.instrument),
         "--max-restarts", "3", "--grace", "5", "--checkpoint-dir", str(folder / job.name),
