@@ -30,8 +30,12 @@ inputs at a given size are published numbers, never the demo's small-job seconds
 * **Checkpoints today**: every 30 min (ByteRobust §2.3 cites 30 min; Kokolis et al. find
   hourly typical on Meta's clusters), a blocking save of 10 s (ByteRobust Table 8: Megatron's
   save blocks 6.8-13.0 s at 2,048-16,384 GPUs).
-* **In-memory snapshots** (issue 20): the interval is the snapshot cadence, the blocking cost
-  the measured share of a step (``bench/run.py snapshot``). A lost machine's ranks come back on
+* **In-memory snapshots** (issue 20): the interval is the snapshot cadence; each snapshot
+  blocks training for the measured share of one step (``bench/run.py snapshot``: at most 1%)
+  of a step at that size, Llama 3 405B's: 16M-token batches on 16,384 GPUs at about 400
+  TFLOPs each (arXiv 2407.21783 §3.3): 6 x 405e9 x 16.8e6 / (16,384 x 400e12) = 6.2 s. A
+  snapshot every minute thus costs 0.1% of the time, not the 1% of every step. A lost
+  machine's ranks come back on
   a spare from the buddies' copies, so its redone work is also half a snapshot interval; the
   spare is a relaunch, or, with warm spare machines (``warm_spares``: the standby launcher's
   ``--spare``), a restart in place like the others.
@@ -44,11 +48,15 @@ inputs at a given size are published numbers, never the demo's small-job seconds
 >>> fast = Recovery.in_memory(detect_s=25.0, inplace_ratio=0.25, snapshot_every_s=60.0,
 ...                           snapshot_overhead=0.01)
 >>> round(ettr(9600, fast), 4), round(ettr(100_000, fast), 4)
-(0.9592, 0.639)
+(0.9678, 0.6447)
 >>> spares = Recovery.in_memory(detect_s=25.0, inplace_ratio=0.25, snapshot_every_s=60.0,
 ...                             snapshot_overhead=0.01, warm_spares=True)
 >>> round(ettr(9600, spares), 4), round(ettr(100_000, spares), 4)
-(0.9787, 0.8348)
+(0.9874, 0.8423)
+>>> every_step = Recovery.in_memory(detect_s=25.0, inplace_ratio=0.25, snapshot_every_s=6.2,
+...                                 snapshot_overhead=0.01, warm_spares=True)
+>>> round(ettr(9600, every_step), 4)      # the 1% of every step, for half a step redone
+0.9801
 """
 from __future__ import annotations
 
@@ -65,6 +73,9 @@ REQUEUE_S = ((2048, 454.0), (4096, 545.0), (8192, 635.0), (16384, 768.0))
 HOT_UPDATE_S = ((2048, 46.0), (4096, 51.0), (8192, 54.0), (16384, 65.0))
 #: today's checkpoint cadence and blocking save (ByteRobust §2.3 and Table 8)
 CHECKPOINT_EVERY_S, CHECKPOINT_BLOCKING_S = 1800.0, 10.0
+#: a training step at scale: Llama 3 405B (arXiv 2407.21783 §3.3: 16.8M-token batches on
+#: 16,384 GPUs at about 400 TFLOPs each): 6 x 405e9 x 16.8e6 / (16,384 x 400e12) seconds
+STEP_S = round(6 * 405e9 * 16.8e6 / (16384 * 400e12), 1)
 
 
 def failures_per_s(gpus: int) -> float:
@@ -119,15 +130,16 @@ class Recovery:
 
     @classmethod
     def in_memory(cls, *, detect_s: float, inplace_ratio: float, snapshot_every_s: float,
-                  snapshot_overhead: float, warm_spares: bool = False) -> Recovery:
-        """Issue 20: snapshots in memory every ``snapshot_every_s`` costing
-        ``snapshot_overhead`` of the time between them; healthy machines restart in place, and
-        with ``warm_spares`` a lost machine's ranks too, on a spare machine's standbys."""
+                  snapshot_overhead: float, step_s: float = STEP_S,
+                  warm_spares: bool = False) -> Recovery:
+        """Issue 20: snapshots in memory every ``snapshot_every_s``, each costing
+        ``snapshot_overhead`` of one step of ``step_s`` (at most every step); healthy machines
+        restart in place, and with ``warm_spares`` a lost machine's ranks too, on a spare
+        machine's standbys."""
+        every = max(snapshot_every_s, step_s)
         return cls(name="in_memory_warm_spares" if warm_spares else "in_memory",
-                   detect_s=detect_s, inplace_ratio=inplace_ratio,
-                   checkpoint_every_s=snapshot_every_s,
-                   checkpoint_blocking_s=snapshot_overhead * snapshot_every_s,
-                   warm_spares=warm_spares)
+                   detect_s=detect_s, inplace_ratio=inplace_ratio, checkpoint_every_s=every,
+                   checkpoint_blocking_s=snapshot_overhead * step_s, warm_spares=warm_spares)
 
     def restart_s(self, gpus: int) -> float:
         """Mean seconds from detection to resumed training over the fault mix."""

@@ -71,6 +71,20 @@ def test_in_memory_recovery_beats_the_relaunch_by_the_redone_work_and_in_place_r
                               snapshot_overhead=0).restart_s(16384) == 0.78 * 768 + 0.22 * 65
 
 
+
+def test_a_snapshot_blocks_a_share_of_one_step_not_of_all_the_time_between_snapshots():
+    from trainguard.apps.ettr_model import STEP_S
+
+    assert 6.0 < STEP_S < 6.5                     # Llama 3 405B's step, from its paper
+    minute = Recovery.in_memory(detect_s=20.0, inplace_ratio=0.2, snapshot_every_s=60.0,
+                                snapshot_overhead=0.01)
+    assert minute.checkpoint_blocking_s == 0.01 * STEP_S       # 0.1% of the time, not 1%
+    every_step = Recovery.in_memory(detect_s=20.0, inplace_ratio=0.2, snapshot_every_s=1.0,
+                                    snapshot_overhead=0.01)
+    assert every_step.checkpoint_every_s == STEP_S             # at most one a step
+    assert every_step.checkpoint_blocking_s / every_step.checkpoint_every_s == 0.01
+    assert ettr_at(9600, every_step) < ettr_at(9600, minute)
+
 def test_a_later_fault_joining_the_incident_keeps_its_own_actions():
     # the demo: rank 2 straggles, then hangs; the hang joins the straggler's incident
     injections = [{"id": "f2", "kind": "straggler", "ranks": [2], "injected_ts": 62.0},
