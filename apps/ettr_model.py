@@ -31,11 +31,11 @@ inputs at a given size are published numbers, never the demo's small-job seconds
   hourly typical on Meta's clusters), a blocking save of 10 s (ByteRobust Table 8: Megatron's
   save blocks 6.8-13.0 s at 2,048-16,384 GPUs).
 * **In-memory snapshots** (issue 20): the interval is the snapshot cadence; each snapshot
-  blocks training for the measured share of one step (``bench/run.py snapshot``: at most 1%)
-  of a step at that size, Llama 3 405B's: 16M-token batches on 16,384 GPUs at about 400
-  TFLOPs each (arXiv 2407.21783 §3.3): 6 x 405e9 x 16.8e6 / (16,384 x 400e12) = 6.2 s. A
-  snapshot every minute thus costs 0.1% of the time, not the 1% of every step. A lost
-  machine's ranks come back on
+  blocks training for a share of one step (the snapshot target, at most 1%; measured by
+  ``bench/run.py snapshot``), and a step at scale is Llama 3 405B's: 16.8M-token batches on
+  16,384 GPUs at about 400 TFLOPs each (arXiv 2407.21783 §3.3), 6 x 405e9 x 16.8e6 /
+  (16,384 x 400e12) = 6.2 s. A snapshot a minute thus costs 0.1% of the time, not the 1% of
+  a snapshot every step. A lost machine's ranks come back on
   a spare from the buddies' copies, so its redone work is also half a snapshot interval; the
   spare is a relaunch, or, with warm spare machines (``warm_spares``: the standby launcher's
   ``--spare``), a restart in place like the others.
