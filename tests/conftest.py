@@ -177,3 +177,15 @@ def shm():
     root.mkdir()
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+def pytest_runtest_logreport(report):
+    """With ``TRAINGUARD_SUITE_TIMELINE=FILE``: each phase of each test, its lane and its wall
+    clock span, one JSON line appended to FILE (docs/TESTING.md: where a run's time went)."""
+    path = os.environ.get("TRAINGUARD_SUITE_TIMELINE")
+    lane = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    if path and not (lane == "main" and hasattr(report, "node")):   # xdist's controller
+        with open(path, "a") as f:
+            f.write(json.dumps({"lane": lane, "test": report.nodeid, "when": report.when,
+                                "start": report.start, "stop": report.stop,
+                                "outcome": report.outcome}) + "\n")
