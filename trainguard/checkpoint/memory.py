@@ -49,13 +49,16 @@ class InMemoryCheckpoint:
         """Load the newest step every rank has (at most ``at_most``) into the tracked objects;
         None (nothing loaded) when there is none. A collective: every rank calls it."""
         began = time.perf_counter()
-        restored = self.find(group=group, at_most=at_most)
+        restored = agree_and_load(self.sources, group=group, at_most=at_most)
         if restored is not None:
             apply(restored.tree, **self._objects)
             restored.seconds = time.perf_counter() - began
+        self._after_rollback(restored, at_most)
+        return restored
+
+    def _after_rollback(self, restored: Optional[Restored], at_most: Optional[int]) -> None:
         if at_most is not None:       # a rollback, restored here or (None) from elsewhere
             self.drop_newer(restored.step if restored is not None else at_most)
-        return restored
 
     def drop_newer(self, step: int) -> int:
         """After a rollback to ``step``: this rank's snapshots of later steps are the abandoned
@@ -87,11 +90,13 @@ class InMemoryCheckpoint:
     def find(self, *, group=None, at_most: Optional[int] = None) -> Optional[Restored]:
         """:meth:`restore` without loading: the newest step every rank has, read and verified,
         its state in ``Restored.tree`` (for a framework that loads each part itself, see
-        :func:`~trainguard.checkpoint.state.apply`). A collective: every rank calls it."""
+        :func:`~trainguard.checkpoint.state.apply`); after a rollback the later snapshots go,
+        as there. A collective: every rank calls it."""
         began = time.perf_counter()
         restored = agree_and_load(self.sources, group=group, at_most=at_most)
         if restored is not None:
             restored.seconds = time.perf_counter() - began
+        self._after_rollback(restored, at_most)
         return restored
 
     def describe(self, restored: Restored) -> str:

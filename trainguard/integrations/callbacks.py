@@ -251,10 +251,8 @@ class CallbackSnapshots:
         from trainguard.checkpoint.restore import all_min
 
         checkpoint = self.open(job)
-        rollback = requested_resume_step(self.environ)
-        restored = checkpoint.find(group=self.group, at_most=rollback)
-        if rollback is not None:      # the abandoned branch goes (as InMemoryCheckpoint.restore)
-            checkpoint.drop_newer(restored.step if restored is not None else rollback)
+        restored = checkpoint.find(group=self.group,
+                                   at_most=requested_resume_step(self.environ))
         if restored is None:          # the same on every rank
             return None
         if not all_min(1 if restored.step >= disk_step else 0, self.group):
