@@ -419,7 +419,7 @@ class SnapshotStore:
             address = self.config.peers.get(node)
             given_up = self.clock() - header["before"] > self.config.drop_give_up_s
             reply = None if given_up or address is None or node in silent \
-                else self._ask_peer(node, address, header)
+                else self._ask_peer(address, header)
             if not (given_up or (reply and reply.get("ok"))):
                 silent.add(node)
                 continue
@@ -464,10 +464,11 @@ class SnapshotStore:
         if not peers:
             return {}
         with ThreadPoolExecutor(max_workers=min(16, len(peers))) as pool:
-            replies = pool.map(lambda item: self._ask_peer(*item, header), peers.items())
+            replies = pool.map(lambda address: self._ask_peer(address, header),
+                               peers.values())
             return {n: r for n, r in zip(peers, replies) if r is not None}
 
-    def _ask_peer(self, node: str, address: str, header: dict) -> Optional[dict]:
+    def _ask_peer(self, address: str, header: dict) -> Optional[dict]:
         """The signed reply of one peer to ``header`` (signed here, fresh), or None."""
         try:
             reply, _ = request(address, sign_object({**header, "id": uuid.uuid4().hex,
