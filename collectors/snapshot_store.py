@@ -12,7 +12,9 @@ store, a part of ``trainguard agent`` (``--snapshot-dir``):
   or torn one is refused with one line and never stored;
 - **answers** its machine's ranks on ``<dir>/agent.sock`` (``steps``: every step of a rank held
   here or by a peer; ``fetch``: a step brought here from the peer that holds it), and its peers
-  on ``listen`` (``list``, ``get``, ``put``);
+  on ``listen`` (``list``, ``get``, ``put``). It asks the peers that can hold a rank's copies
+  (its buddy, and where a rank that came from elsewhere was found: :mod:`.snapshot_holders`),
+  not every machine of the job;
 - **cleans up**: jobs whose files have not changed for ``retain_s`` are removed.
 """
 from __future__ import annotations
@@ -37,6 +39,8 @@ from trainguard.checkpoint.placement import PlacementError, buddies
 from trainguard.signing import Freshness, Verifier, sign_object
 
 from trainguard.checkpoint.wire import WireError, copy_body, read_header, request, write_message
+
+from .snapshot_holders import Holders
 
 __all__ = ["SnapshotStoreConfig", "SnapshotStore", "parse_peers", "store_from_args"]
 
@@ -132,6 +136,8 @@ class SnapshotStore:
         self._rollbacks: dict = {}    # (job, rank) -> (step kept, wall time of the rollback)
         self._pending_drops: dict = {}  # (peer, job, rank) -> the drop it has not answered
         self.buddy = self._buddy()
+        self.holders = Holders(self.dir / "holders.json", buddy=self.buddy,
+                               peers=[n for n in config.peers if n != node])
 
     def _buddy(self) -> Optional[str]:
         nodes = {**self.config.peers, self.node: self.config.listen or ""}
@@ -397,13 +403,17 @@ class SnapshotStore:
         again every ``drop_retry_s`` (:meth:`_retry_drops`)."""
         before = self.clock()
         header = {"op": "drop", "job": job, "rank": rank, "step": step, "before": before}
-        replies = self._ask_peers(header)
+        targets = self.holders.targets(job, rank)
+        if not (self.holders.known(job, rank) or self.held(job, rank)):
+            targets = None            # where it ran before is not known here: every peer
+        replies = self._ask_peers(header, targets)
         done = {n: r for n, r in replies.items() if r.get("ok")}
         dropped = self._drop_newer(job, rank, step, before) + sum(
             r["dropped"] for r in done.values() if type(r.get("dropped")) is int)
-        unreached = sorted(n for n in self.config.peers if n != self.node and n not in done)
+        asked = self._peer_names(targets)
+        unreached = sorted(n for n in asked if n not in done)
         with self._lock:
-            for node in self.config.peers:
+            for node in asked:
                 if node in unreached:
                     self._pending_drops[(node, job, rank)] = header
                 else:              # a later rollback reached it: it covers the earlier one
@@ -458,9 +468,15 @@ class SnapshotStore:
                                            "job": job, "rank": rank, "step": step}), data)
 
     # -- the ranks' side -------------------------------------------------------------------
-    def _ask_peers(self, header: dict) -> dict:
-        """``{node: reply}`` from every peer that answers with a valid signature."""
-        peers = {n: a for n, a in self.config.peers.items() if n != self.node}
+    def _peer_names(self, nodes=None) -> list:
+        """``nodes`` that are peers of this job (every peer when None)."""
+        return [n for n in (self.config.peers if nodes is None else nodes)
+                if n != self.node and n in self.config.peers]
+
+    def _ask_peers(self, header: dict, nodes=None) -> dict:
+        """``{node: reply}`` from each peer of ``nodes`` (default: every peer) that answers
+        with a valid signature."""
+        peers = {n: self.config.peers[n] for n in self._peer_names(nodes)}
         if not peers:
             return {}
         with ThreadPoolExecutor(max_workers=min(16, len(peers))) as pool:
@@ -480,19 +496,34 @@ class SnapshotStore:
             return None
         return reply if self.replies.check_signature(reply) is None else None
 
+    def _listing(self, job: str, rank: int, here: bool) -> dict:
+        """``{node: reply}`` of the peers asked for their steps of (job, rank): those that
+        can hold its copies (:class:`Holders`); every peer when neither they nor this machine
+        (``here``) hold one (the rank came from another machine), and then the peers that
+        held one or did not answer are remembered."""
+        header = {"op": "list", "job": job, "rank": rank}
+        listing = self._ask_peers(header, self.holders.targets(job, rank))
+        if here or any(reply.get("steps") for reply in listing.values()):
+            return listing
+        listing = self._ask_peers(header)
+        self.holders.learn(job, rank, [n for n in self._peer_names()
+                                       if n not in listing or listing[n].get("steps")])
+        return listing
+
     def _all_steps(self, job: str, rank: int) -> dict:
-        steps = {str(s): "local" for s in self.held(job, rank)}
-        for node, reply in self._ask_peers({"op": "list", "job": job, "rank": rank}).items():
+        held = self.held(job, rank)
+        steps = {str(s): "local" for s in held}
+        for node, reply in self._listing(job, rank, bool(held)).items():
             for s in reply.get("steps") or []:
                 if type(s) is int:
                     steps.setdefault(str(s), f"buddy:{node}")
         return steps
 
     def _fetch(self, job: str, rank: int, step: int) -> dict:
-        path = self.held(job, rank).get(step)
-        if path is not None:
-            return {"ok": True, "path": str(path), "source": "local"}
-        listing = self._ask_peers({"op": "list", "job": job, "rank": rank})
+        held = self.held(job, rank)
+        if step in held:
+            return {"ok": True, "path": str(held[step]), "source": "local"}
+        listing = self._listing(job, rank, bool(held))
         for node in sorted(n for n, r in listing.items() if step in (r.get("steps") or [])):
             got = self._get_from(node, job, rank, step)
             if got is not None:
@@ -545,5 +576,6 @@ class SnapshotStore:
                     continue
                 if newest < horizon:
                     shutil.rmtree(job_dir, ignore_errors=True)
+                    self.holders.forget(job_dir.name)
                     log.info("snapshots of %s removed (untouched for %.0fs)", job_dir.name,
                              self.config.retain_s)

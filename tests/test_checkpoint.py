@@ -282,6 +282,54 @@ def test_a_drop_the_buddy_missed_is_sent_again_and_keeps_what_came_after(shm, ca
         for store in s.values():
             store.stop()
 
+def test_lookups_and_drops_ask_the_machines_that_can_hold_the_copies_not_every_one(shm):
+    """Four machines, buddies a->b->c->d->a. A restart on a asks b only; a rollback's drop goes
+    to b only. Machine a is lost: the spare c asks every peer once (the rank came from
+    elsewhere), remembers b (held copies) and a (did not answer), and from then on asks its
+    own buddy d and those two, also after its agent restarts."""
+    s = stores(shm, ("a", "b", "c", "d"), KEYS, peer_connect_timeout_s=0.5)
+    asked = []
+
+    def counting(store):
+        ask = store._ask_peer
+        store._ask_peer = lambda address, header: (
+            asked.append((store.node, header["op"], address)), ask(address, header))[1]
+    for store in s.values():
+        counting(store)
+    name = {store.config.listen: n for n, store in s.items()}
+    peers_asked = lambda op: sorted({name[a] for _, o, a in asked if o == op})
+    try:
+        assert [s[n].buddy for n in "abcd"] == ["b", "c", "d", "a"]
+        config = SnapshotConfig(every=2, dir=str(shm / "a"))
+        ck, model, opt = fresh(config)
+        weights = train(ck, model, opt, 6)
+        ck.close()
+        held_soon(s["b"], [4, 6])
+        ck2, _, _ = fresh(config)
+        assert ck2.restore().step == 6
+        assert peers_asked("list") == ["b"]
+        asked.clear()
+        assert ck2.restore(at_most=5).step == 4           # a rollback
+        ck2.close()
+        assert peers_asked("list") == ["b"] and peers_asked("drop") == ["b"]
+        assert sorted(s["b"].held("unit", 0)) == [4]
+        asked.clear()
+        lose_a_and_restore_on_spare_c(s, shm, weights, 4)
+        assert peers_asked("list") == ["a", "b", "d"]    # once, on every peer
+        assert s["c"].holders.targets("unit", 0) == ["a", "b", "d"]
+        asked.clear()
+        spare, _, _ = fresh(SnapshotConfig(every=2, dir=str(shm / "c")))
+        assert spare.restore(at_most=3) is None           # nothing at or before 3: the drop
+        spare.close()
+        assert peers_asked("list") == ["a", "b", "d"] and peers_asked("drop") == ["a", "b", "d"]
+        s["c"].stop()
+        s["c"] = SnapshotStore(s["c"].config, node="c", keys=KEYS).start()
+        assert s["c"].holders.targets("unit", 0) == ["a", "b", "d"]
+    finally:
+        for store in s.values():
+            store.stop()
+
+
 def put(address, header, body):
     reply, _ = request(address, header, body, timeout=5)
     return reply

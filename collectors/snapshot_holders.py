@@ -1,0 +1,96 @@
+"""Which peers a node agent asks about a rank's snapshots: not every machine of the job.
+
+A rank's copies lie where it ran: this machine (its slots, and the replicas this machine
+holds as some machine's buddy) and this machine's buddy (the replicas sent there). A rank
+that came here from another machine (a spare that took over a lost machine's ranks) has a copy
+on neither: the first lookup asks every peer, and the peers that held a copy of it, or did not
+answer, are remembered (in ``<dir>/holders.json``, so an agent restarted keeps them) and asked
+from then on, with the buddy. So a restart costs each rank one request to its buddy, not one
+to every machine, and a rollback's drop goes to the machines that can hold the rank's copies.
+
+>>> import tempfile, pathlib
+>>> folder = pathlib.Path(tempfile.mkdtemp())
+>>> h = Holders(folder / "holders.json", buddy="b", peers=["b", "c", "d"])
+>>> h.targets("j", 0), h.known("j", 0)
+(['b'], False)
+>>> h.learn("j", 0, ["d", "x"])           # x is no peer of this job: not remembered
+>>> h.targets("j", 0), h.known("j", 0)
+(['b', 'd'], True)
+>>> Holders(folder / "holders.json", buddy="b", peers=["b", "c", "d"]).targets("j", 0)
+['b', 'd']
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Iterable, Optional
+
+__all__ = ["Holders"]
+
+log = logging.getLogger(__name__)
+
+
+class Holders:
+    """``buddy``: the peer this machine replicates to (None: not replicated); ``peers``: the
+    job's other machines."""
+
+    def __init__(self, path: Path, *, buddy: Optional[str], peers: Iterable[str]):
+        self.path = Path(path)
+        self.buddy = buddy
+        self.peers = set(peers)
+        self._lock = threading.Lock()
+        self._known: dict = self._load()    # "job/rank" -> sorted peers that held a copy
+
+    def _load(self) -> dict:
+        try:
+            raw = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("snapshots: %s unreadable (%s); the ranks that came here from other "
+                        "machines are looked up on every peer again", self.path, exc)
+            return {}
+        if not isinstance(raw, dict):
+            return {}
+        return {k: sorted(n for n in v if n in self.peers) for k, v in raw.items()
+                if isinstance(k, str) and isinstance(v, list)}
+
+    def targets(self, job: str, rank: int) -> list:
+        """The peers to ask about (job, rank): the buddy and those remembered for it."""
+        nodes = set(self._known.get(f"{job}/{rank}", ()))
+        if self.buddy is not None:
+            nodes.add(self.buddy)
+        return sorted(nodes)
+
+    def known(self, job: str, rank: int) -> bool:
+        """Whether a lookup on every peer was made for (job, rank) (it came from elsewhere)."""
+        return f"{job}/{rank}" in self._known
+
+    def learn(self, job: str, rank: int, nodes: Iterable[str]) -> None:
+        """After a lookup on every peer: the peers that held a copy or did not answer."""
+        with self._lock:
+            self._known[f"{job}/{rank}"] = sorted(
+                set(self._known.get(f"{job}/{rank}", ())) | (set(nodes) & self.peers))
+            self._save()
+
+    def forget(self, job: str) -> None:
+        """A job's files were cleaned up: its ranks are forgotten too."""
+        with self._lock:
+            gone = [k for k in self._known if k.rpartition("/")[0] == job]
+            for key in gone:
+                del self._known[key]
+            if gone:
+                self._save()
+
+    def _save(self) -> None:
+        """Under the lock."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._known))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("snapshots: %s not written: %s", self.path, exc)
