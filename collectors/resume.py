@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Iterable
 
-__all__ = ["resume_step", "requested_resume_step", "resume_requested"]
+__all__ = ["resume_step", "requested_resume_step", "resume_requested", "rollback_identity"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,35 @@ def requested_resume_step(environ=None) -> int | None:
         if value >= 0:
             return value
         log.warning("trainguard: ignoring %s=%r (not an integer >= 0)", name, raw)
+    return None
+
+
+def rollback_identity(environ=None) -> str | None:
+    """What tells this rollback from another to the same step, or None (not known): the
+    environment of a job resubmitted or requeued after a rollback is the same for every
+    restart inside it (a plain ``torchrun --max-restarts``), so a restart finds that its
+    rollback was applied already (:meth:`~trainguard.checkpoint.InMemoryCheckpoint.restore`)
+    instead of rolling back again. ``TRAINGUARD_ROLLBACK_ID`` when set; else the restart
+    count trainguard passed (``TRAINGUARD_RESTART_COUNT``: each resubmission and relaunch
+    has its own); else Slurm's job id and restart count (a requeue).
+
+    >>> rollback_identity({"TRAINGUARD_RESTART_COUNT": "2", "SLURM_JOB_ID": "42"})
+    'restart-2'
+    >>> rollback_identity({"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"})
+    'slurm-42-1'
+    >>> rollback_identity({}) is None
+    True
+    """
+    environ = os.environ if environ is None else environ
+    explicit = environ.get("TRAINGUARD_ROLLBACK_ID")
+    if explicit:
+        return f"id-{explicit[:128]}"
+    count = environ.get("TRAINGUARD_RESTART_COUNT")
+    if count:
+        return f"restart-{count[:32]}"
+    job = environ.get("SLURM_JOB_ID")
+    if job:
+        return f"slurm-{job[:32]}-{environ.get('SLURM_RESTART_COUNT', '0')[:32]}"
     return None
 
 

@@ -59,7 +59,7 @@ import trainguard
 import trainguard.apps.chaos
 import trainguard.checkpoint
 from trainguard.checkpoint.inplace import InPlace
-from trainguard.collectors.resume import requested_resume_step
+from trainguard.collectors.resume import requested_resume_step, rollback_identity
 
 
 def parse_args(argv=None):
@@ -176,7 +176,8 @@ def restore_snapshot(args, model, opt, rank, world, node, log):
     snapshots = InMemoryCheckpoint(config, job=args.job, rank=rank, world=world, node=node)
     snapshots.track(model=model, optimizer=opt,
                     extra=lambda done: {"samples": done * args.batch})  # the data position
-    restored = snapshots.restore(at_most=requested_resume_step())
+    restored = snapshots.restore(at_most=requested_resume_step(),
+                                 rollback=rollback_identity())
     if restored is None:
         return snapshots, -1
     print(f"[snapshot] {snapshots.describe(restored)}", flush=True)

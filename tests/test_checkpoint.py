@@ -123,6 +123,27 @@ def test_a_rollback_drops_the_abandoned_branch_so_a_later_restart_cannot_bring_i
 
 
 
+def test_a_restart_inside_the_rolled_back_job_goes_on_from_the_new_branch(shm):
+    """A job resubmitted after a rollback keeps TRAINGUARD_RESUME_STEP for every restart
+    inside it (a plain torchrun --max-restarts): the first restore rolls back and marks it
+    applied; a restart with the same environment resumes the new branch's newest, dropping
+    nothing; a new rollback (another identity) rolls back again."""
+    config = SnapshotConfig(every=2, dir=str(shm))
+    ck, model, opt = fresh(config)
+    train(ck, model, opt, 6)                           # slots: 4 and 6, the branch abandoned
+    ck.close()
+    ck2, model2, opt2 = fresh(config)
+    assert ck2.restore(at_most=5, rollback="restart-1").step == 4
+    weights = train(ck2, model2, opt2, 8, first=4)     # the new branch: 6 and 8
+    ck2.close()
+    ck3, model3, _ = fresh(config)
+    assert ck3.restore(at_most=5, rollback="restart-1").step == 8      # not 4 again
+    assert torch.equal(model3.weight, weights[8])
+    ck3.close()
+    assert fresh(config)[0].restore(at_most=7, rollback="restart-2").step == 6   # a new one
+    assert fresh(config)[0].restore().step == 6                 # ... which dropped 8
+
+
 def test_the_framework_callbacks_drop_the_abandoned_branch_after_a_rollback_too(shm):
     from trainguard.integrations.callbacks import CallbackSnapshots
 

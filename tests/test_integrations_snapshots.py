@@ -260,3 +260,42 @@ def test_lightning_resumes_from_the_in_memory_snapshot(shm, caplog):
     assert differences({**start, "epoch": None}, {**full[resumed_at], "epoch": None}) == []
     assert sorted(k for k in again if k != "start") == list(range(resumed_at + 1, PL_STEPS + 1))
     assert differences(again[PL_STEPS], full[PL_STEPS]) == []
+
+
+def test_lightning_snapshots_and_restores_an_fsdp2_sharded_model(shm, tmp_path):
+    """Two ranks under torchrun, ``ModelParallelStrategy`` with FSDP2 (DTensor parameters):
+    each rank snapshots its shards, a new fit resumes from memory with the crashed fit's
+    sharded weights and optimizer state, and ends where the uninterrupted fit ends."""
+    pytest.importorskip("lightning.pytorch")
+    import json
+    import subprocess
+    import sys
+
+    job = Path(__file__).with_name("lightning_sharded_job.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--standalone", str(job), str(shm), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    lines = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert len(lines) == 2, proc.stderr[-3000:]
+    for line in lines:
+        assert line["resumed"] == 4 and line["ckpt_path"] == "in-memory snapshot of step 4"
+        assert line["crashed_steps"] == [1, 2, 3, 4, 5] and line["steps"] == [5, 6, 7, 8]
+        assert line["differences"] == [] and line["end_differences"] == [], line
+
+
+def test_models_sharded_without_dtensors_get_no_snapshots_and_one_line(shm, caplog):
+    """DeepSpeed, FSDP1 (flat parameters) and the HF Trainer's FSDP: training goes on, with no
+    snapshot taken and one warning that names the sharding."""
+    from trainguard.checkpoint import SnapshotConfig
+    from trainguard.integrations.callbacks import CallbackSnapshots
+
+    model = torch.nn.Linear(2, 2)
+    with caplog.at_level(logging.WARNING, logger="trainguard.integrations.callbacks"):
+        snapshots = CallbackSnapshots(config=SnapshotConfig(every=1, dir=str(shm)))
+        snapshots.start("j", model=model, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+                        sharded_by="DeepSpeedStrategy")
+        snapshots.after_step(1)
+        snapshots.close()
+    assert snapshots.stopped and not list(shm.rglob("slot*.bin"))
+    assert caplog.text.count("sharded by DeepSpeedStrategy are not supported") == 1

@@ -176,5 +176,7 @@ def test_a_standby_keeps_a_resume_step_only_when_its_generation_was_rolled_back(
         expected = "12" if rolled_back else None
         assert env.get("TRAINGUARD_RESUME_STEP") == env.get("TRAINGUARD_ROLLBACK_STEP") \
             == expected
+        # a rollback of each generation is its own, even to the same step
+        assert env.get("TRAINGUARD_ROLLBACK_ID") == ("inplace-1" if rolled_back else None)
     finally:
         dist.destroy_process_group()

@@ -91,6 +91,7 @@ class InPlace:
             if self.store.check([rollback]):                # at or before that step
                 step = self.store.get(rollback).decode()
                 env["TRAINGUARD_RESUME_STEP"] = env["TRAINGUARD_ROLLBACK_STEP"] = step
+                env["TRAINGUARD_ROLLBACK_ID"] = f"inplace-{self.generation}"   # its own
             else:   # a step inherited from the launch was the first generation's: this
                 env.pop("TRAINGUARD_RESUME_STEP", None)     # one resumes the newest, not
                 env.pop("TRAINGUARD_ROLLBACK_STEP", None)   # that step again

@@ -1,18 +1,23 @@
 """One object for a training loop: snapshots taken, and restored after a restart."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from typing import Any, Callable, Optional
 
 from . import layout
-from .restore import Restored, Sources, agree_and_load
+from .restore import Restored, Sources, agree_and_load, all_min
 from .snapshot import SnapshotConfig, Snapshotter
 from .state import apply, capture
 
 __all__ = ["InMemoryCheckpoint"]
 
 log = logging.getLogger(__name__)
+
+#: In a rank's snapshot folder: the rollback it applied (``{"id", "step"}``).
+ROLLBACK_MARKER = "rollback.json"
 
 
 class InMemoryCheckpoint:
@@ -45,20 +50,59 @@ class InMemoryCheckpoint:
     def stats(self) -> dict:
         return {**self.snapshotter.stats, "memory_bytes": self.snapshotter.memory_bytes()}
 
-    def restore(self, *, group=None, at_most: Optional[int] = None) -> Optional[Restored]:
+    def restore(self, *, group=None, at_most: Optional[int] = None,
+                rollback: Optional[str] = None) -> Optional[Restored]:
         """Load the newest step every rank has (at most ``at_most``) into the tracked objects;
-        None (nothing loaded) when there is none. A collective: every rank calls it."""
+        None (nothing loaded) when there is none. A collective: every rank calls it.
+
+        ``rollback`` tells this rollback from others to the same step (``trainguard.collectors
+        .resume.rollback_identity``): a restart that finds it applied already by some rank,
+        the environment of its job being the same for every restart inside it, resumes the
+        newest step instead of rolling back again."""
         began = time.perf_counter()
+        at_most = self._unless_applied(at_most, rollback, group)
         restored = agree_and_load(self.sources, group=group, at_most=at_most)
         if restored is not None:
             apply(restored.tree, **self._objects)
             restored.seconds = time.perf_counter() - began
-        self._after_rollback(restored, at_most)
+        self._after_rollback(restored, at_most, rollback)
         return restored
 
-    def _after_rollback(self, restored: Optional[Restored], at_most: Optional[int]) -> None:
-        if at_most is not None:       # a rollback, restored here or (None) from elsewhere
-            self.drop_newer(restored.step if restored is not None else at_most)
+    def _unless_applied(self, at_most: Optional[int], rollback: Optional[str],
+                        group) -> Optional[int]:
+        """``at_most``, or None when the rollback to it was applied already (any rank's
+        marker: a collective whenever ``at_most`` and ``rollback`` are given, as they are on
+        every rank alike)."""
+        if at_most is None or rollback is None:
+            return at_most
+        applied = self._marker() == {"id": rollback, "step": at_most}
+        if all_min(0 if applied else 1, group) == 0:
+            log.info("trainguard: the rollback to step %d (%s) was applied already; resuming "
+                     "the newest step", at_most, rollback)
+            return None
+        return at_most
+
+    def _marker(self) -> Optional[dict]:
+        try:
+            return json.loads((self.snapshotter.dir / ROLLBACK_MARKER).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _after_rollback(self, restored: Optional[Restored], at_most: Optional[int],
+                        rollback: Optional[str] = None) -> None:
+        if at_most is None:
+            return
+        self.drop_newer(restored.step if restored is not None else at_most)  # from elsewhere
+        if rollback is not None:          # applied: a restart in the same job goes on from here
+            marker = self.snapshotter.dir / ROLLBACK_MARKER
+            try:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                tmp = marker.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"id": rollback, "step": at_most}))
+                os.replace(tmp, marker)
+            except OSError as exc:
+                log.warning("trainguard: %s not written (%s): a restart in this job would "
+                            "roll back to step %d again", marker, exc, at_most)
 
     def drop_newer(self, step: int) -> int:
         """After a rollback to ``step``: this rank's snapshots of later steps are the abandoned
@@ -87,16 +131,18 @@ class InMemoryCheckpoint:
                         replicas, disk, missed)
         return own + replicas + disk
 
-    def find(self, *, group=None, at_most: Optional[int] = None) -> Optional[Restored]:
+    def find(self, *, group=None, at_most: Optional[int] = None,
+             rollback: Optional[str] = None) -> Optional[Restored]:
         """:meth:`restore` without loading: the newest step every rank has, read and verified,
         its state in ``Restored.tree`` (for a framework that loads each part itself, see
         :func:`~trainguard.checkpoint.state.apply`); after a rollback the later snapshots go,
         as there. A collective: every rank calls it."""
         began = time.perf_counter()
+        at_most = self._unless_applied(at_most, rollback, group)
         restored = agree_and_load(self.sources, group=group, at_most=at_most)
         if restored is not None:
             restored.seconds = time.perf_counter() - began
-        self._after_rollback(restored, at_most)
+        self._after_rollback(restored, at_most, rollback)
         return restored
 
     def describe(self, restored: Restored) -> str:

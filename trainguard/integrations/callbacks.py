@@ -18,7 +18,8 @@ import re
 import threading
 
 from trainguard.checkpoint.snapshot import SnapshotConfig, default_dir
-from trainguard.collectors.resume import requested_resume_step, resume_requested, resume_step
+from trainguard.collectors.resume import (requested_resume_step, resume_requested, resume_step,
+                                          rollback_identity)
 
 from .torch_hooks import TorchHooks, installed
 from .watcher import StepWatcher, job_id
@@ -252,7 +253,8 @@ class CallbackSnapshots:
 
         checkpoint = self.open(job)
         restored = checkpoint.find(group=self.group,
-                                   at_most=requested_resume_step(self.environ))
+                                   at_most=requested_resume_step(self.environ),
+                                   rollback=rollback_identity(self.environ))
         if restored is None:          # the same on every rank
             return None
         if not all_min(1 if restored.step >= disk_step else 0, self.group):
@@ -265,17 +267,21 @@ class CallbackSnapshots:
         return restored
 
     def start(self, job: str, *, first_step: int = 0, model=None, optimizer=None,
-              scheduler=None, extra=None) -> None:
+              scheduler=None, extra=None, sharded_ok: bool = False,
+              sharded_by: str | None = None) -> None:
         """Name what each snapshot holds (see ``InMemoryCheckpoint.track``); training starts
-        with ``first_step`` steps done (that step is not snapshotted again)."""
+        with ``first_step`` steps done (that step is not snapshotted again). ``sharded_ok``:
+        the framework's callback restores a sharded model (DTensor) itself; ``sharded_by``:
+        the framework shards the model in a way the snapshots do not cover (its name)."""
         if not self.enabled:
             return
         from trainguard.checkpoint.state import is_sharded
 
-        if is_sharded(model):
+        if sharded_by or (not sharded_ok and is_sharded(model)):
             self.stopped = True
-            log.warning("trainguard: in-memory snapshots of a sharded model (DTensor) are not "
-                        "supported by this callback yet; training goes on without them")
+            log.warning("trainguard: in-memory snapshots of a model sharded by %s are not "
+                        "supported by this callback; training goes on without them",
+                        sharded_by or "DTensor")
             return
         checkpoint = self.checkpoint if self.checkpoint is not None else self.open(job)
         checkpoint.track(model=model, optimizer=optimizer, scheduler=scheduler, extra=extra)

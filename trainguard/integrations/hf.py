@@ -113,7 +113,9 @@ class TrainguardCallback(TrainerCallback):
                                  model=kwargs.get("model"),
                                  optimizer=kwargs.get("optimizer"),
                                  scheduler=kwargs.get("lr_scheduler"),
-                                 extra=lambda done: {"trainer_state": _plain_state(state)})
+                                 extra=lambda done: {"trainer_state": _plain_state(state)},
+                                 sharded_by="DeepSpeed" if getattr(args, "deepspeed", None)
+                                 else "FSDP" if getattr(args, "fsdp", None) else None)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.watch.stop()

@@ -24,8 +24,11 @@ on disk; when it is at least as new as the checkpoint the fit would load (or the
 Lightning restores it as it restores a checkpoint file (``trainer.ckpt_path`` reads
 ``in-memory snapshot of step N``). As with Lightning's own mid-epoch checkpoints, a dataloader
 without ``state_dict`` starts its epoch again. Not in a snapshot: the callbacks' states (e.g.
-``ModelCheckpoint``'s best model) and the datamodule's. Not covered: sharded strategies (FSDP,
-DeepSpeed, model parallel; the snapshots stay off, with a warning).
+``ModelCheckpoint``'s best model) and the datamodule's. A model sharded with FSDP2 or tensor
+parallel (``ModelParallelStrategy``: DTensor parameters) is snapshotted shard by shard, each
+rank its own shards and optimizer state, and restored into the sharded model. Not covered:
+DeepSpeed and the older ``FSDPStrategy`` (FSDP1: flat parameters, not DTensors): the
+snapshots stay off, with a warning.
 
 Requires ``pip install trainguard[lightning]``; importing this module imports ``lightning``
 (or ``pytorch_lightning`` where only that is installed).
@@ -45,7 +48,7 @@ except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback
 
 from trainguard.checkpoint.snapshot import SnapshotConfig
-from trainguard.checkpoint.state import apply
+from trainguard.checkpoint.state import apply, is_sharded
 
 from .callbacks import CallbackSnapshots, CallbackWatch, checkpoint_to_resume, resuming, steps_in
 from .watcher import count_tokens, job_id
@@ -104,9 +107,13 @@ class TrainguardCallback(Callback):
                          world_size=getattr(trainer, "world_size", 1) or 1,
                          first_step=trainer.global_step)
         if self.snapshots.enabled:
+            # a sharded model's optimizers go to torch's get_state_dict as they are
+            sharded = is_sharded(pl_module)
             self.snapshots.start(
                 self._job(trainer), first_step=trainer.global_step, model=pl_module,
-                optimizer=_Each(lambda: trainer.optimizers),
+                optimizer=list(trainer.optimizers) if sharded
+                else _Each(lambda: trainer.optimizers), sharded_ok=True,
+                sharded_by=_sharded_by(trainer),
                 scheduler=_Each(lambda: [c.scheduler for c in trainer.lr_scheduler_configs]),
                 extra=lambda done: _progress(trainer))
 
@@ -175,6 +182,10 @@ class TrainguardCallback(Callback):
                 return None if loaded else start(checkpoint_path, *args, **kwargs)
             connector._ckpt_path = f"in-memory snapshot of step {restored.step}"
             connector._loaded_checkpoint = _checkpoint(restored.tree)
+            if restored.tree.get("sharded"):   # the strategy loads none of it: done here
+                apply({k: restored.tree[k] for k in ("sharded", "model", "optimizer")
+                       if k in restored.tree},
+                      model=trainer.lightning_module, optimizer=list(trainer.optimizers))
             apply({"rng": restored.tree.get("rng", {})})
             return None
         wrapper._trainguard = True
@@ -193,6 +204,12 @@ def _learning_rate(trainer):
         return float(trainer.optimizers[0].param_groups[0]["lr"])
     except Exception:
         return None
+
+
+def _sharded_by(trainer) -> str | None:
+    """The strategy, when it shards the model without DTensors (flat parameters, ZeRO)."""
+    name = type(getattr(trainer, "strategy", None)).__name__
+    return name if name in ("FSDPStrategy", "DeepSpeedStrategy") else None
 
 
 def _fitting(trainer) -> bool:
@@ -227,9 +244,11 @@ def _progress(trainer) -> dict:
 def _checkpoint(tree: dict) -> dict:
     """A snapshot as the checkpoint dict Lightning loads (``dump_checkpoint``'s keys)."""
     extra = tree.get("extra") or {}
+    sharded = tree.get("sharded")           # model and optimizers loaded by the callback
     return {"epoch": extra.get("epoch", 0), "global_step": extra.get("global_step", tree["step"]),
-            "pytorch-lightning_version": pl.__version__, "state_dict": tree["model"],
-            "loops": extra.get("loops", {}), "optimizer_states": list(tree.get("optimizer") or []),
+            "pytorch-lightning_version": pl.__version__,
+            "state_dict": {} if sharded else tree["model"], "loops": extra.get("loops", {}),
+            "optimizer_states": [] if sharded else list(tree.get("optimizer") or []),
             "lr_schedulers": list(tree.get("scheduler") or []), "callbacks": {},
             **(extra.get("precision") or {})}
 
