@@ -23,7 +23,7 @@ from pathlib import Path
 
 from trainguard.config import Config, Topics
 from trainguard.errors import UserError
-from trainguard.apps.ettr_model import Recovery, projection
+from trainguard.apps.ettr_model import LOST_MACHINE_RATIO, Recovery, projection
 from trainguard.apps.scorecard import ettr, kept_steps, outcomes
 from trainguard.services import ServiceSet, tail
 from trainguard.topics import TopicPlan, create_topics
@@ -216,14 +216,16 @@ def projection_at_scale(faults, baseline_faults=()) -> dict | None:
     fault over the baseline's (:func:`inplace_ratio`; 1.0, no gain, without a baseline);
     ``bench/run.py recovery_inplace`` measures the restart alone. The second in-memory row
     has warm spare machines (a lost machine's ranks restart in place on a spare's standbys,
-    ``tests/test_recovery_snapshots.py``); the first relaunches onto a spare."""
+    ``tests/test_recovery_snapshots.py``, at the measured ``LOST_MACHINE_RATIO`` of a
+    relaunch); the first relaunches onto a spare."""
     detect = median_detection_s(faults)
     if detect is None:
         return None
     ratio = inplace_ratio(faults, baseline_faults)
     return projection([Recovery.relaunch(detect_s=detect)] + [
         Recovery.in_memory(detect_s=detect, inplace_ratio=ratio, snapshot_every_s=60.0,
-                           snapshot_overhead=0.01, warm_spares=spares)
+                           snapshot_overhead=0.01, warm_spares=spares,
+                           lost_ratio=LOST_MACHINE_RATIO)
         for spares in (False, True)])
 
 

@@ -38,7 +38,8 @@ inputs at a given size are published numbers, never the demo's small-job seconds
   a snapshot every step. A lost machine's ranks come back on
   a spare from the buddies' copies, so its redone work is also half a snapshot interval; the
   spare is a relaunch, or, with warm spare machines (``warm_spares``: the standby launcher's
-  ``--spare``), a restart in place like the others.
+  ``--spare``), a restart in place: :data:`LOST_MACHINE_RATIO` of a relaunch (measured), never
+  below the hot update at that size.
 
 >>> round(relaunch_s(9600), 1), round(relaunch_s(100_000), 1)
 (665.4, 1115.1)
@@ -71,6 +72,10 @@ MACHINE_LOST_SHARE = 0.78
 #: ByteRobust (arXiv 2509.16293) Table 7: GPUs -> seconds from request to resumed training
 REQUEUE_S = ((2048, 454.0), (4096, 545.0), (8192, 635.0), (16384, 768.0))
 HOT_UPDATE_S = ((2048, 46.0), (4096, 51.0), (8192, 54.0), (16384, 65.0))
+#: a lost machine's ranks taken over by a warm spare's standbys, from detection to resumed
+#: training, as a share of a relaunch onto a spare (``bench/run.py recovery_machine``:
+#: ``restart_ratio``, 0.079 and 0.081 in two runs, 2026-12-06)
+LOST_MACHINE_RATIO = 0.08
 #: today's checkpoint cadence and blocking save (ByteRobust §2.3 and Table 8)
 CHECKPOINT_EVERY_S, CHECKPOINT_BLOCKING_S = 1800.0, 10.0
 #: a training step at scale: Llama 3 405B (arXiv 2407.21783 §3.3: 16.8M-token batches on
@@ -120,6 +125,9 @@ class Recovery:
     #: a lost machine's ranks are taken over by a warm spare machine's standbys (in place)
     #: instead of a relaunch onto a spare
     warm_spares: bool = False
+    #: with warm spares, a lost machine's restart as a share of a relaunch (None: the
+    #: in-place ratio; measured: :data:`LOST_MACHINE_RATIO`)
+    lost_ratio: float | None = None
 
     @classmethod
     def relaunch(cls, *, detect_s: float) -> Recovery:
@@ -131,7 +139,7 @@ class Recovery:
     @classmethod
     def in_memory(cls, *, detect_s: float, inplace_ratio: float, snapshot_every_s: float,
                   snapshot_overhead: float, step_s: float = STEP_S,
-                  warm_spares: bool = False) -> Recovery:
+                  warm_spares: bool = False, lost_ratio: float | None = None) -> Recovery:
         """Issue 20: snapshots in memory every ``snapshot_every_s``, each costing
         ``snapshot_overhead`` of one step of ``step_s`` (at most every step); healthy machines
         restart in place, and with ``warm_spares`` a lost machine's ranks too, on a spare
@@ -139,7 +147,8 @@ class Recovery:
         every = max(snapshot_every_s, step_s)
         return cls(name="in_memory_warm_spares" if warm_spares else "in_memory",
                    detect_s=detect_s, inplace_ratio=inplace_ratio, checkpoint_every_s=every,
-                   checkpoint_blocking_s=snapshot_overhead * step_s, warm_spares=warm_spares)
+                   checkpoint_blocking_s=snapshot_overhead * step_s, warm_spares=warm_spares,
+                   lost_ratio=lost_ratio if warm_spares else None)
 
     def restart_s(self, gpus: int) -> float:
         """Mean seconds from detection to resumed training over the fault mix."""
@@ -148,8 +157,11 @@ class Recovery:
             return full
         in_place = max(self.inplace_ratio * full, hot_update_s(gpus))
         if self.warm_spares:
-            return in_place
-        return MACHINE_LOST_SHARE * full + (1.0 - MACHINE_LOST_SHARE) * in_place
+            ratio = self.inplace_ratio if self.lost_ratio is None else self.lost_ratio
+            lost = max(ratio * full, hot_update_s(gpus))
+        else:
+            lost = full
+        return MACHINE_LOST_SHARE * lost + (1.0 - MACHINE_LOST_SHARE) * in_place
 
 
 def ettr(gpus: int, recovery: Recovery) -> float:

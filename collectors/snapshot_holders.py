@@ -25,10 +25,12 @@ import json
 import logging
 import os
 import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
-__all__ = ["Holders"]
+__all__ = ["Holders", "gather"]
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +96,45 @@ class Holders:
             os.replace(tmp, self.path)
         except OSError as exc:
             log.warning("snapshots: %s not written: %s", self.path, exc)
+
+
+def gather(ask: Callable[[str], Optional[dict]], peers: dict,
+           settle_s: Optional[float] = None, have: bool = False) -> dict:
+    """``{node: reply}`` of ``ask(address)`` for each of ``peers`` (``{node: address}``), in
+    parallel, None replies left out. With ``settle_s`` (a lookup), once a peer answered with
+    steps, or from the start when the caller ``have`` some already, the others have
+    ``settle_s`` more: a lost machine's connection attempt does not hold up a restore from
+    this machine's or its buddy's copies (its thread ends on its own).
+
+    >>> import time
+    >>> def ask(address):
+    ...     if address == "dead":
+    ...         time.sleep(2.0)
+    ...     return {"steps": [4]} if address == "buddy" else None
+    >>> began = time.monotonic()
+    >>> gather(ask, {"b": "buddy", "l": "dead"}, settle_s=0.1), time.monotonic() - began < 1
+    ({'b': {'steps': [4]}}, True)
+    >>> began = time.monotonic()
+    >>> gather(ask, {"l": "dead"}, settle_s=0.1, have=True), time.monotonic() - began < 1
+    ({}, True)
+    """
+    pool = ThreadPoolExecutor(max_workers=min(16, len(peers)) or 1)
+    try:
+        asked = {pool.submit(ask, address): node for node, address in peers.items()}
+        out, pending = {}, set(asked)
+        deadline = time.monotonic() + settle_s if settle_s is not None and have else None
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+            if not done:
+                break                              # settled: the rest did not answer in time
+            for future in done:
+                reply = future.result()
+                if reply is None:
+                    continue
+                out[asked[future]] = reply
+                if settle_s is not None and deadline is None and reply.get("steps"):
+                    deadline = time.monotonic() + settle_s
+        return out
+    finally:
+        pool.shutdown(wait=False)

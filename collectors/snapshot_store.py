@@ -28,7 +28,6 @@ import socketserver
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -40,7 +39,7 @@ from trainguard.signing import Freshness, Verifier, sign_object
 
 from trainguard.checkpoint.wire import WireError, copy_body, read_header, request, write_message
 
-from .snapshot_holders import Holders
+from .snapshot_holders import Holders, gather
 
 __all__ = ["SnapshotStoreConfig", "SnapshotStore", "parse_peers", "store_from_args"]
 
@@ -62,6 +61,8 @@ class SnapshotStoreConfig:
     max_bytes: int = 1 << 40                  #: the largest replica accepted
     peer_timeout_s: float = 10.0              #: a request to a peer, its transfer included
     peer_connect_timeout_s: float = 2.0       #: ... its connection alone (a lost machine)
+    peer_settle_s: float = 0.3                #: a lookup waits this long for the other peers
+                                              #: once one answered with steps
     drop_retry_s: float = 5.0                 #: how often a drop a peer missed is sent again
     drop_give_up_s: float = 3600.0            #: ... and for how long
 
@@ -135,6 +136,7 @@ class SnapshotStore:
         self._lock = threading.Lock()
         self._rollbacks: dict = {}    # (job, rank) -> (step kept, wall time of the rollback)
         self._pending_drops: dict = {}  # (peer, job, rank) -> the drop it has not answered
+        self._found: dict = {}          # (job, rank) -> {step: peer} of its last lookup
         self.buddy = self._buddy()
         self.holders = Holders(self.dir / "holders.json", buddy=self.buddy,
                                peers=[n for n in config.peers if n != node])
@@ -473,16 +475,17 @@ class SnapshotStore:
         return [n for n in (self.config.peers if nodes is None else nodes)
                 if n != self.node and n in self.config.peers]
 
-    def _ask_peers(self, header: dict, nodes=None) -> dict:
+    def _ask_peers(self, header: dict, nodes=None, settle_s: Optional[float] = None,
+                   have: bool = False) -> dict:
         """``{node: reply}`` from each peer of ``nodes`` (default: every peer) that answers
-        with a valid signature."""
+        with a valid signature. With ``settle_s``, a lookup: once a peer answered with steps
+        (or at once when this machine ``have`` some), the others have ``settle_s`` more, so
+        that a lost machine's connection attempt (``peer_connect_timeout_s``) does not hold up
+        a restore (:func:`.snapshot_holders.gather`)."""
         peers = {n: self.config.peers[n] for n in self._peer_names(nodes)}
         if not peers:
             return {}
-        with ThreadPoolExecutor(max_workers=min(16, len(peers))) as pool:
-            replies = pool.map(lambda address: self._ask_peer(address, header),
-                               peers.values())
-            return {n: r for n, r in zip(peers, replies) if r is not None}
+        return gather(lambda address: self._ask_peer(address, header), peers, settle_s, have)
 
     def _ask_peer(self, address: str, header: dict) -> Optional[dict]:
         """The signed reply of one peer to ``header`` (signed here, fresh), or None."""
@@ -501,11 +504,11 @@ class SnapshotStore:
         can hold its copies (:class:`Holders`); every peer when neither they nor this machine
         (``here``) hold one (the rank came from another machine), and then the peers that
         held one or did not answer are remembered."""
-        header = {"op": "list", "job": job, "rank": rank}
-        listing = self._ask_peers(header, self.holders.targets(job, rank))
+        header, settle = {"op": "list", "job": job, "rank": rank}, self.config.peer_settle_s
+        listing = self._ask_peers(header, self.holders.targets(job, rank), settle, here)
         if here or any(reply.get("steps") for reply in listing.values()):
             return listing
-        listing = self._ask_peers(header)
+        listing = self._ask_peers(header, None, settle)
         self.holders.learn(job, rank, [n for n in self._peer_names()
                                        if n not in listing or listing[n].get("steps")])
         return listing
@@ -513,23 +516,37 @@ class SnapshotStore:
     def _all_steps(self, job: str, rank: int) -> dict:
         held = self.held(job, rank)
         steps = {str(s): "local" for s in held}
-        for node, reply in self._listing(job, rank, bool(held)).items():
+        found = {}
+        for node, reply in sorted(self._listing(job, rank, bool(held)).items()):
             for s in reply.get("steps") or []:
                 if type(s) is int:
                     steps.setdefault(str(s), f"buddy:{node}")
+                    found.setdefault(s, node)
+        with self._lock:
+            self._found[(job, rank)] = found   # the fetch that follows asks that peer first
         return steps
 
     def _fetch(self, job: str, rank: int, step: int) -> dict:
         held = self.held(job, rank)
         if step in held:
             return {"ok": True, "path": str(held[step]), "source": "local"}
+        with self._lock:
+            known = self._found.pop((job, rank), {}).get(step)
+        if known is not None:
+            got = self._get_from(known, job, rank, step)
+            if got is not None:
+                return self._fetched(got, known)
         listing = self._listing(job, rank, bool(held))
-        for node in sorted(n for n, r in listing.items() if step in (r.get("steps") or [])):
+        for node in sorted(n for n, r in listing.items()
+                           if step in (r.get("steps") or []) and n != known):
             got = self._get_from(node, job, rank, step)
             if got is not None:
-                self.stats["fetched"] += 1
-                return {"ok": True, "path": str(got), "source": f"buddy:{node}"}
+                return self._fetched(got, node)
         return {"ok": False, "code": "missing", "reason": f"no peer holds step {step}"}
+
+    def _fetched(self, path: Path, node: str) -> dict:
+        self.stats["fetched"] += 1
+        return {"ok": True, "path": str(path), "source": f"buddy:{node}"}
 
     def _get_from(self, node: str, job: str, rank: int, step: int) -> Optional[Path]:
         folder = self.dir / "replica" / job / f"rank{rank}"
