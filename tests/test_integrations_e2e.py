@@ -94,7 +94,9 @@ def check_found_and_resumed(job: Job, anomalies, actions, telemetry, log: str) -
     # lost too, two ranks are silent for one failed and the failed one stays named
     # (docs/INTEGRATIONS.md): which happened is printed.
     named = [i.ranks for i in incidents.values() if i.kind == "crash"]
-    assert named and all(ranks for ranks in named), (job.name, named)
+    assert named and all(ranks for ranks in named), (
+        job.name, named, [(a.kind, a.severity, a.ranks, a.ts, a.summary) for a in anomalies
+                          if a.kind == "crash"])
     print(job.name, "crash incident names", named)
     actions = [a for a in actions if a.job == job.job]
     captures = [a for a in actions if a.action == "capture_stacks" and a.status == "done"]
