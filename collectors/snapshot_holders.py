@@ -44,7 +44,7 @@ class Holders:
         self.buddy = buddy
         self.peers = set(peers)
         self._lock = threading.Lock()
-        self._known: dict = self._load()    # "job/rank" -> sorted peers that held a copy
+        self._known: dict = self._load()    # "job/rank" -> peers that held a copy or were silent
 
     def _load(self) -> dict:
         try:

@@ -60,12 +60,10 @@ class InMemoryCheckpoint:
         the environment of its job being the same for every restart inside it, resumes the
         newest step instead of rolling back again."""
         began = time.perf_counter()
-        at_most = self._unless_applied(at_most, rollback, group)
-        restored = agree_and_load(self.sources, group=group, at_most=at_most)
+        restored = self.find(group=group, at_most=at_most, rollback=rollback)
         if restored is not None:
             apply(restored.tree, **self._objects)
             restored.seconds = time.perf_counter() - began
-        self._after_rollback(restored, at_most, rollback)
         return restored
 
     def _unless_applied(self, at_most: Optional[int], rollback: Optional[str],

@@ -267,21 +267,18 @@ class CallbackSnapshots:
         return restored
 
     def start(self, job: str, *, first_step: int = 0, model=None, optimizer=None,
-              scheduler=None, extra=None, sharded_ok: bool = False,
-              sharded_by: str | None = None) -> None:
+              scheduler=None, extra=None, sharded_by: str | None = None) -> None:
         """Name what each snapshot holds (see ``InMemoryCheckpoint.track``); training starts
-        with ``first_step`` steps done (that step is not snapshotted again). ``sharded_ok``:
-        the framework's callback restores a sharded model (DTensor) itself; ``sharded_by``:
-        the framework shards the model in a way the snapshots do not cover (its name)."""
+        with ``first_step`` steps done (that step is not snapshotted again). ``sharded_by``:
+        what shards the model in a way the framework's callback does not snapshot (one line,
+        and training goes on without snapshots)."""
         if not self.enabled:
             return
-        from trainguard.checkpoint.state import is_sharded
-
-        if sharded_by or (not sharded_ok and is_sharded(model)):
+        if sharded_by:
             self.stopped = True
             log.warning("trainguard: in-memory snapshots of a model sharded by %s are not "
                         "supported by this callback; training goes on without them",
-                        sharded_by or "DTensor")
+                        sharded_by)
             return
         checkpoint = self.checkpoint if self.checkpoint is not None else self.open(job)
         checkpoint.track(model=model, optimizer=optimizer, scheduler=scheduler, extra=extra)

@@ -42,7 +42,7 @@ import tempfile
 from transformers import Trainer, TrainerCallback
 
 from trainguard.checkpoint.snapshot import SnapshotConfig
-from trainguard.checkpoint.state import apply
+from trainguard.checkpoint.state import apply, is_sharded
 
 from .callbacks import (CallbackSnapshots, CallbackWatch, checkpoint_to_resume, in_phase,
                         resuming, steps_in)
@@ -114,8 +114,7 @@ class TrainguardCallback(TrainerCallback):
                                  optimizer=kwargs.get("optimizer"),
                                  scheduler=kwargs.get("lr_scheduler"),
                                  extra=lambda done: {"trainer_state": _plain_state(state)},
-                                 sharded_by="DeepSpeed" if getattr(args, "deepspeed", None)
-                                 else "FSDP" if getattr(args, "fsdp", None) else None)
+                                 sharded_by=_sharded_by(args, kwargs.get("model")))
 
     def on_train_end(self, args, state, control, **kwargs):
         self.watch.stop()
@@ -227,6 +226,16 @@ def _calling_trainer():
             return candidate
         frame = frame.f_back
     return None
+
+
+def _sharded_by(args, model) -> str | None:
+    """What shards the model, where the snapshots do not cover it: DeepSpeed, the Trainer's
+    FSDP, or DTensor parameters set up by hand (the Trainer restores none of them here)."""
+    if getattr(args, "deepspeed", None):
+        return "DeepSpeed"
+    if getattr(args, "fsdp", None):
+        return "FSDP"
+    return "DTensor" if is_sharded(model) else None
 
 
 def _plain_state(state) -> dict:

@@ -112,8 +112,7 @@ class TrainguardCallback(Callback):
             self.snapshots.start(
                 self._job(trainer), first_step=trainer.global_step, model=pl_module,
                 optimizer=list(trainer.optimizers) if sharded
-                else _Each(lambda: trainer.optimizers), sharded_ok=True,
-                sharded_by=_sharded_by(trainer),
+                else _Each(lambda: trainer.optimizers), sharded_by=_sharded_by(trainer),
                 scheduler=_Each(lambda: [c.scheduler for c in trainer.lr_scheduler_configs]),
                 extra=lambda done: _progress(trainer))
 
@@ -207,7 +206,8 @@ def _learning_rate(trainer):
 
 
 def _sharded_by(trainer) -> str | None:
-    """The strategy, when it shards the model without DTensors (flat parameters, ZeRO)."""
+    """The strategy, when it shards the model without DTensors (flat parameters, ZeRO); a
+    model with DTensor parameters is snapshotted shard by shard."""
     name = type(getattr(trainer, "strategy", None)).__name__
     return name if name in ("FSDPStrategy", "DeepSpeedStrategy") else None
 
