@@ -182,8 +182,10 @@ class CrashDetector(UsesView, Detector):
         ranks, not them);
       * else, after a crash exit, nothing more (the tear-down follows that crash);
       * else, when more ranks were torn down than are still running, the whole job was
-        stopped from outside (our own restart, a preemption, Ctrl-C): one ``warning``
-        finding naming no rank (``evidence["external_stop"]``), so that it is still seen;
+        stopped from outside (a preemption, Ctrl-C, our own restart whose word was not
+        read): one ``warning`` finding naming no rank (``evidence["external_stop"]``), so
+        that it is still seen; ``trainguard run``'s word of its restart, read after the
+        exits it caused (another partition), still makes them its own within ``grace_s``;
       * else the few SIGTERMed ranks, while the rest went on, are a critical crash.
 
       Later exits of the same tear-down are folded into it; it ends when a rank starts, or
@@ -300,9 +302,7 @@ class CrashDetector(UsesView, Detector):
             wave["failed"].append(rank)
             return [self._exited(item)]
         wave["torn"][rank] = sig or TEARDOWN_CODES[code]
-        if not wave["decided"] and not self._pending_ranks(wave):
-            return self._decide(ts)
-        return []
+        return []        # decided grace_s after the last exit: our restart's word may follow
 
     def advance(self, now: float) -> list[Finding]:
         answered = self._answered

@@ -66,6 +66,18 @@ def announce(ts):
             "exit_code": None, "signal": None, "restart": True}
 
 
+def test_a_restart_announced_after_the_exits_it_caused_is_no_stop_from_outside():
+    """trainguard run's word of its restart and the ranks' exits travel on other partitions:
+    every exit read first, its word half a second later, is still its own restart."""
+    d = CrashDetector(grace_s=3.0)
+    for r in range(3):
+        d.update(step(r, 99.0, 10))
+    assert [f for r in range(3)
+            for f in d.update(life(r, 100.0 + r * 0.01, signal="SIGTERM"))] == []
+    assert d.update(announce(99.9)) == []
+    assert d.advance(110.0) == []
+
+
 def test_a_restart_ordered_before_the_exits_settled_still_names_the_killed_rank():
     """Rank 1 is SIGKILLed; its gloo peers fail with code 1. The action service answers the
     first failure with a restart within the second, before the second peer's exit is read:
@@ -174,15 +186,18 @@ def test_exits_arriving_before_the_killed_ranks_last_step_still_name_it():
     assert a.ranks == [3] and a.onset_ts == 99.5 and a.detected_ts == 103.3 and a.step == 40
 
 
-def test_all_ranks_exited_decides_at_once_and_late_exits_fold_in():
+def test_all_ranks_exited_decides_after_the_grace_and_late_exits_fold_in():
     d = CrashDetector()
     for r in range(4):
         d.update(step(r, 99.0, 7))
     found = []
     for r in range(4):
         found += d.update(life(r, 100.0 + 0.1 * r, signal="SIGTERM", step=7))
-    assert [(a.severity, a.ranks, a.detected_ts) for a in found] == [("warning", [], 100.3)]
+    assert found == []                       # trainguard run's word of a restart may follow
     assert d.update(life(None, 101.0, code=1)) == []   # the launcher's own exit
+    assert d.advance(103.2) == []
+    found = d.advance(103.3)
+    assert [(a.severity, a.ranks, a.detected_ts) for a in found] == [("warning", [], 103.3)]
     assert d.advance(200.0) == []
 
 
@@ -191,7 +206,7 @@ def test_a_restart_ends_the_tear_down_and_a_later_kill_is_found_again():
     for r in range(4):
         d.update(step(r, 99.0, 7))
     found = [a for r in range(4) for a in d.update(life(r, 100.0, signal="SIGTERM"))]
-    assert [a.severity for a in found] == ["warning"]
+    assert [a.severity for a in found + d.advance(103.0)] == ["warning"]
     for r in range(4):                      # restarted: start events, steps
         assert d.update(life(r, 110.0, event="start")) == []
     for r in range(4):
@@ -207,11 +222,12 @@ def test_restart_without_start_events_also_ends_the_tear_down():
     for r in range(2):
         d.update(step(r, 99.0, 7))
     assert [a.severity for r in range(2)
-            for a in d.update(life(r, 100.0, signal="SIGTERM"))] == ["warning"]
-    for r in range(2):
-        d.update(step(r, 130.0, 0))         # stepping again after the exit
+            for a in d.update(life(r, 100.0, signal="SIGTERM"))] == []
+    stepping = [a for r in range(2) for a in d.update(step(r, 130.0, 0))]  # again: decided
+    assert [a.severity for a in stepping] == ["warning"]
     assert [a.severity for r in range(2)
-            for a in d.update(life(r, 140.0, signal="SIGTERM"))] == ["warning"]
+            for a in d.update(life(r, 140.0, signal="SIGTERM"))] + \
+        [a.severity for a in d.advance(143.0)] == ["warning"]
 
 
 def test_tear_down_state_pickles_mid_wave():
