@@ -594,5 +594,8 @@ class SnapshotStore:
                 if newest < horizon:
                     shutil.rmtree(job_dir, ignore_errors=True)
                     self.holders.forget(job_dir.name)
+                    with self._lock:
+                        for key in [k for k in self._found if k[0] == job_dir.name]:
+                            del self._found[key]
                     log.info("snapshots of %s removed (untouched for %.0fs)", job_dir.name,
                              self.config.retain_s)
