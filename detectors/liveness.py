@@ -171,8 +171,9 @@ class CrashDetector(UsesView, Detector):
       reported by a supervisor) is a critical crash of that rank at once.
     - SIGTERM/SIGINT exits are a *tear-down*: torchrun stopping the survivors of a failure,
       or the whole job stopped from outside. They are gathered for ``grace_s`` after the
-      latest of them (or until every rank heard within ``vanish_s`` before the first exited)
-      and decided together:
+      latest of them (or until a rank starts or steps again), also when every rank exited:
+      ``trainguard run``'s word of its own restart may be read after them, and decided
+      together:
 
       * when ranks were torn down or failed, the ranks heard within ``vanish_s`` before the
         first exit, and not since, that sent no exit (a SIGKILL or the OOM killer leaves no

@@ -327,7 +327,8 @@ class LocalBroker:
             return
         cluster_id = self.cluster_id or _kafka_cluster_id()
         cmd = [java, *JVM_OPTIONS, f"-Dlog4j2.configurationFile={self.data / 'log4j2.yaml'}",
-               "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(self.properties)]
+               "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", cluster_id,
+               "-c", str(self.properties)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             tail = " | ".join((result.stdout + result.stderr).strip().splitlines()[-3:])
