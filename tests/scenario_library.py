@@ -158,5 +158,22 @@ def _faults():
     return out
 
 
+def large_job(dp: int = 512) -> Scenario:
+    """Issue 21's four faults in one job of TP 8 x PP 4 x ``dp`` (16,384 ranks by default, on
+    2,048 machines): a slow rank, then a rank hung in its data loader (trainguard restarts
+    the job), a lost machine (restarted onto a spare), and a rank whose loss goes NaN."""
+    world = 8 * 4 * dp
+    return Scenario(name=f"large-{world}", tp=8, pp=4, dp=dp, per_node=8, steps=32,
+                    step_time=1.0, first_step_s=5.0, checkpoint_every=22, checkpoint_s=5.0,
+                    gpu_s=10.0, seed=4242, faults=(
+                        Fault(kind="straggler", step=11, ranks=(world // 3 + 5,), factor=1.6,
+                              end=23),
+                        Fault(kind="hang", step=23, ranks=(world // 5 + 3,),
+                              restart_after_s=30.0),
+                        Fault(kind="machine", step=27, node=f"n{world // 8 - 10}",
+                              restart_after_s=25.0),
+                        Fault(kind="nan", step=30, ranks=(world // 2 + 7,))))
+
+
 HEALTHY = _healthy()
 FAULTS = _faults()

@@ -31,6 +31,10 @@ import machine_faults
 T0 = 1764680000.0
 STEP_PHASES = (("data", 0.05), ("forward", 0.35), ("backward", 0.40), ("optimizer", 0.05),
                ("collective", 0.15))
+#: the longest a launch's starts, or a tear-down's exits, spread over (a job of thousands)
+SPREAD_S = 2.0
+#: ... and the ranks' ends of one step (they leave its last collective together)
+STEP_SPREAD_S = 0.1
 #: fault kinds whose truth is a stop of the job (what follows is a tail, or a restart)
 TERMINAL = ("hang", "crash", "kill", "silent", "machine", "xid79", "hang_in_checkpoint")
 
@@ -156,6 +160,7 @@ class _Run:
         self.segments = []       # (start, end, phase by rank: dict or str, step done)
         self.step_ends = []      # every step's end time, in order (latency in steps)
         self.down = []           # [rank, from_ts, to_ts or None]: no heartbeats meanwhile
+        self.down_of = {}        # rank -> its rows of self.down
         self.gpus_down = []      # [node, gpu or None (the machine), from_ts, to_ts or None]
         self.grad_base = 1.0
 
@@ -214,7 +219,7 @@ class _Run:
             if row[-1] is None:
                 row[-1] = self.t
         for r in range(sc.world):
-            self._life(r, self.t + 0.01 * r, "start")
+            self._life(r, self.t + self._gap(0.01) * r, "start")
         self.segments.append((self.t, self.t + sc.first_step_s * 0.8, "init", None))
         self.t += sc.first_step_s * 0.8
         self.first_step = True
@@ -238,7 +243,7 @@ class _Run:
             self._own_teardown(at)
         else:
             for r in range(sc.world):
-                self._life(r, at + 0.01 * r, "exit", exit_code=0)
+                self._life(r, at + self._gap(0.01) * r, "exit", exit_code=0)
                 self._mark_down(r, at)
         self.segments.append((self.t, at + 1.0, "gone", None))
         self.t = at + 1.0
@@ -253,16 +258,23 @@ class _Run:
         for r in range(sc.world):
             if self._is_down(r, at):
                 continue
-            self._life(r, at + 0.02 * r, "exit", exit_code=None, signal="SIGTERM")
-            self._mark_down(r, at + 0.02 * r)
+            self._life(r, at + self._gap(0.02) * r, "exit", exit_code=None, signal="SIGTERM")
+            self._mark_down(r, at + self._gap(0.02) * r)
+
+    def _gap(self, gap: float) -> float:
+        """The time between two ranks' starts or exits: ``gap``, or less in a job so large
+        that its starts or exits would spread over more than ``SPREAD_S``."""
+        return min(gap, SPREAD_S / self.sc.world)
 
     def _mark_down(self, rank, at):
-        if not any(row[0] == rank and row[2] is None for row in self.down):
-            self.down.append([rank, at, None])
+        rows = self.down_of.setdefault(rank, [])
+        if not any(row[2] is None for row in rows):
+            rows.append([rank, at, None])
+            self.down.append(rows[-1])
 
     def _is_down(self, rank, ts):
-        return any(row[0] == rank and row[1] <= ts and (row[2] is None or ts < row[2])
-                   for row in self.down)
+        return any(row[1] <= ts and (row[2] is None or ts < row[2])
+                   for row in self.down_of.get(rank, ()))
 
     def _gpu_is_down(self, node, gpu, ts):
         return any(row[0] == node and row[1] in (None, gpu) and row[2] <= ts
@@ -334,6 +346,7 @@ class _Run:
                 nan_ranks.update(f.ranks if s == f.step else range(sc.world))
             if f.kind == "nan_grad" and f.step <= s < f.step + 3:
                 nan_grad = True
+        step_gap = min(0.001, STEP_SPREAD_S / sc.world)
         for r in range(sc.world):
             loss = loss_job * math.exp(rng.gauss(0, sc.loss_noise))
             grad = grad_job
@@ -341,7 +354,7 @@ class _Run:
                 loss = float("nan")
             if nan_ranks or nan_grad:
                 grad = float("nan")
-            self.emit(ev.Step(job=sc.job, ts=end + 0.001 * r + rng.random() * 0.002,
+            self.emit(ev.Step(job=sc.job, ts=end + step_gap * r + rng.random() * 0.002,
                               node=sc.node_of(r), rank=r, step=s, step_time=duration,
                               compute_time=compute[r], loss=loss, grad_norm=grad,
                               tokens=4096, lr=3e-4))
@@ -424,7 +437,7 @@ class _Run:
             self._life(rank, t + 0.5, "exit", exit_code=f.exit_code, signal=f.signal)
             self._mark_down(rank, t + 0.5)
             for i, r in enumerate(x for x in range(sc.world) if x != rank):
-                self._life(r, t + 2.0 + 0.01 * i, "exit", signal="SIGTERM")
+                self._life(r, t + 2.0 + self._gap(0.01) * i, "exit", signal="SIGTERM")
                 self._mark_down(r, t + 2.0)
             self._truth("crash", [rank], [], t + 0.5, last, 2.0, None, "crash")
             stop_at = t + 3.0 if after is None else after
@@ -432,7 +445,7 @@ class _Run:
             rank = f.ranks[0]
             self._mark_down(rank, t)
             for i, r in enumerate(x for x in range(sc.world) if x != rank):
-                self._life(r, t + 1.0 + 0.01 * i, "exit", signal="SIGTERM")
+                self._life(r, t + 1.0 + self._gap(0.01) * i, "exit", signal="SIGTERM")
                 self._mark_down(r, t + 1.0)
             # no exit event: named once the tear-down's grace is over
             self._truth("crash", [rank], [], t, last, 2.0 + 3.0 + 1.0, None, "kill")
@@ -479,7 +492,7 @@ class _Run:
         sc = self.sc
         segs = sorted(self.segments, key=lambda x: x[0])
         for r in range(sc.world):
-            ts = T0 + 0.5 + 0.013 * r
+            ts = T0 + 0.5 + self._gap(0.013) * r
             i = 0
             while ts < self.end:
                 if not self._is_down(r, ts):
@@ -551,9 +564,7 @@ class _Run:
 
 def _whole_nodes(sc, ranks):
     chosen = set(ranks)
-    out = []
-    for node in sorted({sc.node_of(r) for r in range(sc.world)}):
-        on = [r for r in range(sc.world) if sc.node_of(r) == node]
-        if on and all(r in chosen for r in on):
-            out.append(node)
-    return out
+    on: dict = {}
+    for r in range(sc.world):
+        on.setdefault(sc.node_of(r), []).append(r)
+    return [node for node in sorted(on) if all(r in chosen for r in on[node])]

@@ -10,7 +10,7 @@ import pytest
 from trainguard.detectors.offline import analyze_events
 
 from real_traces import alibaba_job, loss_curve_job
-from scenario_library import FAULTS, HEALTHY
+from scenario_library import FAULTS, HEALTHY, large_job
 from scenario_scoring import score
 from scenarios import generate, recording
 
@@ -31,6 +31,19 @@ def test_healthy_job_raises_no_incident(sc):
 def test_fault_is_found_exactly_and_in_time(sc):
     rec = recording(sc)
     result = score(incidents(rec["events"]), rec["truth"], rec["step_ends"])
+    assert result["false_incidents"] == []
+    for r in result["results"]:
+        assert r["found"] and r["exact"] and r["ok"], r
+
+
+@pytest.mark.slow
+def test_the_four_faults_of_a_16384_rank_job_are_found_exactly():
+    """Issue 21: a slow rank, a rank hung in its data loader, a lost machine and a NaN rank,
+    each named alone among 16,384 ranks on 2,048 machines, and nothing else."""
+    rec = recording(large_job())
+    assert len({e.rank for e in rec["events"] if e.type == "step"}) == 16384
+    result = score(incidents(rec["events"]), rec["truth"], rec["step_ends"])
+    assert [r["kind"] for r in result["results"]] == ["straggler", "hang", "silent", "nan"]
     assert result["false_incidents"] == []
     for r in result["results"]:
         assert r["found"] and r["exact"] and r["ok"], r
