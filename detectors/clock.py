@@ -4,7 +4,9 @@ The ranks of a synchronous job end a step within a fraction of a step of each ot
 machines' stamps of one step number tell how far each machine's clock is off. For each step
 the first record of every machine is kept; once the job is ``settle`` steps further, the
 step's reference is the median of those stamps, and each machine's offset is the median of
-its last ``samples`` differences from the references. Every item of a machine whose offset
+its last ``samples`` differences from the references (a machine whose records of a step come
+after it settled, its partition read behind, is measured against that step's reference, kept
+for ``max_steps`` steps). Every item of a machine whose offset
 is at least ``min_offset_s`` is restamped (``ts``, and a heartbeat's ``phase_since``) before
 any detector sees it: a machine whose clock runs a minute ahead no longer drives the job's
 notion of "now" (so its peers do not look silent or hung), and its records land in their
@@ -54,6 +56,7 @@ class JobClock:
         self._diffs: dict = {}         # node -> its last differences from the references
         self._offsets: dict = {}       # node -> offset applied (only those >= min_offset_s)
         self._top = None               # the highest step seen
+        self._refs: dict = {}          # settled step -> [its reference, machines counted]
 
     def offset(self, node) -> float:
         diffs = self._diffs.get(node)
@@ -91,8 +94,15 @@ class JobClock:
         top = self._top
         if top is not None and step > top + self.max_steps:
             self._stamps.clear()         # a jump (a resume far ahead): start over
+            self._refs.clear()
         elif top is not None and step < top - self.max_steps:
             return                       # far behind: late, or an earlier run's
+        settled = self._refs.get(step)
+        if settled is not None:          # a machine read late (its partition lags)
+            if node not in settled[1]:
+                settled[1].add(node)
+                self._add(node, ts - settled[0])
+            return
         stamps = self._stamps.get(step)
         if stamps is None:
             stamps = self._stamps[step] = {}
@@ -132,8 +142,13 @@ class JobClock:
             if len(stamps) < 2:
                 continue
             reference = _lower_median(list(stamps.values()))
+            self._refs[step] = [reference, set(stamps)]
             for node, ts in stamps.items():
                 self._add(node, ts - reference)
+        refs = self._refs
+        if len(refs) > self.max_steps:
+            for step in sorted(refs)[:len(refs) - self.max_steps]:
+                del refs[step]
 
 
 def _lower_median(values: list) -> float:

@@ -112,14 +112,15 @@ class SilentDetector(UsesView, Detector):
         if self._next is not None and now < self._next:
             return []
         self._next = now + min(1.0, self.timeout_s / 10)
-        limit = now - self.timeout_s
+        at = self.view.judged(now)       # a rank still on its way is not missing
+        limit = at - self.timeout_s
         quiet, pending, alive = [], set(), False
         for rank, ts in self._heard.items():
             if rank in self._exited:
                 continue
             if ts > limit:
                 alive = True
-                if ts <= now - self.timeout_s / 2:
+                if ts <= at - self.timeout_s / 2:
                     pending.add(rank)
             elif rank not in self._reported:
                 quiet.append(rank)
@@ -131,18 +132,18 @@ class SilentDetector(UsesView, Detector):
         findings = []
         for node, ranks in sorted(by_node.items(), key=lambda kv: str(kv[0])):
             oldest = min(self._heard[r] for r in ranks)
-            if node is not None and now - oldest < self.timeout_s * 1.5 and any(
+            if node is not None and at - oldest < self.timeout_s * 1.5 and any(
                     self.view.where.get(r) == node for r in pending):
                 continue   # more ranks of this machine are going quiet: wait for them
-            findings.append(self._finding(node, ranks, now))
+            findings.append(self._finding(node, ranks, now, at))
         return findings
 
-    def _finding(self, node, ranks, now) -> Finding:
+    def _finding(self, node, ranks, now, at) -> Finding:
         node_ranks = [r for r, n in self.view.where.items() if n == node and r not in self._exited]
         all_quiet = node is not None and all(
             r in ranks or r in self._reported for r in node_ranks)
         gpu = self._gpu_seen.get(node)
-        machine = all_quiet and (gpu is None or now - gpu >= self.timeout_s / 2)
+        machine = all_quiet and (gpu is None or at - gpu >= self.timeout_s / 2)
         self._reported.update(ranks)
         onset = min(self.view.last_seen[r] for r in ranks)
         if machine:
@@ -234,6 +235,7 @@ class CrashDetector(UsesView, Detector):
         self._wave = None          # the open tear-down, see _open
         self._answered = None      # a failure our restart answered, until its exits settled
         self.own_restarts: list = []   # times trainguard run announced a restart (last 20)
+        self._own_span = None      # (from, to) of our last restart, to its first new start
 
     def update(self, item) -> list[Finding]:
         if type(item) is not dict:
@@ -292,6 +294,10 @@ class CrashDetector(UsesView, Detector):
                 return []
             answered["failed"].append(rank)
             return [self._exited(item)]
+        span = self._own_span
+        if span is not None and span[0] <= ts <= span[1] and self._wave is None:
+            return []     # our restart's exit, read after the job started again (a partition
+                          # read behind the others)
         wave = self._open(ts)
         wave["last"] = max(wave["last"], ts)
         if not wave["decided"]:
@@ -307,15 +313,16 @@ class CrashDetector(UsesView, Detector):
 
     def advance(self, now: float) -> list[Finding]:
         answered = self._answered
-        found = self._decide_answered(now) if answered is not None and now >= max(
+        at = self.view.judged(now)      # exits and the restart's word still on their way
+        found = self._decide_answered(now) if answered is not None and at >= max(
             answered["answered"], answered["last"]) + self.grace_s else []
-        return found + self._advance_wave(now)
+        return found + self._advance_wave(now, at)
 
-    def _advance_wave(self, now: float) -> list[Finding]:
+    def _advance_wave(self, now: float, at: float) -> list[Finding]:
         wave = self._wave
-        if wave is None or wave["decided"] or now < wave["last"] + self.grace_s:
+        if wave is None or wave["decided"] or at < wave["last"] + self.grace_s:
             return []
-        if not wave["torn"] and now < wave["start"] + self.vanish_s:
+        if not wave["torn"] and at < wave["start"] + self.vanish_s:
             return []     # failures alone: a peer hung in the collective is heard again first
         return self._decide(now)
 
@@ -337,6 +344,9 @@ class CrashDetector(UsesView, Detector):
         return self._wave
 
     def _close(self, now) -> list[Finding]:
+        wave = self._wave
+        if wave is not None and wave["own"]:
+            self._own_span = (wave["start"], now)
         found = self.finish(now)
         self._wave = None
         return found

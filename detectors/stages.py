@@ -416,10 +416,12 @@ class JobStage:
         self._emitted_order: deque = deque()
         self._changed: dict = {}      # incident id -> its dict, changed since take_incidents
 
-    def update(self, item) -> list[ev.Anomaly]:
+    def update(self, item, clocked: bool = False) -> list[ev.Anomaly]:
+        """``clocked``: ``item`` is on the job's clock already (the worker's job side
+        restamps what it holds to order it, :meth:`JobClock.correct`)."""
         if type(item) is dict:
             k = item.get("k")
-            if k != "finding":
+            if k != "finding" and not clocked:
                 self.clock.correct(item)        # one job clock, whatever a machine's says
             if k == "step":                     # the commonest item first
                 if self.job is None:
@@ -490,10 +492,13 @@ class JobStage:
     def advance(self, now: float, final: bool = False,
                 steps_now: float | None = None) -> list[ev.Anomaly]:
         """``steps_now``: the time up to which every source of the job has been heard (the
-        worker's lowest partition), which alone closes steps by their age (default ``now``):
-        a partition read behind the others still counts toward its steps."""
+        worker's lowest partition; default ``now``). It closes steps by their age, and the
+        detectors that judge an absence (a silent rank, a tear-down's grace) judge up to it
+        (:meth:`JobView.judged`): a partition read behind the others still counts toward its
+        steps, and its ranks are not missing."""
         findings = []
         upto = now if steps_now is None or steps_now > now else steps_now
+        self.view.heard_upto = None if upto == now else upto
         for jobstep in self.steps.expire(upto):
             findings += self._jobstep(jobstep)
         for d in self._routes["tick"]:

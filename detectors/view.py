@@ -33,6 +33,21 @@ class JobView:
         self.where: dict = {}          # rank -> node
         self.last_seen: dict = {}      # rank -> newest ts heard from it
         self.stage_size = 0            # ranks per pipeline stage (tp x dp), 0: unknown
+        #: the job's time up to which every source has been heard (the worker's lowest
+        #: telemetry partition), None: up to "now" (one process reads everything in order)
+        self.heard_upto = None
+
+    def judged(self, now: float) -> float:
+        """The time up to which an absence can be judged at ``now``: a rank whose records
+        are still on their way (its telemetry partition is read behind the others') is not
+        missing until every source has been heard up to then.
+
+        >>> view = JobView()
+        >>> view.judged(100.0), setattr(view, "heard_upto", 80.0), view.judged(100.0)
+        (100.0, None, 80.0)
+        """
+        upto = self.heard_upto
+        return now if upto is None or upto > now else upto
 
     def learn(self, item) -> None:
         """One stage item of :data:`LEARNS_FROM`; others are ignored."""

@@ -270,6 +270,9 @@ class JobRuntime:
         m.set_gauge("late_step_records", sum(
             getattr(getattr(slot.stage, "steps", None), "late", 0)
             for slot in self.processor.state.slots.values()))
+        m.set_gauge("held_records", sum(len(slot.held)
+                                      for slot in self.processor.state.slots.values()))
+        m.set_gauge("released_early_records", self.processor.released_early)
         m.counters["restore_failures"] = failures
         m.counters["evictions"] = evictions
         m.set_gauge("evicted_stages", evicted)

@@ -27,6 +27,7 @@ for a slot idle longer than ``idle_ttl_s``. Slots idle ``evict_idle_s``, or beyo
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from dataclasses import dataclass, field
@@ -214,8 +215,14 @@ class JobProcessor(_SlotsProcessor):
                  advance_every_s: float | None = 0.5, evict_idle_s: float | None = None,
                  max_live: int | None = None, shared: dict | None = None,
                  incidents: bool = False, source_idle_s: float = 10.0,
-                 tune_stage: Callable[[str, Any], Any] | None = None):
+                 tune_stage: Callable[[str, Any], Any] | None = None,
+                 max_held: int = 200_000, hold_slack_s: float = 1.0):
         self.make_stage = make_stage
+        #: items of a job held for a partition read behind, at most (see :meth:`apply`)
+        self.max_held = max_held
+        #: an item at most this far ahead of the slowest partition is not held
+        self.hold_slack_s = hold_slack_s
+        self.released_early = 0
         #: a telemetry partition that sent nothing this long no longer holds the job's
         #: clock back (:meth:`JobSlot.heard`)
         self.source_idle_s = source_idle_s
@@ -263,30 +270,70 @@ class JobProcessor(_SlotsProcessor):
                 log.exception("per-job overrides of %s not applied", job)
 
     def apply(self, value, partition: int, now: float) -> list[ev.Anomaly]:
-        """Apply one summaries message; raises :class:`InvalidSummaries` for a bad one."""
+        """Apply one summaries message; raises :class:`InvalidSummaries` for a bad one.
+
+        Its items are applied in the job's time order up to the time every telemetry
+        partition heard from within ``source_idle_s`` has reached (:meth:`JobSlot.heard`),
+        as one process reading everything in order would apply them: the rank workers of a
+        job do not wait for each other, and one that catches up on a backlog seconds of the
+        job's time ahead of another would otherwise show the other's ranks as silent, stuck
+        or stopped. The items of a partition more than ``hold_slack_s`` ahead wait (at most
+        ``max_held`` of them per job; beyond, the oldest go on, counted in
+        ``released_early``)."""
         job, items = decode_summaries(value)
         slot = self._slot(job, partition, now)
         slot.touched = now
         self.state.dirty.add(job.encode())
-        stage, marks, observe = slot.stage, slot.marks, self.observe_lag
-        watermark, limit = slot.watermark, now + FUTURE_SLACK_S
-        every, idle_s = self.advance_every_s, self.source_idle_s
-        out = []
+        marks, held, idle_s = slot.marks, slot.held, self.source_idle_s
+        limit = now + FUTURE_SLACK_S
+        clock = getattr(slot.stage, "clock", None)
+        upto = None                           # the low watermark, not held to the wall clock
         for p, o, i, item in items:
             if not marks.advance(p, o, i):
                 self.replayed += 1
                 continue
-            self.applied += 1
             if "type" in item and "k" not in item:     # a machine's gpu / xid event
                 item = trusted_event(item)
-            try:
-                out += stage.update(item)
-            except Exception:            # a detector bug must not stop the stream
-                self.errors += 1
-                log.exception("job stage %s failed on an item from %d/%d", job, p, o,
-                              extra={"job": job})
             # the item's time on the job's clock (the stage restamps a machine whose clock
             # is off), so no machine's clock moves the job's "now"
+            if type(item) is dict:
+                if clock is not None and item.get("k") != "finding":
+                    clock.correct(item)       # learns, and restamps it in place
+                ts = item.get("ts")
+            else:
+                ts = item.ts if clock is None else clock.time(item.node, item.ts)
+            if type(ts) is float or type(ts) is int:
+                upto = slot.heard(p, ts, now, idle_s)
+                if upto > slot.low:
+                    slot.low = upto if upto < limit else limit
+            else:
+                ts = -math.inf                # nothing to order it by: at once
+            slot.held_seq += 1
+            heapq.heappush(held, [ts, slot.held_seq, item])
+        if upto is None or upto < slot.low:
+            upto = slot.low
+        return self._release(job, slot, now, upto + self.hold_slack_s)
+
+    def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
+        """Apply the held items of ``slot`` up to the job's time ``upto``, in time order."""
+        held = slot.held
+        stage, observe = slot.stage, self.observe_lag
+        clocked = getattr(stage, "clock", None) is not None    # restamped when held
+        watermark, limit = slot.watermark, now + FUTURE_SLACK_S
+        every = self.advance_every_s
+        out = []
+        applied = False
+        while held and (held[0][0] <= upto or len(held) > self.max_held):
+            if held[0][0] > upto:
+                self.released_early += 1
+            item = heapq.heappop(held)[2]
+            applied = True
+            self.applied += 1
+            try:
+                out += stage.update(item, clocked=True) if clocked else stage.update(item)
+            except Exception:            # a detector bug must not stop the stream
+                self.errors += 1
+                log.exception("job stage %s failed on an item", job, extra={"job": job})
             if type(item) is dict:
                 ts = item.get("ts")
             else:
@@ -295,9 +342,6 @@ class JobProcessor(_SlotsProcessor):
             if type(ts) is float or type(ts) is int:
                 if ts > watermark:
                     watermark = ts if ts < limit else limit
-                low = slot.heard(p, ts, now, idle_s)
-                if low > slot.low:
-                    slot.low = low if low < limit else limit
                 if observe is not None:
                     observe(now - ts)
             if every is not None and watermark > slot.clock and \
@@ -309,7 +353,8 @@ class JobProcessor(_SlotsProcessor):
                     self.errors += 1
                     log.exception("job stage %s failed in advance()", job,
                                   extra={"job": job})
-        slot.watermark, slot.applied_at = watermark, now
+        if applied:
+            slot.watermark, slot.applied_at = watermark, now
         return self._with_incidents(stage, out) if out else out
 
     def _with_incidents(self, stage, anomalies: list) -> list:
@@ -323,6 +368,16 @@ class JobProcessor(_SlotsProcessor):
     def advance(self, now: float) -> list[ev.Anomaly]:
         out = []
         for key, slot in self.state.slots.items():
+            if slot.held:            # a partition gone quiet no longer holds the others
+                low = slot.lowest(now, self.source_idle_s)
+                if low > slot.low:
+                    slot.low = min(low, now + FUTURE_SLACK_S)
+                # every partition quiet: nothing is on its way any more
+                found = self._release(key.decode(), slot, now, math.inf if low == -math.inf
+                                      else max(low, slot.low) + self.hold_slack_s)
+                if found:
+                    self.state.dirty.add(key)
+                    out += found
             try:
                 every = self.advance_every_s
                 at, steps_at = slot.now(now), slot.steps_now(now)

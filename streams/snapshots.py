@@ -44,7 +44,7 @@ COMPRESS_ABOVE = 128
 MAX_STATE_BYTES = 64 * 1024 * 1024
 #: the stages' layout; raise it when what a stage keeps changes meaning without changing
 #: its attribute names (a new attribute changes the layout digest by itself)
-STATE_VERSION = 15
+STATE_VERSION = 16
 
 
 # -- the slots: a stage and where its input came from (what a snapshot holds) --------------
@@ -69,6 +69,8 @@ class JobSlot:
     sources: dict = field(default_factory=dict)   # telemetry partition -> [newest ts, wall]
     low_source: int = -1           # the partition of the lowest newest ts (see heard())
     low: float = -math.inf         # the newest time every partition heard from has reached
+    held: list = field(default_factory=list)   # heap of [time, seq, item] not yet applied
+    held_seq: int = 0
 
     def heard_again(self, wall: float) -> None:
         """Loaded from a snapshot at wall time ``wall``: every partition it had heard from
@@ -122,6 +124,15 @@ class JobSlot:
                     best, self.low_source = newest, p
             return best
         return low[0]
+
+    def lowest(self, wall: float, idle_s: float) -> float:
+        """:meth:`heard`'s low watermark at wall time ``wall`` without a new record: the
+        partitions silent for ``idle_s`` no longer count (-inf when none is left)."""
+        best = None
+        for p, (newest, heard) in self.sources.items():
+            if wall - heard <= idle_s and (best is None or newest < best):
+                best, self.low_source = newest, p
+        return best if best is not None else -math.inf
 
     def now(self, wall: float) -> float:
         """The job's clock for ``advance``: its newest event time, moved on by the wall

@@ -78,6 +78,42 @@ def test_a_restart_announced_after_the_exits_it_caused_is_no_stop_from_outside()
     assert d.advance(110.0) == []
 
 
+def test_our_restarts_exits_read_after_the_job_started_again_are_no_stop_from_outside():
+    """Issue 21, two workers: the half of the ranks whose partitions a lagging worker reads
+    come with their exits after the other half already started again. Those exits belong to
+    our restart, not to a new stop from outside."""
+    d = CrashDetector(grace_s=3.0)
+    for r in range(4):
+        d.update(step(r, 99.0, 10))
+    assert d.update(announce(99.9)) == []
+    for r in (0, 1):                       # read in time: exit, then the relaunch
+        assert d.update(life(r, 100.0 + r * 0.01, signal="SIGTERM")) == []
+    for r in (0, 1):
+        assert d.update(life(r, 106.0, event="start")) == []
+    for r in (2, 3):                       # the lagging worker's: their exits, then starts
+        assert d.update(life(r, 100.02 + r * 0.01, signal="SIGTERM")) == []
+    assert d.advance(110.0) == []
+    for r in (2, 3):
+        assert d.update(life(r, 106.0, event="start")) == []
+    assert d.advance(120.0) == [] and d.own_restarts == [99.9]
+
+
+def test_a_tear_downs_grace_runs_on_the_time_every_source_was_heard_up_to():
+    """Online, ``steps_now`` (the lowest telemetry partition's time) holds the grace of a
+    tear-down until the restart's word, on a partition read behind, could be read."""
+    from trainguard.detectors import JobStage
+
+    stage = JobStage()
+    for r in range(3):
+        stage.update(step(r, 99.0, 10))
+    for r in range(3):
+        stage.update(life(r, 100.0 + r * 0.01, signal="SIGTERM"))
+    assert stage.advance(110.0, steps_now=100.5) == []      # its partition is behind
+    stage.update(announce(99.9))
+    assert stage.advance(111.0, steps_now=111.0) == []
+    assert stage.incidents() == []
+
+
 def test_a_restart_ordered_before_the_exits_settled_still_names_the_killed_rank():
     """Rank 1 is SIGKILLed; its gloo peers fail with code 1. The action service answers the
     first failure with a restart within the second, before the second peer's exit is read:

@@ -33,7 +33,7 @@ def partition_of(node: str) -> int:
     return int(node[1:]) % 2          # n2 and n4 on partition 0, n1 and n3 on partition 1
 
 
-def online(events, delay_s, clock_offsets=None) -> tuple[list, JobProcessor]:
+def online(events, delay_s, clock_offsets=None, **job_side) -> tuple[list, JobProcessor]:
     """The anomalies ``(kind, ranks, step)`` of the job side fed the rank side's summaries
     of ``events``, each arriving ``delay_s(event)`` after it happened (``clock_offsets``:
     how far each machine's stamps are off), with the worker's one-second wall-clock timer;
@@ -50,7 +50,7 @@ def online(events, delay_s, clock_offsets=None) -> tuple[list, JobProcessor]:
             happened = e.ts - offsets.get(e.node, 0.0)
             arrivals.append((happened + delay_s(e, happened), seq, partition_of(e.node), item))
     arrivals.sort(key=lambda a: (a[0], a[1]))
-    jobs = JobProcessor(lambda: JobStage(config))
+    jobs = JobProcessor(lambda: JobStage(config), **job_side)
     sent: dict = defaultdict(int)
     found = []
     tick = arrivals[0][0]
@@ -124,12 +124,25 @@ def test_a_healthy_job_whose_partition_lags_raises_nothing():
     assert online(events, lagging_partition(25))[0] == []
 
 
-def test_beyond_the_window_records_are_late_and_still_checked_for_nan():
+def test_a_partition_further_behind_than_the_window_is_waited_for():
+    """The job side applies its items in the job's time order up to the slowest partition
+    (``JobProcessor.apply``): a partition 40 steps behind (more than ``step_window``) holds
+    the others' items back, its records are not late, and the NaN is its rank's."""
     events, _ = generate(shape(Fault(kind="nan", step=150, ranks=(6,))))
-    found, jobs = online(events, lagging_partition(40))      # more than step_window (32)
+    found, jobs = online(events, lagging_partition(40))
+    assert ("nan", (6,), 150) in found
+    assert jobs.state.slots[b"j"].stage.steps.late == 0
+    assert online(events, lambda e, happened: 0.0)[0] == found
+
+
+def test_beyond_the_window_records_are_late_and_still_checked_for_nan():
+    """With too little room to hold the others' items (``max_held``), a partition 40 steps
+    behind sends records of steps already closed: late, counted, and checked for NaN."""
+    events, _ = generate(shape(Fault(kind="nan", step=150, ranks=(6,))))
+    found, jobs = online(events, lagging_partition(40), max_held=50)
     assert ("nan", 150) in {(k, step) for k, _, step in found}    # (the blame may differ:
     # the job's other ranks' NaN of step 150 came in time, rank 6's first one did not)
-    assert jobs.state.slots[b"j"].stage.steps.late > 0
+    assert jobs.state.slots[b"j"].stage.steps.late > 0 and jobs.released_early > 0
     assert {k for k, _, _ in found} <= {"nan", "straggler", "throughput_drop", "silent"}, found
 
 
@@ -178,3 +191,58 @@ def test_a_rank_that_stops_reporting_holds_its_peers_steps_one_window_at_most():
             closed += [(js["step"], s) for js in agg.add(_rec(r, s))]
     assert closed == [(step, step + 4) for step in range(3, 16)]   # 4 steps late, in order
     assert len(agg._open) <= 5
+
+
+
+def test_ranks_whose_records_are_still_on_their_way_are_not_silent():
+    """Issue 21, two workers catching up on a backlog: one went 20 s of the job's time further
+    than the other. The ranks the other reads are not missing while their records are on
+    their way: the silent (and crash) detectors judge up to the time every telemetry
+    partition was heard (``steps_now``, the worker's lowest partition), not the newest."""
+    stage = JobStage()
+    for t in range(100, 121):
+        for rank in range(4):
+            if rank < 2 or t <= 100:          # n2's ranks: read up to t=100 so far
+                stage.update({"k": "hb", "job": "j", "rank": rank, "node": f"n{1 + rank // 2}",
+                              "ts": float(t), "step": 1, "phase": "forward",
+                              "phase_since": 99.0})
+        assert stage.advance(float(t), steps_now=100.5) == []
+    found = stage.advance(121.0, steps_now=121.0)      # heard up to now: n2 is gone
+    assert [(a.kind, a.ranks, a.nodes) for a in found] == [("silent", [2, 3], ["n2"])]
+
+def test_a_lost_machine_on_a_partition_read_behind_is_still_named_alone():
+    events, _ = generate(shape(Fault(kind="machine", step=150, node="n2")))
+    found, _ = online(events, lagging_partition(40))
+    assert ("silent", (4, 5, 6, 7), None) in found
+    assert {kind for kind, _, _ in found} <= {"silent", "hang"}, found
+
+
+def test_the_job_side_applies_items_in_time_order_up_to_the_slowest_partition():
+    """Two rank workers, one ahead of the other: what the one ahead sends waits until the
+    other reached its time (or went quiet for ``source_idle_s``), and goes in time order."""
+    applied = []
+
+    class Stage(JobStage):
+        def update(self, item, clocked=False):
+            applied.append((item["rank"], item["ts"]))
+            return super().update(item, clocked)
+
+    jobs = JobProcessor(Stage, advance_every_s=None)
+
+    def send(p, offset, rank, times, wall):
+        items = [(p, offset + n, 0, {"k": "hb", "job": "j", "rank": rank, "node": f"n{rank}",
+                                     "ts": t, "step": 1, "phase": "forward",
+                                     "phase_since": 99.0}) for n, t in enumerate(times)]
+        for value in encode_summaries("j", items):
+            jobs.apply(value, 0, wall)
+
+    send(0, 0, 0, [100.0], wall=1.0)
+    send(1, 0, 1, [100.0, 104.0, 108.0], wall=1.0)      # partition 1 runs ahead
+    assert applied == [(0, 100.0), (1, 100.0)]
+    send(0, 1, 0, [103.0, 106.0], wall=2.0)             # partition 0 catches up
+    assert applied[2:] == [(0, 103.0), (1, 104.0), (0, 106.0)]
+    send(1, 3, 1, [112.0], wall=5.0)                     # partition 0 stays quiet ...
+    assert applied[5:] == []
+    jobs.advance(13.0)                                   # ... for longer than source_idle_s
+    assert applied[5:] == [(1, 108.0), (1, 112.0)]
+    assert jobs.state.slots[b"j"].held == []

@@ -106,6 +106,10 @@ WORKER_GAUGES = {
                       "or idle_ttl_s passes.",
     "late_step_records": "Step records that reached their job stage after the step was closed "
                          "(a lagging rank worker); checked for a non-finite loss only.",
+    "held_records": "Summary items held until the slowest telemetry partition of their job "
+                  "reaches their time (a rank worker read behind another).",
+    "released_early_records": "Held items applied before the slowest partition reached them: "
+                            "more than max_held were held for one job.",
 }
 WORKER_LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                       10.0, 30.0, 60.0, 300.0)
