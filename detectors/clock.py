@@ -6,7 +6,8 @@ the first record of every machine is kept; once the job is ``settle`` steps furt
 step's reference is the median of those stamps, and each machine's offset is the median of
 its last ``samples`` differences from the references (a machine whose records of a step come
 after it settled, its partition read behind, is measured against that step's reference, kept
-for ``max_steps`` steps). Every item of a machine whose offset
+for ``max_steps`` steps; a machine's records from before its ranks' latest start belong to
+the run before a restart and are left out). Every item of a machine whose offset
 is at least ``min_offset_s`` is restamped (``ts``, and a heartbeat's ``phase_since``) before
 any detector sees it: a machine whose clock runs a minute ahead no longer drives the job's
 notion of "now" (so its peers do not look silent or hung), and its records land in their
@@ -57,6 +58,7 @@ class JobClock:
         self._offsets: dict = {}       # node -> offset applied (only those >= min_offset_s)
         self._top = None               # the highest step seen
         self._refs: dict = {}          # settled step -> [its reference, machines counted]
+        self._runs: dict = {}          # node -> its ranks' latest start (its own clock)
 
     def offset(self, node) -> float:
         diffs = self._diffs.get(node)
@@ -77,6 +79,8 @@ class JobClock:
             self._starts.clear()
             self._learn(node, item.get("step"), item.get("ts"))
         elif k == "life" and item.get("event") == "start":
+            self._refs.clear()           # a new run: its steps are not the last run's
+            self._run_start(node, item.get("ts"))
             self._learn_start(node, item.get("ts"))
         offset = self._offsets.get(node)
         if offset is not None:
@@ -88,9 +92,16 @@ class JobClock:
                 item["phase_since"] = since - offset
         return item
 
+    def _run_start(self, node, ts) -> None:
+        if type(ts) in (int, float) and ts > self._runs.get(node, ts - 1):
+            if node in self._runs or len(self._runs) < self.max_nodes:
+                self._runs[node] = ts
+
     def _learn(self, node, step, ts) -> None:
         if type(step) is not int or type(ts) not in (int, float):
             return
+        if ts < self._runs.get(node, ts):
+            return       # the run before its last start (a partition read behind)
         top = self._top
         if top is not None and step > top + self.max_steps:
             self._stamps.clear()         # a jump (a resume far ahead): start over
@@ -138,7 +149,9 @@ class JobClock:
 
     def _settle(self, upto: int) -> None:
         for step in sorted(s for s in self._stamps if s <= upto):
-            stamps = self._stamps.pop(step)
+            runs = self._runs
+            stamps = {node: ts for node, ts in self._stamps.pop(step).items()
+                      if ts >= runs.get(node, ts)}   # not the run before a node's restart
             if len(stamps) < 2:
                 continue
             reference = _lower_median(list(stamps.values()))

@@ -277,9 +277,10 @@ class JobProcessor(_SlotsProcessor):
         as one process reading everything in order would apply them: the rank workers of a
         job do not wait for each other, and one that catches up on a backlog seconds of the
         job's time ahead of another would otherwise show the other's ranks as silent, stuck
-        or stopped. The items of a partition more than ``hold_slack_s`` ahead wait (at most
-        ``max_held`` of them per job; beyond, the oldest go on, counted in
-        ``released_early``)."""
+        or stopped. The items of a partition more than ``hold_slack_s`` ahead wait, at most
+        ``source_idle_s`` of wall time and ``max_held`` items per job (beyond, they go on,
+        counted in ``released_early``: a machine's clock offset not learned yet, or learned
+        wrong, cannot hold a job back for long)."""
         job, items = decode_summaries(value)
         slot = self._slot(job, partition, now)
         slot.touched = now
@@ -309,7 +310,7 @@ class JobProcessor(_SlotsProcessor):
             else:
                 ts = -math.inf                # nothing to order it by: at once
             slot.held_seq += 1
-            heapq.heappush(held, [ts, slot.held_seq, item])
+            heapq.heappush(held, [ts, slot.held_seq, item, now])
         if upto is None or upto < slot.low:
             upto = slot.low
         return self._release(job, slot, now, upto + self.hold_slack_s)
@@ -323,7 +324,9 @@ class JobProcessor(_SlotsProcessor):
         every = self.advance_every_s
         out = []
         applied = False
-        while held and (held[0][0] <= upto or len(held) > self.max_held):
+        wait = now - self.source_idle_s            # held this long (wall): on it goes
+        while held and (held[0][0] <= upto or len(held) > self.max_held
+                        or held[0][3] < wait):
             if held[0][0] > upto:
                 self.released_early += 1
             item = heapq.heappop(held)[2]
@@ -368,7 +371,8 @@ class JobProcessor(_SlotsProcessor):
     def advance(self, now: float) -> list[ev.Anomaly]:
         out = []
         for key, slot in self.state.slots.items():
-            if slot.held:            # a partition gone quiet no longer holds the others
+            if slot.held:            # a partition gone quiet, or held too long, no longer
+                                     # holds the others
                 low = slot.lowest(now, self.source_idle_s)
                 if low > slot.low:
                     slot.low = min(low, now + FUTURE_SLACK_S)

@@ -42,3 +42,31 @@ def test_a_hang_on_the_machine_whose_clock_is_off_is_still_found(offset):
     found = incidents(sc)
     assert [k for k, _, _ in found] == ["hang"], found
     assert found[0][1] == [6], found
+
+
+def test_a_machine_read_behind_across_a_restart_does_not_set_the_others_clock():
+    """Two machines, one read behind: after a restart from a checkpoint (steps 5-9 again),
+    the late one's records of the run before are not compared with the new run's."""
+    from trainguard.detectors.clock import JobClock
+
+    clock = JobClock()
+    step = lambda node, s, ts: clock.correct({"k": "step", "node": node, "step": s, "ts": ts})
+    start = lambda node, ts: clock.correct({"k": "life", "node": node, "event": "start",
+                                           "ts": ts})
+    for s in range(10):
+        step("n1", s, 100.0 + s)
+        if s < 8:
+            step("n2", s, 100.0 + s)
+    start("n1", 140.0)                        # the restart, n1 read in time ...
+    for s in range(5, 12):
+        step("n1", s, 140.0 + s)
+    step("n2", 8, 108.0)                      # ... n2 behind: its last steps of the run
+    step("n2", 9, 109.0)                      # before, then its restart
+    start("n2", 140.0)
+    for s in range(5, 12):
+        step("n2", s, 140.0 + s)
+    for s in range(12, 20):
+        step("n1", s, 140.0 + s)
+        step("n2", s, 140.0 + s)
+    assert (clock.offset("n1"), clock.offset("n2")) == (0.0, 0.0)
+    assert clock.time("n1", 150.0) == clock.time("n2", 150.0) == 150.0
