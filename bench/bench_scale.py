@@ -24,16 +24,25 @@ The automatic garbage collector is off while it runs, as in the worker, which co
 ``worker.gc_interval_s`` (30 s) instead; ``gc_s_per_collection`` is what one such collection
 of both sides' objects costs (charge a thirtieth of it per second).
 
-Faults are not injected here: detection at these sizes needs tens of learning steps, which
-the in-process job side does not reach in a bench's time at 100,000 ranks (that is the
-finding). ``python bench/run.py scale --json``; ``TG_SCALE_SIZES=4096,16384`` for fewer.
+**Faults** (``faults``): per size, the scenario library's large job (``large_job`` in
+tests/scenario_library.py, the same TP 8 x PP 4 x DP layout, 8 ranks per machine, 1 s steps)
+with issue 21's four faults: a slow rank, a rank hung in its data loader (trainguard restarts
+the job), a lost machine (restarted onto a spare) and a rank whose loss goes NaN. Its
+recording goes through ``trainguard analyze``'s engine, which runs the worker's stages in
+one process; each fault's detection latency (seconds, and steps for the straggler), whether
+it was localized exactly (the ranks, and the machine for the lost one), the incidents that
+match no fault, and the events per CPU second of that one process.
+
+``python bench/run.py scale --json``; ``TG_SCALE_SIZES=4096,16384`` for fewer.
 """
 from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 SIZES = (4096, 16384, 100_000)
 TP, PP, PER_NODE = 8, 4, 8
@@ -162,6 +171,35 @@ def one_size(ranks: int, heartbeats: int = 1) -> dict:
     return result
 
 
+def faults(ranks: int) -> dict:
+    """Issue 21's four faults in one job of ``ranks`` (a multiple of 32), through the engine
+    of ``trainguard analyze``; see the module."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from scenario_library import large_job
+    from scenario_scoring import score
+    from scenarios import recording
+
+    from trainguard.detectors.offline import analyze_events
+
+    rec = recording(large_job(ranks // (TP * PP)))
+    events = rec["events"]
+    start = time.process_time()
+    engine, _ = analyze_events(events)
+    cpu = time.process_time() - start
+    result = score(engine.incidents(), rec["truth"], rec["step_ends"])
+    out = {"ranks": ranks, "events": len(events), "analyze_cpu_s": round(cpu, 1),
+           "events_per_cpu_s": int(len(events) / cpu),
+           "faults": [{"kind": r["kind"], "label": r["label"], "found": r["found"],
+                       "exact": r["exact"], "latency_s": r["latency_s"],
+                       "latency_steps": r["latency_steps"]} for r in result["results"]],
+           "false_incidents": [(i["kind"], i["ranks"][:8]) for i in result["false_incidents"]]}
+    out["all_found_exactly"] = (all(r["found"] and r["exact"] for r in result["results"])
+                                and not result["false_incidents"])
+    del rec, events, engine
+    gc.collect()
+    return out
+
+
 def run() -> dict:
     sizes = tuple(int(x) for x in os.environ.get("TG_SCALE_SIZES", "").split(",") if x) \
         or SIZES
@@ -177,6 +215,8 @@ def run() -> dict:
                 {k: ten[k] for k in ("ranks", "job_side_cpu_s_per_job_s",
                                      "rank_side_us_per_event", "rank_side_over_orjson")})
             gc.collect()
+    if os.environ.get("TG_SCALE_FAULTS", "1") != "0":
+        out["faults"] = [faults(ranks) for ranks in sizes]
     biggest = out["sizes"][-1]
     out["targets"] = {"job_side_cpu_s_per_job_s_at_100k": 0.1, "rank_side_over_orjson": 0.33,
                       "cores_for_100k": 4}

@@ -14,3 +14,10 @@ def test_a_small_job_goes_through_both_sides():
     assert 0 < result["rank_side_over_orjson"] < 1
     assert result["job_side_keeps_up"]
     assert result["cores_for_the_job"] >= result["cores_rank_side_at_contract_rate"]
+
+
+def test_the_four_faults_of_a_small_large_job_are_found_and_reported():
+    result = bench_scale.faults(256)
+    assert [f["kind"] for f in result["faults"]] == ["straggler", "hang", "silent", "nan"]
+    assert result["all_found_exactly"] and result["false_incidents"] == []
+    assert result["events"] > 0 and result["events_per_cpu_s"] > 0
