@@ -184,14 +184,14 @@ def _produce(config, messages, pace_per_s: float | None = None) -> None:
                                         "batch.num.messages": 10000}))
     topic = config.topics.telemetry
     began = time.monotonic()
-    for i, (key, value) in enumerate(messages):
+    for i, (key, value, *stamp) in enumerate(messages):    # stamp: [ms], or none: now
         if pace_per_s and i % 500 == 0:
             delay = began + i / pace_per_s - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
         while True:
             try:
-                producer.produce(topic, value, key)
+                producer.produce(topic, value, key, timestamp=stamp[0] if stamp else 0)
                 break
             except BufferError:
                 producer.poll(0.01)

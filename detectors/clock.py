@@ -117,6 +117,8 @@ class JobClock:
         stamps = self._stamps.get(step)
         if stamps is None:
             stamps = self._stamps[step] = {}
+        if stamps.get(node, ts) < self._runs.get(node, ts):
+            del stamps[node]             # the run before the node's restart: this one counts
         stamps.setdefault(node, ts)
         if top is None or step > top:
             self._top = step

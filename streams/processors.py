@@ -47,6 +47,8 @@ __all__ = ["RankProcessor", "JobProcessor", "RankOutput", "RankSlot", "JobSlot",
            "load_state", "state_partition", "STATE_VERSION"]
 
 log = logging.getLogger(__name__)
+#: the summary kinds of a rank that the job side orders by time (see JobProcessor.apply)
+_RANK_KINDS = frozenset(("step", "hb", "life"))
 DEFAULT_IDLE_TTL_S = 6 * 3600.0
 #: an event stamped further ahead of the worker's clock than this moves a job's clock no more
 FUTURE_SLACK_S = 5.0
@@ -272,8 +274,9 @@ class JobProcessor(_SlotsProcessor):
     def apply(self, value, partition: int, now: float) -> list[ev.Anomaly]:
         """Apply one summaries message; raises :class:`InvalidSummaries` for a bad one.
 
-        Its items are applied in the job's time order up to the time every telemetry
-        partition heard from within ``source_idle_s`` has reached (:meth:`JobSlot.heard`),
+        Its ranks' items are applied in the job's time order up to the time every telemetry
+        partition that carried a rank's item within ``source_idle_s`` has reached
+        (:meth:`JobSlot.heard`),
         as one process reading everything in order would apply them: the rank workers of a
         job do not wait for each other, and one that catches up on a backlog seconds of the
         job's time ahead of another would otherwise show the other's ranks as silent, stuck
@@ -301,17 +304,25 @@ class JobProcessor(_SlotsProcessor):
                 if clock is not None and item.get("k") != "finding":
                     clock.correct(item)       # learns, and restamps it in place
                 ts = item.get("ts")
+                ranked = item.get("rank") is not None and item.get("k") in _RANK_KINDS
             else:
                 ts = item.ts if clock is None else clock.time(item.node, item.ts)
-            if type(ts) is float or type(ts) is int:
+                ranked = False
+            if type(ts) is not float and type(ts) is not int:
+                ts = -math.inf                # nothing to order it by: at once
+            elif ranked:
+                # a rank's step, heartbeat or lifecycle: what the rank workers' partitions
+                # carry every few seconds tells how far each was read. The launcher's own
+                # events and a machine's samples come seconds or minutes apart: they wait
+                # their turn, but hold nothing back.
                 upto = slot.heard(p, ts, now, idle_s)
                 if upto > slot.low:
                     slot.low = upto if upto < limit else limit
-            else:
-                ts = -math.inf                # nothing to order it by: at once
             slot.held_seq += 1
             heapq.heappush(held, [ts, slot.held_seq, item, now])
-        if upto is None or upto < slot.low:
+        if not slot.sources:
+            upto = math.inf                   # no rank heard of yet: nothing to wait for
+        elif upto is None or upto < slot.low:
             upto = slot.low
         return self._release(job, slot, now, upto + self.hold_slack_s)
 
