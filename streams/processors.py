@@ -218,12 +218,16 @@ class JobProcessor(_SlotsProcessor):
                  max_live: int | None = None, shared: dict | None = None,
                  incidents: bool = False, source_idle_s: float = 10.0,
                  tune_stage: Callable[[str, Any], Any] | None = None,
-                 max_held: int = 200_000, hold_slack_s: float = 1.0):
+                 max_held: int = 200_000, hold_slack_s: float = 1.0,
+                 hold_idle_s: float = 2.0):
         self.make_stage = make_stage
         #: items of a job held for a partition read behind, at most (see :meth:`apply`)
         self.max_held = max_held
         #: an item at most this far ahead of the slowest partition is not held
         self.hold_slack_s = hold_slack_s
+        #: a partition holds the others back while it sent a rank's item this recently
+        #: (wall seconds); an item is held ``source_idle_s`` at most
+        self.hold_idle_s = hold_idle_s
         self.released_early = 0
         #: a telemetry partition that sent nothing this long no longer holds the job's
         #: clock back (:meth:`JobSlot.heard`)
@@ -274,9 +278,9 @@ class JobProcessor(_SlotsProcessor):
     def apply(self, value, partition: int, now: float) -> list[ev.Anomaly]:
         """Apply one summaries message; raises :class:`InvalidSummaries` for a bad one.
 
-        Its ranks' items are applied in the job's time order up to the time every telemetry
-        partition that carried a rank's item within ``source_idle_s`` has reached
-        (:meth:`JobSlot.heard`),
+        Its items are applied in the job's time order up to the time every telemetry
+        partition that carried a rank's item within ``hold_idle_s`` has reached
+        (:meth:`_hold_upto`),
         as one process reading everything in order would apply them: the rank workers of a
         job do not wait for each other, and one that catches up on a backlog seconds of the
         job's time ahead of another would otherwise show the other's ranks as silent, stuck
@@ -291,7 +295,6 @@ class JobProcessor(_SlotsProcessor):
         marks, held, idle_s = slot.marks, slot.held, self.source_idle_s
         limit = now + FUTURE_SLACK_S
         clock = getattr(slot.stage, "clock", None)
-        upto = None                           # the low watermark, not held to the wall clock
         for p, o, i, item in items:
             if not marks.advance(p, o, i):
                 self.replayed += 1
@@ -315,16 +318,23 @@ class JobProcessor(_SlotsProcessor):
                 # carry every few seconds tells how far each was read. The launcher's own
                 # events and a machine's samples come seconds or minutes apart: they wait
                 # their turn, but hold nothing back.
-                upto = slot.heard(p, ts, now, idle_s)
-                if upto > slot.low:
-                    slot.low = upto if upto < limit else limit
+                low = slot.heard(p, ts, now, idle_s)
+                if low > slot.low:
+                    slot.low = low if low < limit else limit
             slot.held_seq += 1
             heapq.heappush(held, [ts, slot.held_seq, item, now])
-        if not slot.sources:
-            upto = math.inf                   # no rank heard of yet: nothing to wait for
-        elif upto is None or upto < slot.low:
-            upto = slot.low
-        return self._release(job, slot, now, upto + self.hold_slack_s)
+        return self._release(job, slot, now, self._hold_upto(slot, now))
+
+    def _hold_upto(self, slot, now: float) -> float:
+        """The job's time up to which held items go on: the slowest partition that carried
+        a rank's item within ``hold_idle_s`` (a backlog read by two workers streams from
+        every partition; live, a partition whose ranks stopped or send a heartbeat every
+        few seconds holds nothing back for long), plus ``hold_slack_s``."""
+        lowest = None
+        for newest, heard in slot.sources.values():
+            if now - heard <= self.hold_idle_s and (lowest is None or newest < lowest):
+                lowest = newest
+        return math.inf if lowest is None else lowest + self.hold_slack_s
 
     def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
         """Apply the held items of ``slot`` up to the job's time ``upto``, in time order."""
@@ -387,9 +397,7 @@ class JobProcessor(_SlotsProcessor):
                 low = slot.lowest(now, self.source_idle_s)
                 if low > slot.low:
                     slot.low = min(low, now + FUTURE_SLACK_S)
-                # every partition quiet: nothing is on its way any more
-                found = self._release(key.decode(), slot, now, math.inf if low == -math.inf
-                                      else max(low, slot.low) + self.hold_slack_s)
+                found = self._release(key.decode(), slot, now, self._hold_upto(slot, now))
                 if found:
                     self.state.dirty.add(key)
                     out += found
