@@ -330,11 +330,8 @@ class JobProcessor(_SlotsProcessor):
         a rank's item within ``hold_idle_s`` (a backlog read by two workers streams from
         every partition; live, a partition whose ranks stopped or send a heartbeat every
         few seconds holds nothing back for long), plus ``hold_slack_s``."""
-        lowest = None
-        for newest, heard in slot.sources.values():
-            if now - heard <= self.hold_idle_s and (lowest is None or newest < lowest):
-                lowest = newest
-        return math.inf if lowest is None else lowest + self.hold_slack_s
+        lowest = slot.lowest(now, self.hold_idle_s)
+        return math.inf if lowest == -math.inf else lowest + self.hold_slack_s
 
     def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
         """Apply the held items of ``slot`` up to the job's time ``upto``, in time order."""

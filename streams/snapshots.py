@@ -118,21 +118,24 @@ class JobSlot:
             source[1] = wall
         low = sources.get(self.low_source)
         if fresh or low is None or partition == self.low_source or wall - low[1] > idle_s:
-            best = None
-            for p, (newest, heard) in sources.items():
-                if wall - heard <= idle_s and (best is None or newest < best):
-                    best, self.low_source = newest, p
+            best, self.low_source = self._lowest(wall, idle_s)
             return best
         return low[0]
 
     def lowest(self, wall: float, idle_s: float) -> float:
         """:meth:`heard`'s low watermark at wall time ``wall`` without a new record: the
         partitions silent for ``idle_s`` no longer count (-inf when none is left)."""
-        best = None
+        best = self._lowest(wall, idle_s)[0]
+        return best if best is not None else -math.inf
+
+    def _lowest(self, wall: float, idle_s: float) -> tuple:
+        """``(newest, partition)`` of the partition heard from within ``idle_s`` that was
+        read the least far, ``(None, -1)`` when there is none."""
+        best, low = None, -1
         for p, (newest, heard) in self.sources.items():
             if wall - heard <= idle_s and (best is None or newest < best):
-                best, self.low_source = newest, p
-        return best if best is not None else -math.inf
+                best, low = newest, p
+        return best, low
 
     def now(self, wall: float) -> float:
         """The job's clock for ``advance``: its newest event time, moved on by the wall
