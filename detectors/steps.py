@@ -1,0 +1,161 @@
+"""Steps matched by number: a job's step summaries collected into one ``jobstep`` per step.
+
+The job side's :class:`~.stages.JobStage` feeds it every rank's ``step`` summary and every
+lifecycle; what it closes goes to the detectors that consume ``jobstep`` (or ``late``).
+"""
+from __future__ import annotations
+
+__all__ = ["StepAggregator"]
+
+
+class StepAggregator:
+    """Collects step summaries into ``jobstep`` items, one per step, in step order.
+
+    Steps are matched by number, not by arrival. A step closes when every expected rank
+    reported it (the world size from lifecycle ``start``, else the ranks seen so far), when
+    every rank of a complete roster reported it or went past it (a rank that skipped it), when
+    it is ``window`` steps behind the highest step seen, or ``window_s`` seconds of the job's
+    clock after its first record (:meth:`expire`). So a rank whose records come late (its
+    worker lags, its collector sends in bursts, one partition of a backlog is read before the
+    others) still counts toward its step while the step is inside that window. A record of a
+    step already closed is a restart when a lifecycle ``start`` came since; otherwise it is
+    late, counted in ``late``, and comes out alone as a ``jobstep`` with ``"late": True``, for
+    the one check that makes sense on one rank (a non-finite loss). A rank that stops
+    reporting steps while its peers go on (its telemetry lost) holds their steps open until
+    ``window_s`` or ``window``: it cannot be told from one that lags. Memory: the highest
+    step of each rank, and the open steps (at most ``window`` of them, while a rank lags).
+
+    >>> agg = StepAggregator(window=3)
+    >>> rec = lambda r, s: {"k": "step", "job": "j", "rank": r, "ts": float(s), "step": s}
+    >>> closed = [js for s in (1, 2) for r in (0, 1) for js in agg.add(rec(r, s))]
+    >>> [(js["step"], sorted(js["ranks"])) for js in closed]
+    [(1, [0, 1]), (2, [0, 1])]
+    >>> closed = [js for s in (3, 4, 5) for js in agg.add(rec(0, s))]    # rank 1 lags
+    >>> closed
+    []
+    >>> [(js["step"], sorted(js["ranks"])) for js in agg.add(rec(1, 3))]  # ... and counts
+    [(3, [0, 1])]
+    >>> [(js["step"], sorted(js["ranks"])) for js in agg.add(rec(0, 7))]  # 3 steps behind
+    [(4, [0])]
+    >>> [(js["step"], sorted(js["ranks"]), js.get("late")) for js in agg.add(rec(1, 4))]
+    [(4, [1], True)]
+    """
+
+    def __init__(self, window: int = 32, window_s: float = 5.0):
+        self.window = window
+        self.window_s = window_s
+        self._open: dict = {}        # step -> [first_ts, last_ts, {rank: summary}]
+        self._closed = -1            # a record of this step or older is late (or a restart)
+        self._ranks: set = set()
+        self._world = 0
+        self._first_step = {}        # rank -> first step it reported, to know the roster
+        self._stable = False         # some rank reported a second step: roster complete
+        self._restarted = False
+        self._tops: dict = {}        # rank -> the highest step it reported
+        self._low = None             # the lowest of those ...
+        self._at_low = 0             # ... and how many ranks are at it
+        self._high = -1              # the highest step any rank reported
+        self._base = 0               # the first step since the start (or a restart)
+        self.late = 0
+
+    def life(self, item) -> None:
+        if item.get("event") == "start":
+            if item.get("world_size") and item["world_size"] != self._world:
+                self._world = item["world_size"]
+                self._ranks = set()
+            self._restarted = True
+
+    def add(self, item) -> list[dict]:
+        step = item["step"]
+        if step <= self._closed:
+            if not self._restarted:
+                self.late += 1
+                late = self._jobstep(item["job"], step, item["ts"], item["ts"],
+                                     {item["rank"]: item})
+                late["late"] = True
+                return [late]
+            self._open.clear()
+            self._closed = step - 1
+            self._tops.clear()
+            self._low, self._at_low, self._high = None, 0, -1
+            self._first_step.clear()          # the roster is learned again
+            self._stable = False
+        self._restarted = False
+        rank = item["rank"]
+        if rank not in self._ranks:
+            self._ranks.add(rank)
+        if not self._stable:
+            first = self._first_step.setdefault(rank, step)
+            self._stable = step != first
+        self._raise_top(rank, step)
+        entry = self._open.get(step)
+        ts = item["ts"]
+        if entry is None:
+            entry = self._open[step] = [ts, ts, {}]
+        elif ts > entry[1]:
+            entry[1] = ts
+        entry[2][rank] = item
+        expected = self._world if self._world > len(self._ranks) else len(self._ranks)
+        complete = self._stable or self._world
+        if len(entry[2]) >= expected and complete:
+            return self._close_through(step)
+        last = self._high - self.window
+        if self._low is not None and self._low > last and self._roster():
+            last = self._low                  # every rank reported it or went past it
+        if last > self._closed:
+            out = self._close_through(last)
+            self._closed = last
+            return out
+        return []
+
+    def _roster(self) -> bool:
+        """Whether the ranks that reported are all the job has: the world size of lifecycle
+        ``start``, else the ranks seen once some rank reported a second step; or, a window
+        after the first step, those that came (a rank that never reports must not hold
+        every step open)."""
+        if self._high - self._base >= self.window:
+            return True
+        if self._world:
+            return len(self._tops) >= self._world
+        return self._stable and len(self._tops) >= len(self._ranks)
+
+    def _raise_top(self, rank, step) -> None:
+        if step > self._high:
+            self._high = step
+        tops = self._tops
+        top = tops.get(rank)
+        if top is not None and step <= top:
+            return
+        tops[rank] = step
+        low = self._low
+        if low is None:
+            self._base = step
+        if top is None:
+            if low is None or step < low:
+                self._low, self._at_low = step, 1
+            elif step == low:
+                self._at_low += 1
+        elif top == low:
+            self._at_low -= 1
+            if not self._at_low:       # the last rank at the lowest step moved on
+                self._low = min(tops.values())
+                self._at_low = sum(1 for t in tops.values() if t == self._low)
+
+    def expire(self, now: float) -> list[dict]:
+        if not self._open:
+            return []
+        old = [s for s, e in self._open.items() if now - e[0] >= self.window_s]
+        return self._close_through(max(old)) if old else []
+
+    def _jobstep(self, job, step, ts, first_ts, ranks) -> dict:
+        return {"k": "jobstep", "job": job, "step": step, "ts": ts, "first_ts": first_ts,
+                "world": max(self._world, len(self._ranks)), "ranks": ranks}
+
+    def _close_through(self, last: int) -> list[dict]:
+        out = []
+        for step in sorted(s for s in self._open if s <= last):
+            first_ts, last_ts, ranks = self._open.pop(step)
+            job = next(iter(ranks.values()))["job"]
+            out.append(self._jobstep(job, step, last_ts, first_ts, ranks))
+            self._closed = max(self._closed, step)
+        return out
