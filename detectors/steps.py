@@ -58,6 +58,11 @@ class StepAggregator:
         self._base = 0               # the first step since the start (or a restart)
         self.late = 0
 
+    @property
+    def world(self) -> int:
+        """The world size of the latest lifecycle ``start`` (0: none told it)."""
+        return self._world
+
     def life(self, item) -> None:
         if item.get("event") == "start":
             if item.get("world_size") and item["world_size"] != self._world:

@@ -273,6 +273,10 @@ class JobRuntime:
         m.set_gauge("held_records", sum(len(slot.held)
                                       for slot in self.processor.state.slots.values()))
         m.set_gauge("released_early_records", self.processor.released_early)
+        wall = self.clock()
+        m.set_gauge("behind_partitions", sum(
+            1 for at in self.processor.behind.values()
+            if wall - at <= self.processor.source_idle_s))
         m.counters["restore_failures"] = failures
         m.counters["evictions"] = evictions
         m.set_gauge("evicted_stages", evicted)

@@ -7,7 +7,10 @@ of telemetry, one JSON object ``{"v": 1, "job": J, "items": [[p, o, i, item], ..
 ``(p, o, i)`` says where it came from: telemetry partition ``p``, offset ``o``, ``i``-th
 output of that message. The job side applies an item only if ``(o, i)`` is past the
 highest mark it has applied for ``p`` (:class:`SourceMarks`), so items that a restarted
-rank side sends again are applied once.
+rank side sends again are applied once. An optional ``"reading": {"parts": [...],
+"behind": [...]}`` says which telemetry partitions the sender reads, and which of them
+still had records to read when it sent (:class:`Reading`): the job side keeps waiting for
+a partition that is behind even while it sends nothing (see ``JobProcessor.apply``).
 
 >>> event, reason = classify(b'{"v":1,"type":"xid","job":"j1","ts":5,"node":"n1",'
 ...                          b'"xid":79,"source":"kmsg","message":"fell off the bus"}')
@@ -18,6 +21,9 @@ rank side sends again are applied once.
 >>> parts = encode_summaries("j1", [(3, 17, 0, {"k": "step", "loss": "NaN"})])
 >>> decode_summaries(parts[0])
 ('j1', [[3, 17, 0, {'k': 'step', 'loss': 'NaN'}]])
+>>> read = encode_summaries("j1", [], reading=Reading(parts=(3, 4), behind=(4,), of=24))
+>>> parse_summaries(read[0])
+('j1', [], Reading(parts=(3, 4), behind=(4,), of=24))
 >>> trusted_event(ev.to_dict(event)) == event
 True
 >>> marks = SourceMarks()
@@ -28,13 +34,15 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from typing import NamedTuple
 
 import orjson
 
 from trainguard import events as ev
 
 __all__ = ["RANK_TYPES", "NODE_TYPES", "TELEMETRY_TYPES", "classify", "stage_key", "node_key",
-           "encode_summaries", "decode_summaries", "InvalidSummaries", "SourceMarks",
+           "encode_summaries", "decode_summaries", "parse_summaries", "Reading", "rank_partitions",
+           "InvalidSummaries", "SourceMarks",
            "EventTimeAligner", "trusted_event"]
 
 RANK_TYPES = frozenset(("step", "heartbeat", "lifecycle"))
@@ -87,31 +95,77 @@ class InvalidSummaries(ValueError):
     """A summaries message that this worker cannot read (another version, or garbage)."""
 
 
+#: a reading report lists at most this many partitions (a topic has far fewer)
+MAX_READING_PARTS = 10_000
+
+
+class Reading(NamedTuple):
+    """What a rank worker reads: its telemetry partitions (``parts``), those of them whose
+    records it had not all read yet when it sent (``behind``: a backlog, or records fetched
+    and held for their turn), and how many partitions the topic has (``of``, 0: unknown)."""
+
+    parts: tuple
+    behind: tuple
+    of: int = 0
+
+
 def encode_summaries(job: str, items: list, max_items: int = MAX_ITEMS,
-                     max_bytes: int = MAX_BYTES) -> list[bytes]:
-    """One job's items ``(p, o, i, item)`` as one or more summaries messages, in order.
+                     max_bytes: int = MAX_BYTES, reading: Reading | None = None) -> list[bytes]:
+    """One job's items ``(p, o, i, item)`` as one or more summaries messages, in order
+    (one message without items when there are none but a ``reading`` to tell).
 
     Items are plain JSON with non-finite numbers as the SPEC strings, as RankStage's
     summaries and validated events are (orjson would write a float NaN as ``null``).
     """
+    head = {"v": SUMMARIES_VERSION, "job": job}
+    if reading is not None:
+        head["reading"] = {"parts": list(reading.parts), "behind": list(reading.behind),
+                           "of": reading.of}
     out = []
-    for start in range(0, len(items), max_items):
-        _encode_chunk(job, items[start:start + max_items], max_bytes, out)
+    for start in range(0, len(items) or (reading is not None), max_items):
+        _encode_chunk(head, items[start:start + max_items], max_bytes, out)
     return out
 
 
-def _encode_chunk(job: str, chunk: list, max_bytes: int, out: list) -> None:
-    value = orjson.dumps({"v": SUMMARIES_VERSION, "job": job, "items": chunk})
-    if len(value) <= max_bytes or len(chunk) == 1:
+def _encode_chunk(head: dict, chunk: list, max_bytes: int, out: list) -> None:
+    value = orjson.dumps({**head, "items": chunk})
+    if len(value) <= max_bytes or len(chunk) <= 1:
         out.append(value)
         return
     half = len(chunk) // 2
-    _encode_chunk(job, chunk[:half], max_bytes, out)
-    _encode_chunk(job, chunk[half:], max_bytes, out)
+    _encode_chunk(head, chunk[:half], max_bytes, out)
+    _encode_chunk(head, chunk[half:], max_bytes, out)
+
+
+#: a job with this many ranks per partition has ranks on every partition (the chance that
+#: one has none is below partitions x e^-50); one with more than ``_HASHED_MOST`` ranks is
+#: taken to (hashing is bounded, whatever world size a lifecycle event claims)
+_EVERY_PARTITION = 50
+_HASHED_MOST = 4096
+
+
+def rank_partitions(job: str, world: int, partitions: int) -> frozenset:
+    """The telemetry partitions that carry ranks ``0 .. world - 1`` of ``job``, keyed
+    ``job/rank`` by the collectors and placed by the Java client's murmur2 partitioner.
+
+    >>> sorted(rank_partitions("j", 4, 24)), len(rank_partitions("big", 100_000, 24))
+    ([8, 14, 20, 21], 24)
+    """
+    if world >= _EVERY_PARTITION * partitions or world > _HASHED_MOST:
+        return frozenset(range(partitions))
+    from trainguard.detectors.parallel import murmur2
+
+    return frozenset((murmur2(f"{job}/{r}".encode()) & 0x7FFFFFFF) % partitions
+                     for r in range(world))
 
 
 def decode_summaries(value) -> tuple[str, list]:
     """``(job, [[p, o, i, item], ...])``; raises :class:`InvalidSummaries`."""
+    return parse_summaries(value)[:2]
+
+
+def parse_summaries(value) -> tuple[str, list, Reading | None]:
+    """``(job, [[p, o, i, item], ...], reading or None)``; raises :class:`InvalidSummaries`."""
     try:
         obj = orjson.loads(value)
         if obj.get("v") != SUMMARIES_VERSION:
@@ -127,7 +181,22 @@ def decode_summaries(value) -> tuple[str, list]:
     for it in items:
         if type(it) is not list or len(it) != 4 or type(it[3]) is not dict:
             raise InvalidSummaries("malformed summaries item")
-    return job, items
+    return job, items, _reading(obj.get("reading"))
+
+
+def _reading(obj) -> Reading | None:
+    if obj is None:
+        return None
+    parts = obj.get("parts") if type(obj) is dict else None
+    behind = obj.get("behind") if type(obj) is dict else None
+    of = obj.get("of", 0) if type(obj) is dict else None
+    if type(parts) is not list or type(behind) is not list or \
+            len(parts) > MAX_READING_PARTS or len(behind) > len(parts) or \
+            not all(type(p) is int and p >= 0 for p in parts) or \
+            not set(behind) <= set(parts) or type(of) is not int or \
+            not 0 <= of <= MAX_READING_PARTS:
+        raise InvalidSummaries("malformed reading report")
+    return Reading(parts=tuple(parts), behind=tuple(behind), of=of)
 
 
 def trusted_event(item: dict) -> ev.Event:

@@ -38,8 +38,8 @@ from trainguard.eventtime import EventTimeFilter
 from trainguard.deadletter import deadletter_record
 from trainguard.detectors.stages import launcher_summary, on_grid
 
-from .logic import (NODE_TYPES, InvalidSummaries, classify, decode_summaries, encode_summaries,
-                    node_key, stage_key, trusted_event)
+from .logic import (NODE_TYPES, InvalidSummaries, Reading, classify, encode_summaries,
+                    node_key, parse_summaries, rank_partitions, stage_key, trusted_event)
 from .snapshots import (STATE_VERSION, JobSlot, RankSlot, Slots, StateError, dump_state,
                         load_state, state_header, state_partition)
 
@@ -66,13 +66,15 @@ class RankOutput:
     replayed: int = 0
     errors: int = 0
     time_rejected: int = 0         # of invalid: an implausible ts or step
+    reading: Reading | None = None   # what the sender reads, told with every message
 
     def messages(self) -> list[tuple[bytes, bytes]]:
         """Summaries messages ``(key, value)``, keyed by job."""
         out = []
         for job, items in self.items.items():
             key = job.encode()
-            out += [(key, value) for value in encode_summaries(job, items)]
+            out += [(key, value) for value in encode_summaries(job, items,
+                                                               reading=self.reading)]
         return out
 
 
@@ -226,8 +228,18 @@ class JobProcessor(_SlotsProcessor):
         #: an item at most this far ahead of the slowest partition is not held
         self.hold_slack_s = hold_slack_s
         #: a partition holds the others back while it sent a rank's item this recently
-        #: (wall seconds); an item is held ``source_idle_s`` at most
+        #: (wall seconds), or while its rank worker said it is behind (``reading``); an item
+        #: is held ``source_idle_s`` at most
         self.hold_idle_s = hold_idle_s
+        #: telemetry partition -> wall time its rank worker last said it is behind, or
+        #: (``caught_up``) that it is not; shared by all jobs (a partition's backlog is every
+        #: job's in it); not in snapshots: the next messages tell it again
+        self.behind: dict = {}
+        self.caught_up: dict = {}
+        #: the telemetry topic's partition count, from the rank workers (0: not told)
+        self.telemetry_partitions = 0
+        self._first: dict = {}        # job -> wall time its first message came
+        self._expected: dict = {}     # job -> (world, partitions, the partitions of its ranks)
         self.released_early = 0
         #: a telemetry partition that sent nothing this long no longer holds the job's
         #: clock back (:meth:`JobSlot.heard`)
@@ -287,8 +299,19 @@ class JobProcessor(_SlotsProcessor):
         or stopped. The items of a partition more than ``hold_slack_s`` ahead wait, at most
         ``source_idle_s`` of wall time and ``max_held`` items per job (beyond, they go on,
         counted in ``released_early``: a machine's clock offset not learned yet, or learned
-        wrong, cannot hold a job back for long)."""
-        job, items = decode_summaries(value)
+        wrong, cannot hold a job back for long).
+
+        A partition whose rank worker said, with its last message, that records of it are
+        still to read (``reading``: a backlog) holds the others back also while it sends
+        nothing, within ``source_idle_s``: a worker that pauses for a few seconds in the
+        middle of a backlog (a snapshot, a collection, a rebalance) would otherwise let the
+        other workers' items of that time go first (Kafka Streams waits for an empty
+        partition in the same way only while it has lag, KIP-695)."""
+        job, items, reading = parse_summaries(value)
+        if reading is not None:
+            self._read(reading, now)
+        if job not in self._first:
+            self._first[job] = now
         slot = self._slot(job, partition, now)
         slot.touched = now
         self.state.dirty.add(job.encode())
@@ -323,14 +346,47 @@ class JobProcessor(_SlotsProcessor):
                     slot.low = low if low < limit else limit
             slot.held_seq += 1
             heapq.heappush(held, [ts, slot.held_seq, item, now])
-        return self._release(job, slot, now, self._hold_upto(slot, now))
+        return self._release(job, slot, now, self._hold_upto(job, slot, now))
 
-    def _hold_upto(self, slot, now: float) -> float:
+    def _read(self, reading, now: float) -> None:
+        behind, caught_up = self.behind, self.caught_up
+        for p in reading.parts:
+            behind.pop(p, None)
+            caught_up[p] = now
+        for p in reading.behind:
+            caught_up.pop(p, None)
+            behind[p] = now
+        if reading.of:
+            self.telemetry_partitions = reading.of
+
+    def _awaits_unheard(self, job: str, slot, now: float) -> bool:
+        """Whether a telemetry partition that carries ranks of ``job`` (by the collectors'
+        key ``job/rank``, the world size of its lifecycle ``start`` and the topic's partition
+        count) sent none of them yet while its rank worker has not said it read it to the
+        end: a worker that began reading a backlog later than the others. Within
+        ``source_idle_s`` of the job's first message only."""
+        count = self.telemetry_partitions
+        first = self._first.get(job)
+        if not count or first is None or now - first > self.source_idle_s:
+            return False
+        world = getattr(getattr(slot.stage, "steps", None), "world", 0)
+        if not world:
+            return False
+        known = self._expected.get(job)
+        if known is None or known[:2] != (world, count):
+            known = self._expected[job] = (world, count, rank_partitions(job, world, count))
+        sources, caught_up = slot.sources, self.caught_up
+        return any(p not in sources and p not in caught_up for p in known[2])
+
+    def _hold_upto(self, job: str, slot, now: float) -> float:
         """The job's time up to which held items go on: the slowest partition that carried
         a rank's item within ``hold_idle_s`` (a backlog read by two workers streams from
         every partition; live, a partition whose ranks stopped or send a heartbeat every
-        few seconds holds nothing back for long), plus ``hold_slack_s``."""
-        lowest = slot.lowest(now, self.hold_idle_s)
+        few seconds holds nothing back for long) or that its worker last said is behind,
+        plus ``hold_slack_s``."""
+        if self.telemetry_partitions and self._awaits_unheard(job, slot, now):
+            return -math.inf
+        lowest = slot.lowest(now, self.hold_idle_s, self.behind, self.source_idle_s)
         return math.inf if lowest == -math.inf else lowest + self.hold_slack_s
 
     def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
@@ -388,13 +444,18 @@ class JobProcessor(_SlotsProcessor):
 
     def advance(self, now: float) -> list[ev.Anomaly]:
         out = []
+        if len(self._first) > len(self.state.slots):
+            for job in [j for j in self._first if j.encode() not in self.state.slots]:
+                del self._first[job]
+                self._expected.pop(job, None)
         for key, slot in self.state.slots.items():
             if slot.held:            # a partition gone quiet, or held too long, no longer
                                      # holds the others
                 low = slot.lowest(now, self.source_idle_s)
                 if low > slot.low:
                     slot.low = min(low, now + FUTURE_SLACK_S)
-                found = self._release(key.decode(), slot, now, self._hold_upto(slot, now))
+                found = self._release(key.decode(), slot, now,
+                                      self._hold_upto(key.decode(), slot, now))
                 if found:
                     self.state.dirty.add(key)
                     out += found

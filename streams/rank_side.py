@@ -28,7 +28,7 @@ import uuid
 
 from mode import Service
 
-from trainguard.streams.logic import EventTimeAligner
+from trainguard.streams.logic import EventTimeAligner, Reading
 from trainguard.streams.processors import RankOutput, RankProcessor, state_partition
 from trainguard.streams.snapshots import StateError, snapshot_pause
 
@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 ACTIVE_S = 0.3
 #: event-time lead over the other partitions at which a partition is paused
 AHEAD_S = 2.0
+#: a job told that a partition is behind hears that it no longer is within this (wall s)
+TELL_EVERY_S = 1.0
 
 
 class RankService(Service):
@@ -67,6 +69,9 @@ class RankService(Service):
         self.reassigned: set = set()    # assigned since the last batch, to resume
         self.aligner = EventTimeAligner(max_hold_s=settings.align_hold_s)
         self._committed: dict = {}
+        self._told: dict = {}           # job -> (partitions told behind, wall time)
+        self._partitions = 0            # the telemetry topic's partition count, once known
+        self._count_again = 0.0         # ... and when to ask the broker for it again
         self._failed = 0
         self._retry: list = []          # (topic, value, key, partition) whose delivery failed
         self._stopping = False
@@ -199,7 +204,47 @@ class RankService(Service):
                     positions[rec[0]] = rec[1] + 1
         if len(self.aligner) or self.paused:
             self._flow_control()
+        if out.items or self._told:
+            self._tell_reading(out)
         self._account(out)
+
+    def _tell_reading(self, out: RankOutput) -> None:
+        """Say with each job's summaries which partitions this worker reads and which of
+        them it is behind on (see ``JobProcessor.apply``); a job told that a partition was
+        behind hears, with no items if need be, once it no longer is."""
+        from confluent_kafka import TopicPartition
+
+        parts = sorted(self.assignment)
+        behind = []
+        topic, fetched, aligner = self.topics.telemetry, self.fetched, self.aligner
+        for p in parts:
+            if aligner.newest(p) is not None:
+                behind.append(p)               # fetched, held for its turn
+                continue
+            tp = TopicPartition(topic, p)
+            try:
+                low, high = self.consumer.get_watermark_offsets(tp, cached=True)
+                at = fetched.get(p)
+                if at is None:                 # nothing fetched yet: where it will start
+                    at = self.consumer.position([tp])[0].offset
+                    at = low if at < 0 else at
+            except Exception:
+                continue
+            if high > at:
+                behind.append(p)               # the broker holds more of it
+        out.reading = Reading(parts=tuple(parts), behind=tuple(behind),
+                              of=self._partition_count())
+        now, now_behind, told = self.clock(), set(behind), self._told
+        for job, (was, at) in list(told.items()):
+            # at most once a second: within a second of its last word a job still waits
+            # for the partitions that sent to it anyway
+            if job not in out.items and not was <= now_behind and now - at >= TELL_EVERY_S:
+                out.items[job] = []            # tell it that it may stop waiting
+        for job in out.items:
+            if now_behind:
+                told[job] = (now_behind, now)
+            else:
+                told.pop(job, None)
 
     def _flow_control(self) -> None:
         """Pause partitions whose held records run ``AHEAD_S`` past the others, so that
@@ -252,6 +297,19 @@ class RankService(Service):
             if high < 0 or high > fetched.get(p, 0):
                 blocked.add(p)
         return blocked
+
+    def _partition_count(self) -> int:
+        """The telemetry topic's partitions (0 while not known)."""
+        known = self._partitions
+        if (not known or max(self.assignment, default=-1) >= known) and \
+                self.clock() >= self._count_again:
+            self._count_again = self.clock() + 30.0     # a broker that does not answer
+            try:
+                meta = self.consumer.list_topics(self.topics.telemetry, timeout=1.0)
+                self._partitions = len(meta.topics[self.topics.telemetry].partitions)
+            except Exception:
+                pass
+        return self._partitions
 
     def _account(self, out: RankOutput) -> None:
         m = self.metrics

@@ -44,7 +44,7 @@ COMPRESS_ABOVE = 128
 MAX_STATE_BYTES = 64 * 1024 * 1024
 #: the stages' layout; raise it when what a stage keeps changes meaning without changing
 #: its attribute names (a new attribute changes the layout digest by itself)
-STATE_VERSION = 16
+STATE_VERSION = 17
 
 
 # -- the slots: a stage and where its input came from (what a snapshot holds) --------------
@@ -122,18 +122,33 @@ class JobSlot:
             return best
         return low[0]
 
-    def lowest(self, wall: float, idle_s: float) -> float:
+    def lowest(self, wall: float, idle_s: float, behind: dict | None = None,
+               behind_s: float = 0.0) -> float:
         """:meth:`heard`'s low watermark at wall time ``wall`` without a new record: the
-        partitions silent for ``idle_s`` no longer count (-inf when none is left)."""
-        best = self._lowest(wall, idle_s)[0]
+        partitions silent for ``idle_s`` no longer count (-inf when none is left), unless
+        ``behind`` (partition -> wall time its reader said it is behind) has them within
+        ``behind_s`` and they were heard from within ``behind_s``.
+
+        >>> slot = JobSlot(stage=None, partition=0)
+        >>> slot.heard(0, 100.0, wall=1.0, idle_s=2.0), slot.heard(1, 130.0, wall=4.0, idle_s=2.0)
+        (100.0, 130.0)
+        >>> slot.lowest(4.0, 2.0), slot.lowest(4.0, 2.0, {0: 1.0}, 10.0)
+        (130.0, 100.0)
+        """
+        best = self._lowest(wall, idle_s, behind, behind_s)[0]
         return best if best is not None else -math.inf
 
-    def _lowest(self, wall: float, idle_s: float) -> tuple:
-        """``(newest, partition)`` of the partition heard from within ``idle_s`` that was
-        read the least far, ``(None, -1)`` when there is none."""
+    def _lowest(self, wall: float, idle_s: float, behind: dict | None = None,
+                behind_s: float = 0.0) -> tuple:
+        """``(newest, partition)`` of the partition heard from within ``idle_s`` (see
+        :meth:`lowest` for ``behind``) that was read the least far, ``(None, -1)`` when
+        there is none."""
         best, low = None, -1
         for p, (newest, heard) in self.sources.items():
-            if wall - heard <= idle_s and (best is None or newest < best):
+            quiet = wall - heard
+            if (quiet <= idle_s or (behind and quiet <= behind_s and p in behind
+                                    and wall - behind[p] <= behind_s)) \
+                    and (best is None or newest < best):
                 best, low = newest, p
         return best, low
 
@@ -142,10 +157,14 @@ class JobSlot:
         time since then. Live, that is the wall clock less the pipeline's delay (and any
         skew of the senders' clocks); while a backlog is read it is the backlog's own time,
         so no hang is found in data that is merely late; when the job sends nothing at all
-        it runs on with the wall clock, so a job that went quiet is still found."""
+        it runs on with the wall clock, so a job that went quiet is still found, but never
+        past the first item held for a partition read behind (:meth:`JobProcessor.apply`):
+        that job is not quiet, its worker is."""
         if self.watermark == -math.inf:
             return wall
         t = self.watermark + max(0.0, wall - self.applied_at)
+        if self.held and self.held[0][0] < t:
+            t = self.held[0][0]       # not past an item that waits for a partition behind
         if t > self.clock:
             self.clock = t
         return self.clock

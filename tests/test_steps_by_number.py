@@ -11,6 +11,7 @@ the window are counted (``late``) and still checked for NaN.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import pytest
@@ -20,7 +21,7 @@ from scenarios import Fault, Scenario, generate
 from trainguard.detectors import DetectorsConfig, JobStage, RankStage
 from trainguard.detectors.stages import launcher_summary
 from trainguard.detectors.offline import analyze_events
-from trainguard.streams.logic import encode_summaries
+from trainguard.streams.logic import Reading, encode_summaries
 from trainguard.streams.processors import JobProcessor
 
 STEP_TIME = 0.5
@@ -35,11 +36,15 @@ def partition_of(node: str) -> int:
     return int(node[1:]) % 2          # n2 and n4 on partition 0, n1 and n3 on partition 1
 
 
-def online(events, delay_s, clock_offsets=None, **job_side) -> tuple[list, JobProcessor]:
+def online(events, delay_s, clock_offsets=None, reading=False, partition=None, of=0,
+           **job_side) -> tuple[list, JobProcessor]:
     """The anomalies ``(kind, ranks, step)`` of the job side fed the rank side's summaries
     of ``events``, each arriving ``delay_s(event)`` after it happened (``clock_offsets``:
     how far each machine's stamps are off), with the worker's one-second wall-clock timer;
-    and the processor."""
+    and the processor. ``reading``: each partition has a rank worker of its own, which
+    says with each message whether more of its partition was written than it read.
+    ``partition(event)``: its telemetry partition (default: its machine's, ``partition_of``),
+    and ``of`` the topic's partition count, told with the reading."""
     offsets = clock_offsets or {}
     config = DetectorsConfig()
     ranks: dict = {}
@@ -53,24 +58,44 @@ def online(events, delay_s, clock_offsets=None, **job_side) -> tuple[list, JobPr
             items = ranks.setdefault(e.rank, RankStage(config)).update(e)
         for item in items:
             happened = e.ts - offsets.get(e.node, 0.0)
-            arrivals.append((happened + delay_s(e, happened), seq, partition_of(e.node), item))
+            p = partition_of(e.node) if partition is None else partition(e)
+            arrivals.append((happened + delay_s(e, happened), seq, p, item, happened))
     arrivals.sort(key=lambda a: (a[0], a[1]))
     jobs = JobProcessor(lambda: JobStage(config), **job_side)
     sent: dict = defaultdict(int)
+    written = _written_later(arrivals) if reading else {}
     found = []
     tick = arrivals[0][0]
-    for wall, _, p, item in arrivals:
+    for wall, _, p, item, _ in arrivals:
         while tick <= wall:
             found += jobs.advance(tick)
             tick += 1.0
         sent[p] += 1
-        for value in encode_summaries("j", [(p, sent[p], 0, item)]):
+        said = None
+        if reading:
+            behind = written[p][sent[p]] <= wall     # written by now, not read yet
+            said = Reading(parts=(p,), behind=(p,) if behind else (), of=of)
+        for value in encode_summaries("j", [(p, sent[p], 0, item)], reading=said):
             found += jobs.apply(value, 0, wall)
     for _ in range(120):                 # the job ended: its time-driven checks go on
         found += jobs.advance(tick)
         tick += 1.0
     return sorted({(a.kind, tuple(a.ranks), a.step) for a in found if a.TYPE == "anomaly"},
                   key=str), jobs
+
+
+def _written_later(arrivals) -> dict:
+    """partition -> [when the earliest of its items from the i-th on was written]."""
+    happened: dict = defaultdict(list)
+    for _, _, p, _, written in arrivals:
+        happened[p].append(written)
+    out = {}
+    for p, times in happened.items():
+        later = [math.inf] * (len(times) + 1)
+        for i in range(len(times) - 1, -1, -1):
+            later[i] = min(times[i], later[i + 1])
+        out[p] = later
+    return out
 
 
 def offline(events) -> list:
@@ -222,9 +247,9 @@ def test_a_lost_machine_on_a_partition_read_behind_is_still_named_alone():
     assert {kind for kind, _, _ in found} <= {"silent", "hang"}, found
 
 
-def test_the_job_side_applies_items_in_time_order_up_to_the_slowest_partition():
-    """Two rank workers, one ahead of the other: what the one ahead sends waits until the
-    other reached its time (or went quiet for ``hold_idle_s``), and goes in time order."""
+def recording_job_side() -> tuple:
+    """A job side that records ``(rank, ts)`` of each item it applies, and ``send(p, offset,
+    times, wall, reading=None)``: heartbeats at ``times`` of rank ``p``, on partition ``p``."""
     applied = []
 
     class Stage(JobStage):
@@ -234,23 +259,125 @@ def test_the_job_side_applies_items_in_time_order_up_to_the_slowest_partition():
 
     jobs = JobProcessor(Stage, advance_every_s=None)
 
-    def send(p, offset, rank, times, wall):
-        items = [(p, offset + n, 0, {"k": "hb", "job": "j", "rank": rank, "node": f"n{rank}",
+    def send(p, offset, times, wall, reading=None):
+        items = [(p, offset + n, 0, {"k": "hb", "job": "j", "rank": p, "node": f"n{p}",
                                      "ts": t, "step": 1, "phase": "forward",
                                      "phase_since": 99.0}) for n, t in enumerate(times)]
-        for value in encode_summaries("j", items):
+        for value in encode_summaries("j", items, reading=reading):
             jobs.apply(value, 0, wall)
 
-    send(0, 0, 0, [100.0], wall=1.0)
-    send(1, 0, 1, [100.0, 104.0, 108.0], wall=1.0)      # partition 1 runs ahead
+    return jobs, applied, send
+
+
+def test_the_job_side_applies_items_in_time_order_up_to_the_slowest_partition():
+    """Two rank workers, one ahead of the other: what the one ahead sends waits until the
+    other reached its time (or went quiet for ``hold_idle_s``), and goes in time order."""
+    jobs, applied, send = recording_job_side()
+    send(0, 0, [100.0], wall=1.0)
+    send(1, 0, [100.0, 104.0, 108.0], wall=1.0)         # partition 1 runs ahead
     assert applied == [(0, 100.0), (1, 100.0)]
-    send(0, 1, 0, [103.0, 106.0], wall=2.0)             # partition 0 catches up
+    send(0, 1, [103.0, 106.0], wall=2.0)                # partition 0 catches up
     assert applied[2:] == [(0, 103.0), (1, 104.0), (0, 106.0)]
-    send(1, 3, 1, [112.0], wall=3.0)                     # partition 0 stays quiet ...
+    send(1, 3, [112.0], wall=3.0)                        # partition 0 stays quiet ...
     assert applied[5:] == []
     jobs.advance(4.5)                                    # ... for longer than hold_idle_s
     assert applied[5:] == [(1, 108.0), (1, 112.0)]
     assert jobs.state.slots[b"j"].held == []
+
+
+def test_a_partition_its_worker_said_is_behind_holds_the_others_while_quiet():
+    """A rank worker says with each message which of its partitions still have records to
+    read: one that is behind holds the others back while it sends nothing (a worker paused
+    in a backlog), within ``source_idle_s``; once caught up, as before (``hold_idle_s``)."""
+    jobs, applied, sent = recording_job_side()
+
+    def send(p, offset, times, wall, behind):
+        sent(p, offset, times, wall, Reading(parts=(p,), behind=(p,) if behind else ()))
+
+    send(0, 0, [100.0], wall=100.0, behind=True)
+    send(1, 0, [100.0, 104.0, 108.0], wall=100.0, behind=False)
+    assert applied == [(0, 100.0), (1, 100.0)]
+    jobs.advance(108.0)                   # partition 0 quiet for 8 s, but behind: it waits
+    assert applied[2:] == []
+    assert jobs.state.slots[b"j"].now(108.0) == 104.0   # the job's clock waits at 104 too
+    send(0, 1, [], wall=109.0, behind=False)            # caught up: nothing more of it
+    assert applied[2:] == [(1, 104.0), (1, 108.0)]
+    send(0, 1, [], wall=109.5, behind=True)             # behind again, and quiet ...
+    send(1, 3, [120.0], wall=109.5, behind=False)
+    jobs.advance(110.0)                                 # ... for source_idle_s (10 s)
+    assert applied[4:] == []
+    jobs.advance(110.5)                                 # ... and more: on it goes
+    assert applied[4:] == [(1, 120.0)]
+
+
+def backlog(pause_s: float = 0.0, at_s: float = 0.0, speed: float = 100.0):
+    """A recording read ``speed`` times faster than it was written, starting a minute after
+    it ended, by two rank workers (one per partition); the second pauses ``pause_s`` of wall
+    time when it reached ``at_s`` of the job (a snapshot, a collection, a rebalance)."""
+    first = []
+
+    def delay(e, happened):
+        if not first:
+            first.append(happened)
+        arrival = LAST_WRITTEN + (happened - first[0]) / speed
+        paused = LAST_WRITTEN + at_s / speed
+        if partition_of(e.node) == 1 and paused <= arrival < paused + pause_s:
+            arrival = paused + pause_s
+        return arrival - happened
+    return delay
+
+
+LAST_WRITTEN = 2.0e9
+
+
+@pytest.mark.parametrize("pause_s", [4.0, 8.0])
+def test_a_rank_worker_that_pauses_in_a_backlog_lets_nothing_go_first(pause_s):
+    """Issue 21's four faults in a 256-rank job, read as a backlog by two rank workers, one of
+    which pauses for seconds around the restart: the same anomalies as without the pause.
+    Before the workers said which partitions they were behind on, the other worker's items
+    went on after 2 s (``hold_idle_s``): its ranks' exits of our restart came before the
+    launcher's word of it: a false critical crash naming many healthy ranks (a restart and
+    an eviction) and a false "stopped from outside"."""
+    from scenario_library import large_job
+
+    events, _ = generate(large_job(8))
+    in_order, _ = online(events, backlog(), reading=True)
+    assert {kind for kind, _, _ in in_order} == {"straggler", "hang", "silent", "nan"}
+    paused = backlog(pause_s, at_s=61.0)
+    assert online(events, paused, reading=True)[0] == in_order
+    unsaid, _ = online(events, paused)
+    assert [r for kind, r, _ in unsaid if kind == "crash"], unsaid
+
+
+def by_rank(e) -> int:
+    """The telemetry partition of 24 that the collectors' key puts ``e`` on."""
+    from trainguard.detectors.parallel import event_key, murmur2
+
+    return (murmur2(event_key(e) or e.job.encode()) & 0x7FFFFFFF) % 24
+
+
+@pytest.mark.parametrize("late_s", [3.0, 8.0])
+def test_a_rank_worker_that_starts_late_on_a_backlog_lets_nothing_go_first(late_s):
+    """The same job's backlog, its ranks spread over 24 partitions by their key: the workers
+    of the odd partitions start ``late_s`` of wall time after the others (300 to 800 s of
+    the job). The job side knows from the world size and the topic's partition count which
+    partitions carry the job's ranks, and waits for those not heard of yet (within
+    ``source_idle_s``), unless their worker said it read them to the end. Before, nothing
+    waited for a partition not heard of: the false crashes again, and a lost machine named
+    without two of its ranks."""
+    from scenario_library import large_job
+
+    events, _ = generate(large_job(8))
+    first = events[0].ts
+
+    def late(e, happened):
+        arrival = LAST_WRITTEN + (happened - first) / 100 + (late_s if by_rank(e) % 2 else 0)
+        return arrival - happened
+
+    in_order, _ = online(events, backlog(), reading=True, partition=by_rank, of=24)
+    assert online(events, late, reading=True, partition=by_rank, of=24)[0] == in_order
+    unknown, _ = online(events, late, reading=True, partition=by_rank)     # no "of"
+    assert [r for kind, r, _ in unknown if kind == "crash"], unknown
 
 
 RESTARTING = [sc for sc in HEALTHY if sc.name.startswith(("resume-", "own-restart-", "mixed-"))]

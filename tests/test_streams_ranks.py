@@ -197,6 +197,38 @@ def test_a_backlog_handed_over_partition_by_partition_comes_out_in_step_order():
     assert svc.aligner.stalls == 0
 
 
+def test_summaries_say_which_partitions_the_worker_is_behind_on():
+    """Each summaries message says which partitions this worker reads and which of them it
+    has not read to the end (the job side waits for those while they are quiet); a job told
+    that a partition was behind hears, without items if need be, once it is not (at most
+    once a second)."""
+    from trainguard.streams.logic import Reading, parse_summaries
+    from trainguard.streams.processors import RankOutput
+
+    broker, now = Broker(), [0.0]
+    for p, records in ((0, 5), (1, 4)):
+        for n in range(records):
+            broker.append(TOPICS.telemetry, p, b"k/0", b"{}")
+    svc = _service(broker, now)
+    svc.consumer.consume(1, 0)                      # assigned the four partitions
+    svc.fetched = {0: 5, 1: 3}                      # partitions 2 and 3 not read yet
+    out = RankOutput(items={"k": [(1, 2, 0, {"k": "hb", "job": "k", "rank": 0})]})
+    svc._tell_reading(out)
+    assert out.reading == Reading(parts=(0, 1, 2, 3), behind=(1,))
+    assert parse_summaries(out.messages()[0][1])[2] == out.reading
+    svc.fetched[1] = 4                              # caught up on partition 1
+    now[0] += 0.5
+    soon = RankOutput()
+    svc._tell_reading(soon)
+    assert soon.items == {}                         # told 0.5 s ago: it still waits anyway
+    now[0] += 0.6
+    later = RankOutput()
+    svc._tell_reading(later)
+    assert later.items == {"k": []} and later.reading.behind == ()
+    assert [parse_summaries(v)[1:] for _, v in later.messages()] == [([], later.reading)]
+    assert svc._told == {}
+
+
 def test_checkpoint_commits_what_was_applied_and_a_restart_skips_it():
     broker, now = Broker(), [0.0]
     _load(broker, steps=200)

@@ -109,7 +109,11 @@ WORKER_GAUGES = {
     "held_records": "Summary items held until the slowest telemetry partition of their job "
                   "reaches their time (a rank worker read behind another).",
     "released_early_records": "Held items applied before the slowest partition reached them: "
-                            "more than max_held were held for one job.",
+                            "more than max_held were held for one job, or one waited "
+                            "source_idle_s.",
+    "behind_partitions": "Telemetry partitions whose rank worker last said (within "
+                         "source_idle_s) that it has not read them to the end; the job side "
+                         "waits for them while they send nothing.",
 }
 WORKER_LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                       10.0, 30.0, 60.0, 300.0)
