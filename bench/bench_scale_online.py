@@ -18,7 +18,10 @@ started and owning their partitions first), the bench measures:
   (tests/scenario_scoring.py): found, localized exactly, its latency;
 - ``false_incidents``: the incidents that match no fault;
 - ``same_as_offline``: whether the incidents' kinds and ranks are those of
-  ``trainguard analyze`` on the same recording (``offline``).
+  ``trainguard analyze`` on the same recording (``offline``);
+- ``job_side``: the workers' job-side gauges at the end (summed): step records that came
+  after their step closed (``late_step_records``), items still held, items released
+  before the partition they waited for reached them, partitions said to be behind.
 
 Uses ``$TRAINGUARD_BOOTSTRAP`` or starts its own broker; ``TG_SCALE_ONLINE_RANKS`` (default
 4,096, a multiple of 32) for another size. ``python bench/run.py scale_online --json``.
@@ -117,13 +120,19 @@ def one_run(bootstrap: str, workers: int, msgs: list, rec: dict, offline: list) 
         cpu = [w.cpu_s() - c for w, c in zip(running, cpu)]
         time.sleep(SETTLE_S)
         found = incidents(config)
+        seen = [w.metrics() for w in running]
     finally:
         for w in running:
             w.stop()
     out = {"workers": workers, "events": len(msgs),
            "events_per_s": int(len(msgs) / (done - began)),
            "events_per_worker_cpu_s": int(len(msgs) / sum(cpu)),
-           "worker_cpu_s": [round(c, 1) for c in cpu], **_scored(found, rec)}
+           "worker_cpu_s": [round(c, 1) for c in cpu], **_scored(found, rec),
+           # the job side: step records that came after their step closed, items held for
+           # a partition behind, and those that went on before it reached them
+           "job_side": {name: int(sum(m.get(f"trainguard_{name}", 0) for m in seen))
+                        for name in ("late_step_records", "held_records",
+                                     "released_early_records", "behind_partitions")}}
     out["same_as_offline"] = _identity(found) == _identity(offline)
     if not out["same_as_offline"]:
         out["incidents"] = [(i["kind"], i["ranks"][:8], i["summary"][:160]) for i in found]

@@ -166,10 +166,14 @@ def _wait_ready(workers, config, partitions: int) -> None:
     tel = f'trainguard_assigned_partitions{{topic="{config.topics.telemetry}"}}'
     while time.monotonic() < deadline:
         got = [w.metrics() for w in workers]
-        summ = sum(v for m in got for k, v in m.items()
-                   if k.startswith("trainguard_assigned_partitions") and "summaries" in k)
+        summ = [sum(v for k, v in m.items()
+                    if k.startswith("trainguard_assigned_partitions") and "summaries" in k)
+                for m in got]
+        # every worker owns partitions of both sides: one that joined the summaries group
+        # late would take half the jobs over in the middle of the run
         if all(m.get(tel, 0) > 0 for m in got) and sum(m.get(tel, 0) for m in got) == \
-                partitions and summ == partitions:
+                partitions and sum(summ) == partitions and \
+                sum(1 for n in summ if n) == min(len(workers), partitions):
             return
         time.sleep(0.5)
     raise RuntimeError("workers did not get their partitions")

@@ -239,6 +239,7 @@ class JobProcessor(_SlotsProcessor):
         #: the telemetry topic's partition count, from the rank workers (0: not told)
         self.telemetry_partitions = 0
         self._first: dict = {}        # job -> wall time its first message came
+        self._worlds: dict = {}       # job -> world size of the latest start received
         self._expected: dict = {}     # job -> (world, partitions, the partitions of its ranks)
         self.released_early = 0
         #: a telemetry partition that sent nothing this long no longer holds the job's
@@ -331,6 +332,10 @@ class JobProcessor(_SlotsProcessor):
                     clock.correct(item)       # learns, and restamps it in place
                 ts = item.get("ts")
                 ranked = item.get("rank") is not None and item.get("k") in _RANK_KINDS
+                if ranked and item.get("event") == "start":
+                    world = item.get("world_size")
+                    if type(world) is int and world > 0:
+                        self._worlds[job] = world     # before it is applied: see below
             else:
                 ts = item.ts if clock is None else clock.time(item.node, item.ts)
                 ranked = False
@@ -369,7 +374,9 @@ class JobProcessor(_SlotsProcessor):
         first = self._first.get(job)
         if not count or first is None or now - first > self.source_idle_s:
             return False
-        world = getattr(getattr(slot.stage, "steps", None), "world", 0)
+        # the starts received, held or not: a worker's first message may hold seconds of
+        # its ranks' steps, which must wait for the other partitions' ranks
+        world = self._worlds.get(job) or getattr(getattr(slot.stage, "steps", None), "world", 0)
         if not world:
             return False
         known = self._expected.get(job)
@@ -448,6 +455,7 @@ class JobProcessor(_SlotsProcessor):
             for job in [j for j in self._first if j.encode() not in self.state.slots]:
                 del self._first[job]
                 self._expected.pop(job, None)
+                self._worlds.pop(job, None)
         for key, slot in self.state.slots.items():
             if slot.held:            # a partition gone quiet, or held too long, no longer
                                      # holds the others

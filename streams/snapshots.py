@@ -160,8 +160,9 @@ class JobSlot:
         it runs on with the wall clock, so a job that went quiet is still found, but never
         past the first item held for a partition read behind (:meth:`JobProcessor.apply`):
         that job is not quiet, its worker is."""
-        if self.watermark == -math.inf:
-            return wall
+        if self.watermark == -math.inf:       # nothing applied yet
+            first = self.held[0][0] if self.held else wall
+            return first if -math.inf < first < wall else wall
         t = self.watermark + max(0.0, wall - self.applied_at)
         if self.held and self.held[0][0] < t:
             t = self.held[0][0]       # not past an item that waits for a partition behind
