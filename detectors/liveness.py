@@ -109,10 +109,10 @@ class SilentDetector(UsesView, Detector):
             self._gpu_seen[node] = ts
 
     def advance(self, now: float) -> list[Finding]:
-        if self._next is not None and now < self._next:
-            return []
-        self._next = now + min(1.0, self.timeout_s / 10)
         at = self.view.judged(now)       # a rank still on its way is not missing
+        if self._next is not None and at < self._next:
+            return []
+        self._next = at + min(1.0, self.timeout_s / 10)
         limit = at - self.timeout_s
         quiet, pending, alive = [], set(), False
         for rank, ts in self._heard.items():
@@ -135,10 +135,12 @@ class SilentDetector(UsesView, Detector):
             if node is not None and at - oldest < self.timeout_s * 1.5 and any(
                     self.view.where.get(r) == node for r in pending):
                 continue   # more ranks of this machine are going quiet: wait for them
-            findings.append(self._finding(node, ranks, now, at))
+            findings.append(self._finding(node, ranks, at))
         return findings
 
-    def _finding(self, node, ranks, now, at) -> Finding:
+    def _finding(self, node, ranks, at) -> Finding:
+        """Stamped ``at``, the time up to which every source was heard: the moment the
+        evidence sufficed, the same online (a partition read behind) as in ``analyze``."""
         node_ranks = [r for r, n in self.view.where.items() if n == node and r not in self._exited]
         all_quiet = node is not None and all(
             r in ranks or r in self._reported for r in node_ranks)
@@ -149,13 +151,13 @@ class SilentDetector(UsesView, Detector):
         if machine:
             ranks = sorted(node_ranks)
             summary = (f"machine {node} went silent: its {len(ranks)} rank(s) and its GPU samples "
-                       f"stopped {now - onset:.0f}s ago while the rest of the job goes on")
+                       f"stopped {at - onset:.0f}s ago while the rest of the job goes on")
         else:
             summary = (f"{fmt_ranks(ranks)}{' on ' + node if node else ''} stopped sending "
-                       f"{now - onset:.0f}s ago while the rest of the job goes on")
+                       f"{at - onset:.0f}s ago while the rest of the job goes on")
         return Finding(kind="silent", severity="critical", ranks=sorted(ranks),
                        nodes=[node] if machine else [], step=None, onset_ts=onset,
-                       detected_ts=now, detector=self.PREFIX, summary=summary,
+                       detected_ts=at, detector=self.PREFIX, summary=summary,
                        evidence={"last_seen": {str(r): self.view.last_seen[r] for r in sorted(ranks)},
                                  "gpu_last_seen": gpu, "machine": machine,
                                  "rank_nodes": rank_nodes(ranks, self.view.where)})
@@ -314,17 +316,18 @@ class CrashDetector(UsesView, Detector):
     def advance(self, now: float) -> list[Finding]:
         answered = self._answered
         at = self.view.judged(now)      # exits and the restart's word still on their way
-        found = self._decide_answered(now) if answered is not None and at >= max(
+        # decided (and stamped) at ``at``: the same time online as in ``analyze``
+        found = self._decide_answered(at) if answered is not None and at >= max(
             answered["answered"], answered["last"]) + self.grace_s else []
-        return found + self._advance_wave(now, at)
+        return found + self._advance_wave(at)
 
-    def _advance_wave(self, now: float, at: float) -> list[Finding]:
+    def _advance_wave(self, at: float) -> list[Finding]:
         wave = self._wave
         if wave is None or wave["decided"] or at < wave["last"] + self.grace_s:
             return []
         if not wave["torn"] and at < wave["start"] + self.vanish_s:
             return []     # failures alone: a peer hung in the collective is heard again first
-        return self._decide(now)
+        return self._decide(at)
 
     def finish(self, now: float) -> list[Finding]:
         """The input ended: decide a tear-down still within its grace period."""

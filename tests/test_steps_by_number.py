@@ -269,6 +269,24 @@ def recording_job_side() -> tuple:
     return jobs, applied, send
 
 
+@pytest.mark.parametrize("node", ["n2", "n1"])      # on the partition behind, or not
+def test_a_silence_judged_behind_a_partition_is_stamped_as_analyze_stamps_it(node):
+    """The silent detector judges absence up to the time every partition was heard (a
+    partition read behind still brings its ranks' records); its finding is stamped at that
+    time, so online it carries the detection time ``analyze`` gives, within the second at
+    which the detector looks (before, the newest time: 3.5 and 4.5 s later here, 3 s later
+    through the broker with two workers)."""
+    events, _ = generate(shape(Fault(kind="machine", step=150, node=node)))
+
+    def stamps(jobs):
+        return [i["detected_ts"] for i in jobs.state.slots[b"j"].stage.incidents()
+                if i["kind"] == "silent"]
+
+    [in_order] = stamps(online(events, lambda e, happened: 0.0)[1])
+    [lagged] = stamps(online(events, lagging_partition(10))[1])
+    assert abs(lagged - in_order) <= 1.0     # the detector looks once a second
+
+
 def test_the_job_side_applies_items_in_time_order_up_to_the_slowest_partition():
     """Two rank workers, one ahead of the other: what the one ahead sends waits until the
     other reached its time (or went quiet for ``hold_idle_s``), and goes in time order."""
