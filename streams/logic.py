@@ -8,9 +8,11 @@ of telemetry, one JSON object ``{"v": 1, "job": J, "items": [[p, o, i, item], ..
 output of that message. The job side applies an item only if ``(o, i)`` is past the
 highest mark it has applied for ``p`` (:class:`SourceMarks`), so items that a restarted
 rank side sends again are applied once. An optional ``"reading": {"parts": [...],
-"behind": [...]}`` says which telemetry partitions the sender reads, and which of them
-still had records to read when it sent (:class:`Reading`): the job side keeps waiting for
-a partition that is behind even while it sends nothing (see ``JobProcessor.apply``).
+"behind": [...], "of": N}`` says which telemetry partitions the sender reads, which of
+them still had records to read when it sent, and how many the topic has (:class:`Reading`):
+the job side keeps waiting for a partition that is behind even while it sends nothing
+(see ``JobProcessor.apply``). A message whose reading is malformed is refused whole, as
+one with a malformed item is.
 
 >>> event, reason = classify(b'{"v":1,"type":"xid","job":"j1","ts":5,"node":"n1",'
 ...                          b'"xid":79,"source":"kmsg","message":"fell off the bus"}')
@@ -41,9 +43,9 @@ import orjson
 from trainguard import events as ev
 
 __all__ = ["RANK_TYPES", "NODE_TYPES", "TELEMETRY_TYPES", "classify", "stage_key", "node_key",
-           "encode_summaries", "decode_summaries", "parse_summaries", "Reading", "rank_partitions",
-           "InvalidSummaries", "SourceMarks",
-           "EventTimeAligner", "trusted_event"]
+           "encode_summaries", "decode_summaries", "parse_summaries", "Reading",
+           "rank_partitions", "InvalidSummaries", "SourceMarks", "EventTimeAligner",
+           "trusted_event"]
 
 RANK_TYPES = frozenset(("step", "heartbeat", "lifecycle"))
 NODE_TYPES = frozenset(("gpu", "xid"))
@@ -138,8 +140,8 @@ def _encode_chunk(head: dict, chunk: list, max_bytes: int, out: list) -> None:
 
 
 #: a job with this many ranks per partition has ranks on every partition (the chance that
-#: one has none is below partitions x e^-50); one with more than ``_HASHED_MOST`` ranks is
-#: taken to (hashing is bounded, whatever world size a lifecycle event claims)
+#: one has none is below partitions x e^-50); so is one of more than ``_HASHED_MOST`` ranks
+#: taken to have (the hashing is bounded, whatever world size a lifecycle event claims)
 _EVERY_PARTITION = 50
 _HASHED_MOST = 4096
 

@@ -224,21 +224,21 @@ class RankService(Service):
             tp = TopicPartition(topic, p)
             try:
                 low, high = self.consumer.get_watermark_offsets(tp, cached=True)
-                at = fetched.get(p)
-                if at is None:                 # nothing fetched yet: where it will start
-                    at = self.consumer.position([tp])[0].offset
-                    at = low if at < 0 else at
+                upto = fetched.get(p)
+                if upto is None:               # nothing fetched yet: where it will start
+                    upto = self.consumer.position([tp])[0].offset
+                    upto = low if upto < 0 else upto
             except Exception:
                 continue
-            if high > at:
+            if high > upto:
                 behind.append(p)               # the broker holds more of it
         out.reading = Reading(parts=tuple(parts), behind=tuple(behind),
                               of=self._partition_count())
         now, now_behind, told = self.clock(), set(behind), self._told
-        for job, (was, at) in list(told.items()):
+        for job, (was, when) in list(told.items()):
             # at most once a second: within a second of its last word a job still waits
             # for the partitions that sent to it anyway
-            if job not in out.items and not was <= now_behind and now - at >= TELL_EVERY_S:
+            if job not in out.items and not was <= now_behind and now - when >= TELL_EVERY_S:
                 out.items[job] = []            # tell it that it may stop waiting
         for job in out.items:
             if now_behind:

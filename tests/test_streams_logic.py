@@ -365,6 +365,16 @@ def test_a_backlog_read_late_is_judged_in_its_own_time():
     assert [a.kind for a in jobs.advance(wall + 120.0)] == ["hang"]
 
 
+@pytest.mark.parametrize("reading", [
+    {"parts": [0, 1], "behind": [2]}, {"parts": "0", "behind": []},
+    {"parts": [-1], "behind": []}, {"parts": [0], "behind": [], "of": "24"},
+    {"parts": list(range(10_001)), "behind": []}, [0, 1]])
+def test_a_malformed_reading_report_refuses_the_message(reading):
+    value = json.dumps({"v": 1, "job": "j1", "items": [], "reading": reading}).encode()
+    with pytest.raises(InvalidSummaries, match="malformed reading report"):
+        decode_summaries(value)
+
+
 def test_every_worker_metric_is_documented():
     from pathlib import Path
 
