@@ -75,6 +75,19 @@ def test_start_status_stop_and_data_survives(tmp_path):
         tg("broker", "stop", "--port", str(port), "--data", str(data))
 
 
+def test_status_and_stop_of_a_data_folder_use_the_port_it_was_started_with(tmp_path):
+    """``--data`` alone names the broker: its server.properties holds the port (before,
+    status looked on 9092, and stop said it stopped the broker on 9092, whatever port the
+    folder's broker used)."""
+    from trainguard.broker import SERVER_PROPERTIES
+
+    (tmp_path / "server.properties").write_text(SERVER_PROPERTIES.format(
+        port=39411, controller_port=39412, log_dirs=tmp_path / "kraft-logs"))
+    status = tg("broker", "status", "--data", str(tmp_path), timeout=60)
+    assert status.returncode == 1
+    assert status.stdout.strip() == "no broker answers on 127.0.0.1:39411"
+
+
 def test_port_used_by_another_program_is_a_one_line_error(tmp_path):
     import socket
 

@@ -450,6 +450,28 @@ def _kafka_cluster_id() -> str:
             return cluster_id
 
 
+def recorded_port(data: str | Path | None) -> int | None:
+    """The listener port a single broker's data folder was started with (its
+    server.properties), None when there is none.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> recorded_port(folder)
+    >>> _ = (folder / "server.properties").write_text(SERVER_PROPERTIES.format(
+    ...     port=39411, controller_port=39412, log_dirs=folder))
+    >>> recorded_port(folder)
+    39411
+    """
+    if not data:
+        return None
+    try:
+        text = (Path(data).expanduser() / "server.properties").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^listeners=PLAINTEXT://127\.0\.0\.1:(\d+)", text, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
 def local_broker(port: int = 9092, data: str | Path | None = None, environ=None) -> LocalBroker:
     home = trainguard_home(environ)
     runtime = KafkaRuntime(home=home, pom=pom_path())

@@ -14,8 +14,10 @@ EXIT_USER_ERROR = 2
 
 
 def cmd_broker(args) -> int:
-    from .broker import local_broker
+    from .broker import local_broker, recorded_port
 
+    if args.port is None:                # the port the data folder's broker was given
+        args.port = recorded_port(args.data) or 9092
     cluster = _broker_cluster(args)
     broker = cluster if cluster is not None else local_broker(port=args.port, data=args.data)
     if args.action == "start":
@@ -203,9 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     broker = sub.add_parser("broker", help="the local Apache Kafka (KRaft): one broker, or "
                                            "a cluster with --brokers N")
     broker.add_argument("action", choices=("start", "stop", "status"))
-    broker.add_argument("--port", type=int, default=9092,
-                        help="listener port (default 9092); a cluster's brokers listen on PORT, "
-                             "PORT+1, ...")
+    broker.add_argument("--port", type=int, default=None,
+                        help="listener port (default: the one --data's broker was started "
+                             "with, else 9092); a cluster's brokers listen on PORT, PORT+1, ...")
     broker.add_argument("--brokers", type=int, metavar="N",
                         help="run N brokers (combined broker+controller nodes, an N-voter "
                              "quorum; replication factor 3 and min.insync.replicas 2 from 3 "
