@@ -311,8 +311,7 @@ class JobProcessor(_SlotsProcessor):
         job, items, reading = parse_summaries(value)
         if reading is not None:
             self._read(reading, now)
-        if job not in self._first:
-            self._first[job] = now
+        self._first.setdefault(job, now)
         slot = self._slot(job, partition, now)
         slot.touched = now
         self.state.dirty.add(job.encode())
@@ -391,7 +390,7 @@ class JobProcessor(_SlotsProcessor):
         every partition; live, a partition whose ranks stopped or send a heartbeat every
         few seconds holds nothing back for long) or that its worker last said is behind,
         plus ``hold_slack_s``."""
-        if self.telemetry_partitions and self._awaits_unheard(job, slot, now):
+        if self._awaits_unheard(job, slot, now):
             return -math.inf
         lowest = slot.lowest(now, self.hold_idle_s, self.behind, self.source_idle_s)
         return math.inf if lowest == -math.inf else lowest + self.hold_slack_s
