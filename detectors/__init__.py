@@ -84,7 +84,8 @@ from .liveness import CrashDetector, HangDetector, SilentDetector
 from .machine_outlier import MachineOutlierDetector
 from .stages import (DETECTORS, JOB_DETECTORS, NODE_DETECTORS, Engine, JobStage, NodeStage,
                      RankStage, StepAggregator)
-from .timing import StragglerDetector, ThroughputDetector
+from .straggler import StragglerDetector
+from .timing import ThroughputDetector
 from .training import GradSpikeDetector, LossSpikeDetector, NanDetector
 
 __all__ = [

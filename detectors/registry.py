@@ -56,7 +56,7 @@ __all__ = ["Registration", "register_detector", "registrations", "registration_o
 
 #: The modules of the built-in detectors, in the order their detectors run. A new built-in
 #: detector's module is added here (the one line outside its own file).
-BUILTIN_MODULES = ("training", "timing", "hang", "liveness", "gpu", "data_position",
+BUILTIN_MODULES = ("training", "straggler", "timing", "hang", "liveness", "gpu", "data_position",
                    "machine_outlier")
 #: the entry-point group of plug-in detectors (``[project.entry-points."trainguard.detectors"]``)
 ENTRY_POINT_GROUP = "trainguard.detectors"

@@ -1,36 +1,26 @@
-"""Detectors on step timing: slow ranks (straggler) and a slower job (throughput_drop).
+"""A slower job (throughput_drop), and the Page-Hinkley test it watches its step time with.
 
-Both work on ``jobstep`` items. They are built to exclude each other: a straggler is a rank
-slower than its peers in the same step, so a job-wide slowdown never makes one; a throughput
-drop is the whole job slower than its own past while no rank stands out.
-
->>> d = StragglerDetector(k=3, n=4, settle=0, warmup=3)
->>> out = []
->>> for s in range(9):
-...     slow = 0.80 if s >= 4 else 0.50                       # rank 6 gets 1.6x slower
-...     ct = [0.50, 0.51, 0.49, 0.50, 0.50, 0.52, slow, 0.50]
-...     out += d.update(make_jobstep(s, 10.0 + s, compute_time=ct))
->>> [(f.kind, f.ranks, f.step) for f in out]
-[('straggler', [6], 4)]
+It works on ``jobstep`` items and is built to exclude the straggler (``straggler.py``): a
+straggler is a rank slower than its peers in the same step, so a job-wide slowdown never
+makes one; a throughput drop is the whole job slower than its own past while no rank
+stands out.
 """
 from __future__ import annotations
 
 import math
-import operator
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 from river import stats
 
 from trainguard.setting import setting
 
-from .base import (Detector, Finding, fmt_ranks, make_jobstep, median, num, rank_nodes,
-                   whole_nodes)
-from .view import UsesView
+from .base import Detector, Finding, make_jobstep, median, num
+from .peers import step_times
 from .registry import register_detector
 
-__all__ = ["StragglerDetector", "ThroughputDetector", "PageHinkleyUp", "peer_ratios",
-           "make_jobstep"]
+__all__ = ["ThroughputDetector", "PageHinkleyUp", "make_jobstep"]
 
 
 class PageHinkleyUp:
@@ -69,302 +59,6 @@ class PageHinkleyUp:
             self.reset()
             return True
         return False
-
-
-_value = operator.itemgetter(1)
-#: the weight of a step in a rank's learned spread (its mean absolute deviation)
-_SPREAD_WEIGHT = 0.02
-
-
-def peer_ratios(times: dict) -> dict:
-    """``{rank: compute_time / median of the other ranks' compute_time}``.
-
-    Excluding the rank itself keeps the reference on the fast side even when a whole machine
-    (up to half of the ranks) is slow.
-
-    >>> {r: round(x, 2) for r, x in peer_ratios({0: 1.0, 1: 1.0, 2: 2.0, 3: 2.0}).items()}
-    {0: 0.5, 1: 0.5, 2: 2.0, 3: 2.0}
-    """
-    order = sorted(times.items(), key=_value)
-    values = [v for _, v in order]
-    m = len(values) - 1                      # each rank's number of peers
-    if m < 1:
-        return {rank: 1.0 for rank, _ in order}
-    h = m // 2
-    # Leaving out the i-th smallest value, the median of the rest is one of three values,
-    # for i below, at or above the middle position h.
-    if m % 2:
-        below = at = values[h + 1]
-        above = values[h]
-    else:
-        below = (values[h] + values[h + 1]) / 2
-        at = (values[h - 1] + values[h + 1]) / 2
-        above = (values[h - 1] + values[h]) / 2
-    out = {}
-    for ref, part in ((below, order[:h]), (at, order[h:h + 1]), (above, order[h + 1:])):
-        for rank, value in part:
-            out[rank] = value / ref if ref > 0 else 1.0
-    return out
-
-
-def peer_view(item) -> tuple[dict, dict]:
-    """``(compute_times, peer_ratios)`` of a jobstep, worked out once for all the detectors
-    that look at it (kept in the item under ``"_peer_view"``)."""
-    view = item.get("_peer_view")
-    if view is None:
-        times = _compute_times(item)
-        view = item["_peer_view"] = (times, peer_ratios(times) if len(times) >= 2 else {})
-    return view
-
-
-def _compute_times(item) -> dict:
-    out = {}
-    for rank, rec in item["ranks"].items():
-        ct = rec.get("compute_time")
-        if type(ct) is not float:             # a float is the common case: no num() call
-            ct = num(ct)
-        if ct is not None and ct >= 0 and ct - ct == 0:
-            out[rank] = ct
-    return out
-
-
-@register_detector(kinds="straggler", ladder=("capture", "evict_if_persistent", "alert"),
-                   priority=60, causes={"straggler": "shared", "hang": "shared",
-                                        "machine_outlier": "shared"})
-class StragglerDetector(UsesView, Detector):
-    """Ranks persistently slower than their peers of the same role, and than their own past.
-
-    Peers: with a known topology (lifecycle ``topology``, Megatron layout: TP fastest, then
-    DP, then PP) the ranks of the same pipeline stage, when the stage has ``min_ranks``;
-    otherwise the whole job. Each rank has its own *usual share*: the log of its
-    ``compute_time`` over its peers' (the mean of its first ``warmup`` steps, then moved by
-    ``baseline_step`` towards each step within its own noise: a running median, which a
-    noisy rank's slow half does not drag), and its own *spread* (the mean absolute deviation
-    of its log ratio). A rank whose usual share came out at least ``ratio`` x its peers'
-    while at most a quarter of them did is slow from its first step: its share is set back
-    to its peers'. In a step every
-    time is first divided by its rank's usual share, and a rank's *ratio* is its scaled time
-    over the median of its peers' scaled times; so ranks that differ steadily from the start,
-    or a steadily slower stage compared across the job, are not stragglers, and several
-    ranks falling behind at once do not hide each other. A rank is *slow* in a step when its
-    ratio is at least ``ratio`` and at least ``noise_z`` x its spread (a 12% wobble on a
-    shared CPU is noise), and its time at least ``min_excess_s`` more. A rank slow in
-    ``k`` of the last ``n`` steps it reported is a
-    straggler, also when single normal steps break the run. When the first rank qualifies,
-    the detector waits ``settle`` steps for others (a whole slow machine), and while another
-    rank is falling behind too (slow in 2+ steps) up to ``n`` steps, then names the ranks
-    that qualified meanwhile and are still slow in most steps; machines all of whose ranks
-    are named are named too. A named rank is
-    reported again only after it recovered (slow in at most ``n - k`` of the last ``n``).
-
-    >>> d = StragglerDetector(k=3, n=4, settle=0, warmup=2)
-    >>> out = []
-    >>> for s in range(8):
-    ...     ct = [0.50, 0.51, 0.49, 0.50, 0.50, 0.52, 0.80 if s >= 3 else 0.5, 0.50]
-    ...     out += d.update(make_jobstep(s, 10.0 + s, compute_time=ct))
-    >>> [(f.kind, f.ranks, f.step) for f in out]
-    [('straggler', [6], 3)]
-    """
-
-    PREFIX = "straggler"
-    CONSUMES = ("jobstep", "life")
-
-    @dataclass(kw_only=True)
-    class Config:
-        ratio: float = setting(1.2, "slow in a step: compute_time >= ratio x usual", above=1,
-                               live=(1.001, 100.0))
-        min_excess_s: float = setting(0.002, "... and at least this many seconds more",
-                                      live=(0.0, 3600.0))
-        k: int = setting(6, "persistent: slow in k ...", minimum=1, at_most="n",
-                         live=(1, 100_000))
-        n: int = setting(10, "... of the last n steps it reported")
-        settle: int = setting(2, "steps to wait for more ranks before naming them",
-                              live=(0, 1000))
-        min_ranks: int = setting(3, "ranks needed in a step (and a stage) to compare",
-                                 minimum=2)
-        warmup: int = setting(10, "steps each rank's own baseline is learned over")
-        baseline_step: float = setting(0.002, "... then moved this much (log) per step")
-        noise_z: float = setting(3.0, "slow also needs >= z x the rank's own spread")
-
-    def _start(self) -> None:
-        self._log_ratio = math.log(self.ratio)
-        self._history: dict = {}       # rank -> deque of (slow, step, ts, ratio)
-        self._slow_steps: dict = {}    # rank -> how many of its _history steps were slow
-        self._base: dict = {}          # rank -> [log of its usual share, steps learned, share,
-                                       #          mean absolute deviation of its log ratio]
-        self._init_view()              # where ranks run, ranks per pipeline stage
-        self._named: set = set()
-        self._pending = None           # steps left before naming
-        self._waited = 0               # steps waited since the first rank qualified
-        self._candidates: set = set()  # ranks that qualified meanwhile
-
-    def _derive(self) -> None:
-        self._log_ratio = math.log(self.ratio)
-
-    def update(self, item) -> list[Finding]:
-        if type(item) is not dict:
-            return []
-        if self._own_view:
-            self.view.learn(item)
-        if item.get("k") != "jobstep":
-            return []
-        times, ratios = self._ratios(item)
-        if len(times) < self.min_ranks:
-            return []
-        step, ts = item["step"], item["ts"]
-        qualifying = []
-        base_of, log_ratio, warmup = self._base, self._log_ratio, self.warmup
-        history, slow_steps, named, n, k = (self._history, self._slow_steps, self._named,
-                                            self.n, self.k)
-        log, exp, min_excess, step_size = math.log, math.exp, self.min_excess_s, self.baseline_step
-        z, half_ratio, spread_weight = self.noise_z, log_ratio / 2, _SPREAD_WEIGHT
-        learned_now = []
-        # the typical ratio of the step's ranks that are not slow: what a rank learns is its
-        # ratio against it, so a straggler among few ranks (each normal rank's peer median
-        # is then its slower normal peer) does not drag every usual share down, and with
-        # them the straggler's ratio
-        usual = sorted([r for r in ratios.values() if 0 < r < self.ratio])
-        m = len(usual)
-        shift = log(usual[m // 2] if m % 2 else (usual[m // 2 - 1] + usual[m // 2]) / 2) if m \
-            else 0.0
-        for rank, r in ratios.items():
-            if r <= 0:
-                continue
-            rel = log(r)                    # judge the step, learn the rank's usual share
-            base = base_of.get(rank)
-            count = slow_steps.get(rank, 0)
-            if base is None:
-                base_of[rank] = [rel, 1, r, 0.0]
-                slow, r = False, 1.0
-            else:
-                level, learned, _, dev = base
-                # slow: past the ratio, and past the rank's own noise (a shared CPU's 12%)
-                slow = (learned >= warmup and rel >= log_ratio and rel >= z * dev
-                        and (t := times[rank]) - t / r >= min_excess)
-                if learned < warmup:
-                    base[0] = level = level + min(rel, log_ratio) / (learned + 1)
-                    base[1] = learned + 1
-                    base[2] = exp(level)
-                    base[3] = dev + (min(abs(rel), log_ratio) - dev) / learned
-                    if learned + 1 == warmup:
-                        learned_now.append(rank)
-                else:
-                    own = rel - shift
-                    twice = dev + dev
-                    if count + count < k:
-                        # its noise, slow steps included while it is not falling behind
-                        size = own if own >= 0 else -own
-                        cap = twice if twice > log_ratio else log_ratio
-                        base[3] = dev + spread_weight * ((size if size < cap else cap) - dev)
-                    # a slow step is not learned, nor a drift up beyond the rank's noise: it
-                    # may grow. A fixed step towards each step: the median of a noisy rank's
-                    # steps, not a mean pulled down by never learning their slow side
-                    if rel < log_ratio and own != 0 and (
-                            own < half_ratio or own < twice):
-                        base[0] = level = level + (step_size if own > 0 else -step_size)
-                        base[2] = exp(level)
-            hist = history.get(rank)
-            if hist is None:
-                hist = history[rank] = deque(maxlen=n)
-            if len(hist) == n and hist[0][0]:
-                count -= 1                        # the oldest slow step leaves the window
-            hist.append((slow, step, ts, r))
-            count += slow
-            slow_steps[rank] = count
-            if rank in named:
-                if count <= n - k:
-                    named.discard(rank)
-            elif count >= k:
-                qualifying.append(rank)
-        if learned_now:
-            self._slow_from_the_start(learned_now)
-        if not qualifying and self._pending is None:
-            return []
-        if self._pending is None:
-            self._pending, self._waited, self._candidates = self.settle, 0, set()
-        self._candidates.update(qualifying)
-        self._waited += 1
-        if self._pending > 0 or (self._waited <= n and self._rising(self._candidates)):
-            self._pending -= 1
-            return []
-        self._pending = None
-        # the ranks that qualified while waiting and are still slow in most steps
-        qualifying = sorted(r for r in self._candidates if slow_steps[r] * 2 > n)
-        if not qualifying:
-            return []
-        self._named.update(qualifying)
-        return [self._finding(qualifying, step, ts)]
-
-    def _rising(self, qualifying) -> bool:
-        """Another rank slow in 2+ of its last steps, not yet qualifying: ranks falling
-        behind together a few steps apart are named together (wait at most ``n`` steps)."""
-        for rank, count in self._slow_steps.items():
-            if 2 <= count < self.k and rank not in self._named and rank not in qualifying:
-                return True
-        return False
-
-    def _slow_from_the_start(self, learned_now) -> None:
-        """A rank that learned a usual share of at least ``ratio`` x its peers' while at most a
-        quarter of its peers did is slow from its first step, not different by design (as the
-        several speeds of a heterogeneous job): its usual share is set back to its peers'."""
-        base, cut, size = self._base, self._log_ratio, self.view.stage_size
-        wanted = {rank // size if size else 0 for rank in learned_now}
-        groups: dict = {}
-        for rank, b in base.items():
-            key = rank // size if size else 0
-            if key in wanted and b[1] >= self.warmup:
-                groups.setdefault(key, []).append(b[0])
-        judged = {}                       # group -> (peers' median, how many at cut above it)
-        for key, levels in groups.items():  # once per group: all ranks end warm-up together
-            mid = median(levels)
-            judged[key] = (mid, sum(1 for v in levels if v - mid >= cut), len(levels))
-        for rank in learned_now:
-            mid, high, peers = judged[rank // size if size else 0]
-            b = base[rank]
-            if b[0] - mid >= cut and high <= max(1, peers // 4):
-                b[0] = mid
-                b[2] = math.exp(mid)
-
-    def _ratios(self, item):
-        """``(compute_times, ratios)``: each rank's scaled time over the median of its
-        peers' (see the class); peers within a pipeline stage where the topology is known."""
-        times = peer_view(item)[0]
-        base = self._base
-        scaled = {}
-        for rank, t in times.items():
-            b = base.get(rank)
-            scaled[rank] = t / b[2] if b is not None else t
-        size = self.view.stage_size
-        if size:
-            stages: dict = {}
-            for rank, t in scaled.items():
-                stages.setdefault(rank // size, {})[rank] = t
-            if all(len(group) >= self.min_ranks for group in stages.values()):
-                ratios = {}
-                for group in stages.values():
-                    ratios.update(peer_ratios(group))
-                return times, ratios
-        return times, (peer_ratios(scaled) if len(scaled) >= 2 else {})
-
-    def _finding(self, qualifying, step, ts) -> Finding:
-        first = min((h for r in qualifying for h in self._history[r] if h[0]),
-                    key=lambda h: (h[1], h[2]))
-        mean_ratio = {str(r): round(sum(h[3] for h in self._history[r]) / len(self._history[r]), 3)
-                      for r in sorted(qualifying)}
-        nodes = whole_nodes(qualifying, self.view.where)
-        where = f" (all of machine{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
-        worst = max(float(v) for v in mean_ratio.values())
-        staged = self.view.stage_size >= self.min_ranks  # else compared across the job
-        peers = "the peers of their pipeline stage" if staged else "their peers"
-        return Finding(
-            kind="straggler", severity="warning", ranks=sorted(qualifying), nodes=nodes,
-            step=first[1], onset_ts=first[2], detected_ts=ts, detector=self.PREFIX,
-            summary=(f"{fmt_ranks(qualifying)}{where} slower than {peers} (each against its "
-                     f"usual pace) in {self.k}+ of {self.n} steps, up to {worst:.2f}x"),
-            evidence={"mean_ratio": mean_ratio, "ratio_threshold": self.ratio,
-                      "k": self.k, "n": self.n, "detected_step": step,
-                      "stage_size": self.view.stage_size,
-                      "rank_nodes": rank_nodes(qualifying, self.view.where)})
 
 
 #: standard errors of the recent median above the baseline that confirm a throughput drop
@@ -468,10 +162,11 @@ class ThroughputDetector(Detector):
         if self._seen <= self.warmup:
             return []
         y = math.log(median(times))
-        cts, ratios = peer_view(item)
+        st = step_times(item)
         standouts = ()
-        if len(cts) >= 3:
-            standouts = tuple(r for r, x in ratios.items() if x >= self.standout_ratio)
+        if len(st) >= 3:
+            stand_out = np.flatnonzero(st.ratios >= self.standout_ratio).tolist()
+            standouts = tuple(st.ranks[i] for i in stand_out)
         self._recent.append((y, item["step"], item["first_ts"], standouts))
         if self._learned < self.window:
             self._learned += 1

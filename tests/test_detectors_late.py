@@ -43,10 +43,10 @@ def test_late_records_feed_no_step_statistics():
         for r in range(8):
             job.update(_summaries(r, [s])[0])
     straggler = job.detectors["straggler"]
-    seen = {r: len(h) for r, h in straggler._history.items()}
+    seen = {r: len(straggler._paces.history(r)) for r in range(8)}
     late = _summaries(3, [5])[0]                      # step 5 again, long closed
     assert job.update(late) == []
-    assert {r: len(h) for r, h in straggler._history.items()} == seen
+    assert {r: len(straggler._paces.history(r)) for r in range(8)} == seen
 
 
 def test_a_lagging_rank_that_stays_nan_is_one_finding():

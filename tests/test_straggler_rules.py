@@ -1,4 +1,4 @@
-"""The straggler detector's rules on plain per-step compute times (detectors/timing.py):
+"""The straggler detector's rules on plain per-step compute times (detectors/straggler.py):
 
 - a shared CPU's noise, with ranks steadily ~12% slower than the others, is no straggler;
 - a rank slow from its first step is found by the peer comparison;
@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from trainguard.detectors.timing import StragglerDetector, make_jobstep
+from trainguard.detectors.straggler import StragglerDetector, make_jobstep
 
 
 def run(times_of_step, steps, seed=0):
