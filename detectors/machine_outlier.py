@@ -63,9 +63,10 @@ SCALE_FLOOR = {"util": (2.0, 0.0), "sm_clock": (10.0, 0.01), "mem_clock": (10.0,
                "nvlink_err_rate": (0.5, 0.0), "host_cpu": (3.0, 0.0),
                "net_bytes_rate": (1e6, 0.05), "tcp_retrans": (0.002, 0.0)}
 _FLOORS = [SCALE_FLOOR[f] for f in FEATURES]
-_LOW = ("util", "sm_clock", "mem_clock", "power")      # a machine is its weakest GPU
-_HIGH = ("temp", "sbe_rate", "replay_rate", "nvlink_err_rate")   # ... or its hottest
 _CLIP = 50.0
+_NUMBER = (int, float)
+#: a ``gpu`` sample's cumulative error counters, summed over the machine's GPUs
+_COUNTERS = (("sbe", "ecc_sbe"), ("replay", "pcie_replay"), ("nvlink", "nvlink_errors"))
 
 
 class MachineVector:
@@ -94,39 +95,51 @@ class MachineVector:
         self._prev: dict = {}      # counter -> cumulative value of the sample before
 
     def vector(self, ts, gpus, host=None) -> list:
-        per: dict = {f: [] for f in FEATURES[:10]}
-        counters = {"sbe": 0, "replay": 0, "nvlink": 0}
-        seen = {"sbe": False, "replay": False, "nvlink": False}
+        util, sm_clock, mem_clock, power, temp, mem, pcie = [], [], [], [], [], [], []
+        counters = {}                  # sbe, replay, nvlink -> their sum over the GPUs
+        number = _NUMBER
         for g in gpus:
             if type(g) is not dict or g.get("lost"):
                 continue
-            for name in ("util", "sm_clock", "mem_clock", "temp"):
-                v = g.get(name)
-                if type(v) in (int, float):
-                    per[name].append(float(v))
-            power, limit = g.get("power"), g.get("power_limit")
-            if type(power) in (int, float):
-                per["power"].append(power / limit if type(limit) in (int, float) and limit > 0
-                                    else float(power))
-            used, total = g.get("mem_used"), g.get("mem_total")
+            get = g.get
+            v = get("util")
+            if type(v) in number:
+                util.append(float(v))
+            v = get("sm_clock")
+            if type(v) in number:
+                sm_clock.append(float(v))
+            v = get("mem_clock")
+            if type(v) in number:
+                mem_clock.append(float(v))
+            v = get("temp")
+            if type(v) in number:
+                temp.append(float(v))
+            v, limit = get("power"), get("power_limit")
+            if type(v) in number:
+                power.append(v / limit if type(limit) in number and limit > 0 else float(v))
+            used, total = get("mem_used"), get("mem_total")
             if type(used) is int and type(total) is int and total > 0:
-                per["mem"].append(used / total)
-            tx, rx = g.get("pcie_tx_kbs"), g.get("pcie_rx_kbs")
-            if type(tx) in (int, float) and type(rx) in (int, float):
-                per["pcie_kbs"].append(float(tx + rx))
-            for key, name in (("sbe", "ecc_sbe"), ("replay", "pcie_replay"),
-                              ("nvlink", "nvlink_errors")):
-                v = g.get(name)
+                mem.append(used / total)
+            tx, rx = get("pcie_tx_kbs"), get("pcie_rx_kbs")
+            if type(tx) in number and type(rx) in number:
+                pcie.append(float(tx + rx))
+            for key, name in _COUNTERS:
+                v = get(name)
                 if type(v) is int:
-                    counters[key] += v
-                    seen[key] = True
+                    counters[key] = counters.get(key, 0) + v
         x = [None] * len(FEATURES)
-        for i, name in enumerate(FEATURES[:7]):
-            values = per[name]
+        # a machine is its weakest GPU on clocks, power and utilisation, its hottest on
+        # temperature, the mean on memory and PCIe traffic
+        for i, values in enumerate((util, sm_clock, mem_clock, power)):
             if values:
-                x[i] = min(values) if name in _LOW else max(values) if name in _HIGH \
-                    else sum(values) / len(values)
-        now = {k: counters[k] for k in counters if seen[k]}
+                x[i] = min(values)
+        if temp:
+            x[4] = max(temp)
+        if mem:
+            x[5] = sum(mem) / len(mem)
+        if pcie:
+            x[6] = sum(pcie) / len(pcie)
+        now = counters
         if type(host) is dict:
             for name in ("net_rx_bytes", "net_tx_bytes", "tcp_retrans", "tcp_out_segs"):
                 v = host.get(name)

@@ -55,6 +55,7 @@ import os
 import queue as queue_module
 import re
 from itertools import islice
+from sys import intern
 from pathlib import Path
 
 import orjson
@@ -375,7 +376,10 @@ class _RankSide:
                 self.invalid += 1
                 continue
             kind = event.TYPE
-            job, node, rank = event.job, event.node, event.rank
+            # one string object per job and machine name: the chunk pickles each once
+            job, node, rank = intern(event.job), event.node, event.rank
+            if node is not None:
+                node = intern(node)
             step = getattr(event, "step", None)
             keep(offset)
             reason = check(event)
