@@ -356,7 +356,7 @@ class PaceArrays:
         have = len(self.level)
         if rows <= have:
             return
-        size = max(rows, 2 * have, 64)
+        size = max(rows, have + have // 4, 64)      # a snapshot holds the spare rows too
         for name in self._ARRAYS:
             old = getattr(self, name)
             new = np.ones(size) if name == "share" else np.zeros((size, *old.shape[1:]),

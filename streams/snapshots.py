@@ -40,8 +40,9 @@ FORMAT = 2                 # 1 was the pickle of trainguard 0.x (refused)
 _HEADER = struct.Struct(">2sBBid")
 _JSON, _ZLIB, _ZDICT = 0, 1, 2
 COMPRESS_ABOVE = 128
-#: a snapshot that decompresses to more than this is refused (a zlib bomb)
-MAX_STATE_BYTES = 64 * 1024 * 1024
+#: a snapshot that decompresses to more than this is refused (a zlib bomb); a job of
+#: 100,000 ranks decompresses to about 60 MB (4 MB compressed)
+MAX_STATE_BYTES = 256 * 1024 * 1024
 #: the stages' layout; raise it when what a stage keeps changes meaning without changing
 #: its attribute names (a new attribute changes the layout digest by itself)
 STATE_VERSION = 17
@@ -69,7 +70,7 @@ class JobSlot:
     sources: dict = field(default_factory=dict)   # telemetry partition -> [newest ts, wall]
     low_source: int = -1           # the partition of the lowest newest ts (see heard())
     low: float = -math.inf         # the newest time every partition heard from has reached
-    held: list = field(default_factory=list)   # heap of [time, seq, item, wall] not applied
+    held: list = field(default_factory=list)   # sorted [time, seq, item, wall] not applied
     held_seq: int = 0
 
     def heard_again(self, wall: float) -> None:
