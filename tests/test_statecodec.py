@@ -17,7 +17,8 @@ import trainguard.detectors as detectors
 from trainguard.detectors import DetectorConfig, Engine
 from trainguard.detectors.base import Detector
 from trainguard.streams import statecodec
-from trainguard.streams.snapshots import StateError, dump_state, load_state, state_allowlist
+from trainguard.streams.snapshots import (MAX_STATE_BYTES, StateError, dump_state, load_state,
+                                         state_allowlist)
 
 from detector_traces import JobSim, drive, stage_items
 
@@ -121,7 +122,7 @@ def test_malformed_or_foreign_state_is_refused(payload, why):
 
 
 def test_a_zlib_bomb_is_refused():
-    bomb = zlib.compress(b" " * (80 * 1024 * 1024), 9)
+    bomb = zlib.compress(b" " * (MAX_STATE_BYTES + 1024), 9)
     with pytest.raises(StateError, match="larger than"):
         load_state(b"tg\x02\x01" + struct.pack(">id", 0, 1.0) + bomb)
 
