@@ -169,6 +169,7 @@ class HangDetector(UsesView, Detector):
         self._moved_ts = None          # latest start of a step phase on any rank
         self._paused_since_progress = False
         self._hb: dict = {}            # rank -> [ts, phase, phase_since, step, first step in it]
+        self._pausing: set = set()     # the ranks whose _hb phase is an allowed one
         self._ended: dict = {}         # rank -> [phase, since, end, step] of its last allowed phase
         self._spread: dict = {}        # phase -> its slowest rank's time over its fastest's
         self._occurrence: dict = {}    # phase -> [step, shortest, longest] of its latest
@@ -200,6 +201,7 @@ class HangDetector(UsesView, Detector):
                         type(prev[1]) is str and (prev[3] is None or step > prev[3]):
                     self._end_phase(rank, prev, ts)    # a later step proves it is over
                     self._hb[rank] = [ts, "step", ts, step, None]
+                    self._pausing.discard(rank)
                 if self._max_step is None or step > self._max_step:
                     self._step(step, ts)
                 self._learn_step_time(step, item.get("step_time"))
@@ -230,6 +232,7 @@ class HangDetector(UsesView, Detector):
                 if rank is not None:
                     self._exited.discard(rank)
                     self._hb.pop(rank, None)
+                    self._pausing.discard(rank)
                     self._ended.pop(rank, None)    # a new run: its phases are new
         return []
 
@@ -297,10 +300,12 @@ class HangDetector(UsesView, Detector):
             else:
                 first_step = step
             self._hb[rank] = [ts, phase, since, step, first_step]
+            self._pausing.add(rank)
             if phase not in self._not_pauses:
                 self._paused_since_progress = True
         else:
             self._hb[rank] = [ts, phase, since, step, None]
+            self._pausing.discard(rank)
             if self._progress_ts is not None and since > self._progress_ts and (
                     self._moved_ts is None or since > self._moved_ts):
                 self._moved_ts = since           # the rank moved on within the step
@@ -394,10 +399,10 @@ class HangDetector(UsesView, Detector):
             if self._moved_ts is not None and self._moved_ts > since:
                 since = self._moved_ts
             deadline = since + self.timeout()
-        for rank, (_, phase, start, _, _) in self._hb.items():
-            # is_allowed_phase(phase), inline: every rank, at every advance
-            if type(phase) is str and phase not in STEP_PHASES and rank not in self._exited \
-                    and phase not in self._not_pauses:
+        hb = self._hb
+        for rank in self._pausing:         # the ranks in an allowed phase, not all of them
+            _, phase, start, _, _ = hb[rank]
+            if rank not in self._exited and phase not in self._not_pauses:
                 deadline = max(deadline, start + self.allowance(phase))
         return deadline
 
