@@ -1,10 +1,13 @@
-"""A closed step's compute times as arrays, each rank's ratio to its peers, and rows of
-per-rank state: what the step detectors need of a step without one Python call per rank.
+"""A closed step's compute times, each rank's ratio to its peers, and rows of per-rank state
+in arrays: what the step detectors need of a large step without one Python call per rank.
+
+A step of fewer than :data:`ARRAYS_FROM` ranks is worked out with plain loops (numpy's fixed
+cost per call is more than a loop over a few ranks), a larger one with numpy.
 
 >>> js = make_jobstep(3, 10.0, compute_time=[1.0, 1.0, 2.0, float("nan"), 2.0])
 >>> st = step_times(js)
->>> st.ranks, st.times.tolist(), [round(x, 2) for x in st.ratios.tolist()]
-([0, 1, 2, 4], [1.0, 1.0, 2.0, 2.0], [0.5, 0.5, 2.0, 2.0])
+>>> st.ranks, st.values, st.standing_out(1.5)
+([0, 1, 2, 4], [1.0, 1.0, 2.0, 2.0], [2, 4])
 """
 from __future__ import annotations
 
@@ -15,30 +18,39 @@ import numpy as np
 from .base import make_jobstep, num
 
 __all__ = ["StepTimes", "step_times", "peer_ratios", "peer_ratio_array", "lower_median",
-           "RankRows"]
+           "RankRows", "ARRAYS_FROM"]
+
+#: the ranks of a step from which it is worked out with numpy
+ARRAYS_FROM = 128
 
 
 class StepTimes:
     """The ranks of a ``jobstep`` that reported a usable ``compute_time`` (finite, >= 0), in
-    the item's order: ``ranks`` (a list), ``times`` (float64), and ``ratios``, each time over
-    the median of the other ranks' (worked out on first use)."""
+    the item's order: ``ranks`` and ``values`` (lists), ``times`` (the values as float64)."""
 
-    __slots__ = ("ranks", "times", "_ratios")
+    __slots__ = ("ranks", "values", "_times")
 
-    def __init__(self, ranks: list, times: np.ndarray):
+    def __init__(self, ranks: list, values: list):
         self.ranks = ranks
-        self.times = times
-        self._ratios = None
+        self.values = values
+        self._times = None
 
     def __len__(self) -> int:
         return len(self.ranks)
 
     @property
-    def ratios(self) -> np.ndarray:
-        if self._ratios is None:
-            self._ratios = (peer_ratio_array(self.times) if len(self.ranks) >= 2
-                            else np.ones(len(self.ranks)))
-        return self._ratios
+    def times(self) -> np.ndarray:
+        if self._times is None:
+            self._times = np.array(self.values, dtype=np.float64)
+        return self._times
+
+    def standing_out(self, ratio: float) -> list:
+        """The ranks whose time is at least ``ratio`` x the median of the others'."""
+        if len(self.ranks) < ARRAYS_FROM:
+            ratios = peer_ratios(dict(zip(self.ranks, self.values)))
+            return [r for r in self.ranks if ratios[r] >= ratio]
+        ranks = self.ranks
+        return [ranks[i] for i in np.flatnonzero(peer_ratio_array(self.times) >= ratio).tolist()]
 
 
 def step_times(item) -> StepTimes:
@@ -46,15 +58,15 @@ def step_times(item) -> StepTimes:
     at it (kept in the item under ``"_peer_view"``)."""
     view = item.get("_peer_view")
     if view is None:
-        ranks, times = [], []
+        ranks, values = [], []
         for rank, rec in item["ranks"].items():
             ct = rec.get("compute_time")
             if type(ct) is not float:             # a float is the common case: no num() call
                 ct = num(ct)
             if ct is not None and ct >= 0 and ct - ct == 0:
                 ranks.append(rank)
-                times.append(ct)
-        view = item["_peer_view"] = StepTimes(ranks, np.array(times, dtype=np.float64))
+                values.append(ct)
+        view = item["_peer_view"] = StepTimes(ranks, values)
     return view
 
 

@@ -3,9 +3,9 @@
 Its rules are on the class. Each rank's usual pace and its last ``n`` steps are kept in one
 of two books that apply the same rules to a step: :class:`PaceDicts`, a loop over the step's
 ranks (fastest while a job is small), and :class:`PaceArrays`, numpy over all of them at
-once (a job of 100,000 ranks: the loop costs about 3 us a rank and step, the arrays a tenth
-of that; the arrays' fixed cost is about 100 us a step, five times the loop's at 8 ranks).
-A job moves to arrays at its first step of :data:`ARRAYS_FROM` ranks or more, for good;
+once (a job of 100,000 ranks: the loop costs about 3 us a rank and step, the arrays about
+0.5 us; their fixed cost is about 100 us a step, five times the loop's at 8 ranks).
+A job moves to arrays at its first step of ``peers.ARRAYS_FROM`` (128) ranks or more, for good;
 ``tests/test_straggler_books.py`` holds both books to the same findings.
 
 >>> d = StragglerDetector(k=3, n=4, settle=0, warmup=3)
@@ -29,14 +29,13 @@ from trainguard.setting import setting
 
 from .base import (Detector, Finding, fmt_ranks, make_jobstep, median, rank_nodes,
                    whole_nodes)
-from .peers import RankRows, lower_median, peer_ratio_array, peer_ratios, step_times
+from .peers import (ARRAYS_FROM, RankRows, lower_median, peer_ratio_array, peer_ratios,
+                    step_times)
 from .registry import register_detector
 from .view import UsesView
 
 __all__ = ["StragglerDetector", "PaceDicts", "PaceArrays", "ARRAYS_FROM"]
 
-#: the ranks of a step from which a job's paces are kept in arrays
-ARRAYS_FROM = 128
 #: the weight of a step in a rank's learned spread (its mean absolute deviation)
 _SPREAD_WEIGHT = 0.02
 
@@ -175,7 +174,7 @@ class PaceDicts:
 
     def judge(self, d: StragglerDetector, st, step, ts) -> list:
         """Learn one step; returns the ranks that qualify now (not named yet)."""
-        times = dict(zip(st.ranks, st.times.tolist()))
+        times = dict(zip(st.ranks, st.values))
         ratios = self._ratios(d, times)
         qualifying = []
         base_of, ratio = self.base, d.ratio

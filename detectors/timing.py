@@ -11,7 +11,6 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
 from river import stats
 
 from trainguard.setting import setting
@@ -165,8 +164,7 @@ class ThroughputDetector(Detector):
         st = step_times(item)
         standouts = ()
         if len(st) >= 3:
-            stand_out = np.flatnonzero(st.ratios >= self.standout_ratio).tolist()
-            standouts = tuple(st.ranks[i] for i in stand_out)
+            standouts = tuple(st.standing_out(self.standout_ratio))
         self._recent.append((y, item["step"], item["first_ts"], standouts))
         if self._learned < self.window:
             self._learned += 1
