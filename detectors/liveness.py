@@ -12,6 +12,7 @@ tear-down; offline ``now`` is the recording's event time, online the job's clock
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from trainguard.setting import MONTH_S, setting
@@ -71,6 +72,7 @@ class SilentDetector(UsesView, Detector):
         self._exited: set = set()
         self._reported: set = set()
         self._next = None
+        self._looked = None        # the time the detector last looked at
 
     def update(self, item) -> list[Finding]:
         if type(item) is dict:
@@ -84,6 +86,11 @@ class SilentDetector(UsesView, Detector):
                 if k == "gpu" and item.get("node") and ts is not None:
                     self._gpu_sample(item["node"], clock)    # a NodeStage's gpu summary
                 return []
+            upto = self.view.heard_upto
+            if upto is not None and clock > ts:
+                # online, a partition read ahead is applied up to a second before the others:
+                # heard once every partition was heard up to here, as analyze hears it
+                clock = ts if ts > upto else upto
             self._heard[rank] = clock
             if k == "life":
                 if item.get("event") == "exit":
@@ -112,7 +119,9 @@ class SilentDetector(UsesView, Detector):
         at = self.view.judged(now)       # a rank still on its way is not missing
         if self._next is not None and at < self._next:
             return []
-        self._next = at + min(1.0, self.timeout_s / 10)
+        every = min(1.0, self.timeout_s / 10)     # looks on a fixed grid, however `at` moves
+        self._next = (math.floor(at / every) + 1) * every
+        looked, self._looked = self._looked, at
         limit = at - self.timeout_s
         quiet, pending, alive = [], set(), False
         for rank, ts in self._heard.items():
@@ -135,12 +144,15 @@ class SilentDetector(UsesView, Detector):
             if node is not None and at - oldest < self.timeout_s * 1.5 and any(
                     self.view.where.get(r) == node for r in pending):
                 continue   # more ranks of this machine are going quiet: wait for them
-            findings.append(self._finding(node, ranks, at))
+            findings.append(self._finding(node, ranks, at, looked))
         return findings
 
-    def _finding(self, node, ranks, at) -> Finding:
-        """Stamped ``at``, the time up to which every source was heard: the moment the
-        evidence sufficed, the same online (a partition read behind) as in ``analyze``."""
+    def _finding(self, node, ranks, at, looked) -> Finding:
+        """Stamped when the evidence sufficed: the first look of the grid after the ranks'
+        silence reached ``timeout_s``, if the detector last looked before it and ``at`` (the
+        time up to which every source was heard) is past it; else ``at``. The same online
+        (partitions heard up to a time that moves in jumps while the job is quiet) as in
+        ``analyze``."""
         node_ranks = [r for r, n in self.view.where.items() if n == node and r not in self._exited]
         all_quiet = node is not None and all(
             r in ranks or r in self._reported for r in node_ranks)
@@ -148,6 +160,10 @@ class SilentDetector(UsesView, Detector):
         machine = all_quiet and (gpu is None or at - gpu >= self.timeout_s / 2)
         self._reported.update(ranks)
         onset = min(self.view.last_seen[r] for r in ranks)
+        every = min(1.0, self.timeout_s / 10)
+        due = math.ceil((max(self._heard[r] for r in ranks) + self.timeout_s) / every) * every
+        if looked is not None and looked < due < at:
+            at = due
         if machine:
             ranks = sorted(node_ranks)
             summary = (f"machine {node} went silent: its {len(ranks)} rank(s) and its GPU samples "
