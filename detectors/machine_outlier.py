@@ -98,22 +98,16 @@ class MachineVector:
         util, sm_clock, mem_clock, power, temp, mem, pcie = [], [], [], [], [], [], []
         counters = {}                  # sbe, replay, nvlink -> their sum over the GPUs
         number = _NUMBER
+        plain = (("util", util), ("sm_clock", sm_clock), ("mem_clock", mem_clock),
+                 ("temp", temp))
         for g in gpus:
             if type(g) is not dict or g.get("lost"):
                 continue
             get = g.get
-            v = get("util")
-            if type(v) in number:
-                util.append(float(v))
-            v = get("sm_clock")
-            if type(v) in number:
-                sm_clock.append(float(v))
-            v = get("mem_clock")
-            if type(v) in number:
-                mem_clock.append(float(v))
-            v = get("temp")
-            if type(v) in number:
-                temp.append(float(v))
+            for name, values in plain:
+                v = get(name)
+                if type(v) in number:
+                    values.append(float(v))
             v, limit = get("power"), get("power_limit")
             if type(v) in number:
                 power.append(v / limit if type(limit) in number and limit > 0 else float(v))
