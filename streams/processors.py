@@ -27,6 +27,7 @@ for a slot idle longer than ``idle_ttl_s``. Slots idle ``evict_idle_s``, or beyo
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from dataclasses import dataclass, field
@@ -316,7 +317,6 @@ class JobProcessor(_SlotsProcessor):
         self.state.dirty.add(job.encode())
         marks, held, idle_s = slot.marks, slot.held, self.source_idle_s
         limit = now + FUTURE_SLACK_S
-        new = []
         clock = getattr(slot.stage, "clock", None)
         for p, o, i, item in items:
             if not marks.advance(p, o, i):
@@ -349,10 +349,7 @@ class JobProcessor(_SlotsProcessor):
                 if low > slot.low:
                     slot.low = low if low < limit else limit
             slot.held_seq += 1
-            new.append([ts, slot.held_seq, item, now])
-        if new:
-            held.extend(new)
-            held.sort()                   # time order: one sort of runs, not a heap op an item
+            heapq.heappush(held, [ts, slot.held_seq, item, now])
         return self._release(job, slot, now, self._hold_upto(job, slot, now))
 
     def _read(self, reading, now: float) -> None:
@@ -399,51 +396,47 @@ class JobProcessor(_SlotsProcessor):
         return math.inf if lowest == -math.inf else lowest + self.hold_slack_s
 
     def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
-        """Apply the held items of ``slot`` (a list kept sorted: time, then arrival) up to the
-        job's time ``upto``, in that order."""
+        """Apply the held items of ``slot`` up to the job's time ``upto``, in time order."""
         held = slot.held
         stage, observe = slot.stage, self.observe_lag
         clocked = getattr(stage, "clock", None) is not None    # restamped when held
         watermark, limit = slot.watermark, now + FUTURE_SLACK_S
         every = self.advance_every_s
         out = []
+        applied = False
         wait = now - self.source_idle_s            # held this long (wall): on it goes
-        count, taken, most = len(held), 0, self.max_held
-        try:
-            while taken < count and (held[taken][0] <= upto or count - taken > most
-                                     or held[taken][3] < wait):
-                ts, _, item, _ = held[taken]
-                taken += 1
-                if ts > upto:
-                    self.released_early += 1
-                self.applied += 1
+        while held and (held[0][0] <= upto or len(held) > self.max_held
+                        or held[0][3] < wait):
+            if held[0][0] > upto:
+                self.released_early += 1
+            item = heapq.heappop(held)[2]
+            applied = True
+            self.applied += 1
+            try:
+                out += stage.update(item, clocked=True) if clocked else stage.update(item)
+            except Exception:            # a detector bug must not stop the stream
+                self.errors += 1
+                log.exception("job stage %s failed on an item", job, extra={"job": job})
+            if type(item) is dict:
+                ts = item.get("ts")
+            else:
+                clock = getattr(stage, "clock", None)
+                ts = clock.time(item.node, item.ts) if clock is not None else item.ts
+            if type(ts) is float or type(ts) is int:
+                if ts > watermark:
+                    watermark = ts if ts < limit else limit
+                if observe is not None:
+                    observe(now - ts)
+            if every is not None and watermark > slot.clock and \
+                    on_grid(watermark, every) > slot.clock:
+                slot.clock = on_grid(watermark, every)     # analyze's event-time grid
                 try:
-                    out += stage.update(item, clocked=True) if clocked else stage.update(item)
-                except Exception:            # a detector bug must not stop the stream
+                    out += stage.advance(slot.clock, steps_now=on_grid(slot.low, every))
+                except Exception:
                     self.errors += 1
-                    log.exception("job stage %s failed on an item", job, extra={"job": job})
-                if type(item) is dict:
-                    ts = item.get("ts")
-                else:
-                    clock = getattr(stage, "clock", None)
-                    ts = clock.time(item.node, item.ts) if clock is not None else item.ts
-                if type(ts) is float or type(ts) is int:
-                    if ts > watermark:
-                        watermark = ts if ts < limit else limit
-                    if observe is not None:
-                        observe(now - ts)
-                if every is not None and watermark > slot.clock and \
-                        on_grid(watermark, every) > slot.clock:
-                    slot.clock = on_grid(watermark, every)     # analyze's event-time grid
-                    try:
-                        out += stage.advance(slot.clock, steps_now=on_grid(slot.low, every))
-                    except Exception:
-                        self.errors += 1
-                        log.exception("job stage %s failed in advance()", job,
-                                      extra={"job": job})
-        finally:
-            del held[:taken]
-        if taken:
+                    log.exception("job stage %s failed in advance()", job,
+                                  extra={"job": job})
+        if applied:
             slot.watermark, slot.applied_at = watermark, now
         return self._with_incidents(stage, out) if out else out
 
@@ -465,7 +458,6 @@ class JobProcessor(_SlotsProcessor):
         for key, slot in self.state.slots.items():
             if slot.held:            # a partition gone quiet, or held too long, no longer
                                      # holds the others
-                slot.held.sort()     # (kept sorted; a snapshot of an earlier version: a heap)
                 low = slot.lowest(now, self.source_idle_s)
                 if low > slot.low:
                     slot.low = min(low, now + FUTURE_SLACK_S)

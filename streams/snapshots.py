@@ -70,7 +70,7 @@ class JobSlot:
     sources: dict = field(default_factory=dict)   # telemetry partition -> [newest ts, wall]
     low_source: int = -1           # the partition of the lowest newest ts (see heard())
     low: float = -math.inf         # the newest time every partition heard from has reached
-    held: list = field(default_factory=list)   # sorted [time, seq, item, wall] not applied
+    held: list = field(default_factory=list)   # heap of [time, seq, item, wall] not applied
     held_seq: int = 0
 
     def heard_again(self, wall: float) -> None:
