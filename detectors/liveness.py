@@ -90,7 +90,7 @@ class SilentDetector(UsesView, Detector):
             if upto is not None and clock > ts:
                 # online, a partition read ahead is applied up to a second before the others:
                 # heard once every partition was heard up to here, as analyze hears it
-                clock = ts if ts > upto else upto
+                clock = ts if ts > upto else upto if upto < clock else clock
             self._heard[rank] = clock
             if k == "life":
                 if item.get("event") == "exit":

@@ -55,8 +55,8 @@ import os
 import queue as queue_module
 import re
 from itertools import islice
-from sys import intern
 from pathlib import Path
+from sys import intern
 
 import orjson
 
