@@ -101,7 +101,6 @@ class StragglerDetector(UsesView, Detector):
     def _start(self) -> None:
         self._paces = PaceDicts()       # each rank's usual pace and last steps
         self._init_view()              # where ranks run, ranks per pipeline stage
-        self._named: set = set()
         self._pending = None           # steps left before naming
         self._waited = 0               # steps waited since the first rank qualified
         self._candidates: set = set()  # ranks that qualified meanwhile
@@ -136,8 +135,7 @@ class StragglerDetector(UsesView, Detector):
         qualifying = sorted(r for r in self._candidates if slow_count(r) * 2 > self.n)
         if not qualifying:
             return []
-        self._named.update(qualifying)
-        self._paces.named(qualifying)
+        self._paces.mark_named(qualifying)
         return [self._finding(qualifying, step, ts)]
 
     def _finding(self, qualifying, step, ts) -> Finding:
@@ -171,6 +169,7 @@ class PaceDicts:
                                    #          mean absolute deviation of its log ratio]
         self.steps: dict = {}      # rank -> deque of (slow, step, ts, ratio), the last n
         self.slow_steps: dict = {}  # rank -> how many of its steps were slow
+        self.named_ranks: set = set()  # named, not recovered since
 
     def judge(self, d: StragglerDetector, st, step, ts) -> list:
         """Learn one step; returns the ranks that qualify now (not named yet)."""
@@ -179,7 +178,7 @@ class PaceDicts:
         qualifying = []
         base_of, ratio = self.base, d.ratio
         log_ratio, warmup = math.log(ratio), d.warmup
-        history, slow_steps, named, n, k = self.steps, self.slow_steps, d._named, d.n, d.k
+        history, slow_steps, named, n, k = self.steps, self.slow_steps, self.named_ranks, d.n, d.k
         log, exp, min_excess, step_size = math.log, math.exp, d.min_excess_s, d.baseline_step
         z, half_ratio, spread_weight = d.noise_z, log_ratio / 2, _SPREAD_WEIGHT
         learned_now = []
@@ -290,7 +289,7 @@ class PaceDicts:
         """Another rank slow in 2+ of its last steps, not yet qualifying: ranks falling
         behind together a few steps apart are named together (wait at most ``n`` steps)."""
         for rank, count in self.slow_steps.items():
-            if 2 <= count < d.k and rank not in d._named and rank not in qualifying:
+            if 2 <= count < d.k and rank not in self.named_ranks and rank not in qualifying:
                 return True
         return False
 
@@ -301,8 +300,9 @@ class PaceDicts:
         """A rank's last steps, oldest first: ``(slow, step, ts, ratio)``."""
         return list(self.steps[rank])
 
-    def named(self, ranks) -> None:
-        """The detector named ``ranks`` (it keeps the set, which :meth:`judge` reads)."""
+    def mark_named(self, ranks) -> None:
+        """The detector named ``ranks``: each is named again only after it recovered."""
+        self.named_ranks.update(ranks)
 
 
 class PaceArrays:
@@ -348,7 +348,7 @@ class PaceArrays:
             paces.h_len[row] = len(steps)
             paces.h_pos[row] = len(steps) % d.n
             paces.slow[row] = dicts.slow_steps.get(rank, 0)
-        paces.named(d._named)
+        paces.mark_named(dicts.named_ranks)
         return paces
 
     def _grow(self, rows: int) -> None:
@@ -421,7 +421,6 @@ class PaceArrays:
         recovered = rows[named_now & (count <= d.n - d.k)]
         if len(recovered):
             self.named_row[recovered] = False
-            d._named.difference_update(rank_of[i] for i in recovered.tolist())
         qualifying = [rank_of[i] for i in rows[~named_now & (count >= d.k)].tolist()]
         if len(learned_now):
             self._slow_from_the_start(d, rows[learned_now])
@@ -494,7 +493,7 @@ class PaceArrays:
                  float(self.h_ts[row, i]), float(self.h_ratio[row, i]))
                 for i in ((start + j) % n for j in range(length))]
 
-    def named(self, ranks) -> None:
-        """The detector named ``ranks``."""
+    def mark_named(self, ranks) -> None:
+        """The detector named ``ranks``: each is named again only after it recovered."""
         row_of = self.rows.row_of
         self.named_row[[row_of[r] for r in ranks if r in row_of]] = True
