@@ -216,7 +216,7 @@ def test_derived_thresholds_follow_a_retuned_ratio():
                                        "detectors.loss_spike.min_ratio": 2.0}, ts=1.0,
                       override_id="o"))
     book.tune("j", stage)
-    assert stage.detectors["straggler"]._log_ratio == math.log(1.5)
+    assert stage.detectors["straggler"].ratio == 1.5      # judged from it at every step
     assert stage.detectors["loss_spike"]._log_min_ratio == math.log(2.0)
 
 
