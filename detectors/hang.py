@@ -200,8 +200,7 @@ class HangDetector(UsesView, Detector):
                 if prev is not None and prev[1] not in STEP_PHASES and prev[2] < ts and \
                         type(prev[1]) is str and (prev[3] is None or step > prev[3]):
                     self._end_phase(rank, prev, ts)    # a later step proves it is over
-                    self._hb[rank] = [ts, "step", ts, step, None]
-                    self._pausing.discard(rank)
+                    self._put_hb(rank, [ts, "step", ts, step, None])
                 if self._max_step is None or step > self._max_step:
                     self._step(step, ts)
                 self._learn_step_time(step, item.get("step_time"))
@@ -299,16 +298,23 @@ class HangDetector(UsesView, Detector):
                     self._not_pauses.append(phase)     # steps go on inside it: no pause
             else:
                 first_step = step
-            self._hb[rank] = [ts, phase, since, step, first_step]
-            self._pausing.add(rank)
+            self._put_hb(rank, [ts, phase, since, step, first_step])
             if phase not in self._not_pauses:
                 self._paused_since_progress = True
         else:
-            self._hb[rank] = [ts, phase, since, step, None]
-            self._pausing.discard(rank)
+            self._put_hb(rank, [ts, phase, since, step, None])
             if self._progress_ts is not None and since > self._progress_ts and (
                     self._moved_ts is None or since > self._moved_ts):
                 self._moved_ts = since           # the rank moved on within the step
+
+    def _put_hb(self, rank, entry) -> None:
+        """A rank's heartbeat entry, and whether it is in an allowed phase (the deadline
+        looks at those ranks only)."""
+        self._hb[rank] = entry
+        if is_allowed_phase(entry[1]):
+            self._pausing.add(rank)
+        else:
+            self._pausing.discard(rank)
 
     def _end_phase(self, rank, prev, end) -> None:
         """``prev`` (a heartbeat entry in an allowed phase) ended at ``end``."""

@@ -71,7 +71,6 @@ class SilentDetector(UsesView, Detector):
         self._heard: dict = {}     # rank -> job clock when it was last heard from
         self._exited: set = set()
         self._reported: set = set()
-        self._next = None
         self._looked = None        # the time the detector last looked at
 
     def update(self, item) -> list[Finding]:
@@ -90,7 +89,7 @@ class SilentDetector(UsesView, Detector):
             if upto is not None and clock > ts:
                 # online, a partition read ahead is applied up to a second before the others:
                 # heard once every partition was heard up to here, as analyze hears it
-                clock = ts if ts > upto else upto if upto < clock else clock
+                clock = max(ts, min(upto, clock))
             self._heard[rank] = clock
             if k == "life":
                 if item.get("event") == "exit":
@@ -102,6 +101,11 @@ class SilentDetector(UsesView, Detector):
         elif getattr(item, "TYPE", "") == "gpu" and item.node:
             self._gpu_sample(item.node, self._tick(item.ts))
         return []
+
+    @property
+    def _every(self) -> float:
+        """How often the detector looks, in the job's time."""
+        return min(1.0, self.timeout_s / 10)
 
     def _tick(self, ts: float) -> float:
         """The job's clock, moved on to ``ts`` when that is newer."""
@@ -117,11 +121,11 @@ class SilentDetector(UsesView, Detector):
 
     def advance(self, now: float) -> list[Finding]:
         at = self.view.judged(now)       # a rank still on its way is not missing
-        if self._next is not None and at < self._next:
+        looked, every = self._looked, self._every
+        # looks on a fixed grid of the job's time, however `at` moves
+        if looked is not None and at < (math.floor(looked / every) + 1) * every:
             return []
-        every = min(1.0, self.timeout_s / 10)     # looks on a fixed grid, however `at` moves
-        self._next = (math.floor(at / every) + 1) * every
-        looked, self._looked = self._looked, at
+        self._looked = at
         limit = at - self.timeout_s
         quiet, pending, alive = [], set(), False
         for rank, ts in self._heard.items():
@@ -160,7 +164,7 @@ class SilentDetector(UsesView, Detector):
         machine = all_quiet and (gpu is None or at - gpu >= self.timeout_s / 2)
         self._reported.update(ranks)
         onset = min(self.view.last_seen[r] for r in ranks)
-        every = min(1.0, self.timeout_s / 10)
+        every = self._every
         due = math.ceil((max(self._heard[r] for r in ranks) + self.timeout_s) / every) * every
         if looked is not None and looked < due < at:
             at = due

@@ -17,7 +17,7 @@ import numpy as np
 
 from .base import make_jobstep, num
 
-__all__ = ["StepTimes", "step_times", "peer_ratios", "peer_ratio_array", "lower_median",
+__all__ = ["StepTimes", "step_times", "peer_ratios", "peer_ratio_array", "array_median",
            "RankRows", "ARRAYS_FROM"]
 
 #: the ranks of a step from which it is worked out with numpy
@@ -55,8 +55,8 @@ class StepTimes:
 
 def step_times(item) -> StepTimes:
     """The :class:`StepTimes` of a jobstep, worked out once for all the detectors that look
-    at it (kept in the item under ``"_peer_view"``)."""
-    view = item.get("_peer_view")
+    at it (kept in the item under ``"_step_times"``)."""
+    view = item.get("_step_times")
     if view is None:
         ranks, values = [], []
         for rank, rec in item["ranks"].items():
@@ -66,7 +66,7 @@ def step_times(item) -> StepTimes:
             if ct is not None and ct >= 0 and ct - ct == 0:
                 ranks.append(rank)
                 values.append(ct)
-        view = item["_peer_view"] = StepTimes(ranks, values)
+        view = item["_step_times"] = StepTimes(ranks, values)
     return view
 
 
@@ -137,11 +137,11 @@ def peer_ratio_array(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def lower_median(values: np.ndarray) -> float:
+def array_median(values: np.ndarray) -> float:
     """The median (the mean of the two middle values of an even count) of a non-empty array,
     as :func:`~.base.median` computes it.
 
-    >>> lower_median(np.array([3.0, 1.0, 2.0, 10.0])), lower_median(np.array([5.0]))
+    >>> array_median(np.array([3.0, 1.0, 2.0, 10.0])), array_median(np.array([5.0]))
     (2.5, 5.0)
     """
     n = len(values)

@@ -29,7 +29,7 @@ from trainguard.setting import setting
 
 from .base import (Detector, Finding, fmt_ranks, make_jobstep, median, rank_nodes,
                    whole_nodes)
-from .peers import (ARRAYS_FROM, RankRows, lower_median, peer_ratio_array, peer_ratios,
+from .peers import (ARRAYS_FROM, RankRows, array_median, peer_ratio_array, peer_ratios,
                     step_times)
 from .registry import register_detector
 from .view import UsesView
@@ -310,7 +310,7 @@ class PaceArrays:
     all its ranks at once with the rules of :class:`PaceDicts`."""
 
     _ARRAYS = ("level", "learned", "share", "dev", "slow", "named_row",
-               "h_slow", "h_step", "h_ts", "h_ratio", "h_len", "h_pos")
+               "h_slow", "h_step", "h_ts", "h_ratio", "h_count")
 
     def __init__(self, n: int):
         self.n = n
@@ -323,13 +323,13 @@ class PaceArrays:
         self.dev = np.zeros(0)
         self.slow = np.zeros(0, dtype=np.int64)
         self.named_row = np.zeros(0, dtype=bool)
-        # its last n steps, a ring: slow, step, ts, ratio; how many, where the next goes
+        # its last n steps, a ring: slow, step, ts, ratio; how many it ever recorded (the
+        # next goes to that modulo n)
         self.h_slow = np.zeros((0, n), dtype=bool)
         self.h_step = np.zeros((0, n), dtype=np.int64)
         self.h_ts = np.zeros((0, n))
         self.h_ratio = np.zeros((0, n))
-        self.h_len = np.zeros(0, dtype=np.int64)
-        self.h_pos = np.zeros(0, dtype=np.int64)
+        self.h_count = np.zeros(0, dtype=np.int64)
 
     @classmethod
     def of(cls, dicts: PaceDicts, d: StragglerDetector) -> PaceArrays:
@@ -345,8 +345,7 @@ class PaceArrays:
             for i, (slow, step, ts, ratio) in enumerate(steps):
                 paces.h_slow[row, i], paces.h_step[row, i] = slow, step
                 paces.h_ts[row, i], paces.h_ratio[row, i] = ts, ratio
-            paces.h_len[row] = len(steps)
-            paces.h_pos[row] = len(steps) % d.n
+            paces.h_count[row] = len(steps)
             paces.slow[row] = dicts.slow_steps.get(rank, 0)
         paces.mark_named(dicts.named_ranks)
         return paces
@@ -371,7 +370,7 @@ class PaceArrays:
         log_ratio = float(np.log(d.ratio))
         # the typical ratio of the step's ranks that are not slow (see PaceDicts.judge)
         usual = ratios[(ratios > 0) & (ratios < d.ratio)]
-        shift = float(np.log(lower_median(usual))) if len(usual) else 0.0
+        shift = float(np.log(array_median(usual))) if len(usual) else 0.0
         judged = ratios > 0
         if not judged.all():
             rows, times, ratios = rows[judged], times[judged], ratios[judged]
@@ -407,12 +406,14 @@ class PaceArrays:
             step_size = d.baseline_step
             new_level[settled] = np.where(moves, lv + np.where(own > 0, step_size, -step_size),
                                           lv)
-            warming[settled] = moves        # from here on: the rows whose share follows
+        moved = warming.copy()             # the rows whose level moved: their share follows
+        if settled.any():
+            moved[settled] = moves
         self.level[rows] = new_level
         self.dev[rows] = new_dev
         self.learned[rows] = np.where(learned < warmup, learned + 1, learned)
-        if warming.any():
-            self.share[rows[warming]] = np.exp(new_level[warming])
+        if moved.any():
+            self.share[rows[moved]] = np.exp(new_level[moved])
         if first.any():
             self.share[rows[first]] = ratios[first]
         count = self._remember(rows, slow, step, ts, np.where(first, 1.0, ratios), count)
@@ -429,15 +430,15 @@ class PaceArrays:
     def _remember(self, rows, slow, step, ts, ratios, count) -> np.ndarray:
         """Each row's step in its ring of the last ``n``; returns the rows' new slow counts."""
         n = self.n
-        pos, length = self.h_pos[rows], self.h_len[rows]
-        leaving = (length == n) & self.h_slow[rows, pos]     # the oldest slow step leaves
+        recorded = self.h_count[rows]
+        pos = recorded % n
+        leaving = (recorded >= n) & self.h_slow[rows, pos]   # the oldest slow step leaves
         count = count - leaving + slow
         self.h_slow[rows, pos] = slow
         self.h_step[rows, pos] = step
         self.h_ts[rows, pos] = ts
         self.h_ratio[rows, pos] = ratios
-        self.h_pos[rows] = (pos + 1) % n
-        self.h_len[rows] = np.minimum(length + 1, n)
+        self.h_count[rows] = recorded + 1
         self.slow[rows] = count
         return count
 
@@ -463,7 +464,7 @@ class PaceArrays:
         warm = self.learned[:used] >= d.warmup
         for group in np.unique(gid[learned_now]):  # once per group: all end warm-up together
             levels = self.level[:used][warm & (gid == group)]
-            mid = lower_median(levels)
+            mid = array_median(levels)
             high = int(np.count_nonzero(levels - mid >= cut))
             mine = learned_now[gid[learned_now] == group]
             if high <= max(1, len(levels) // 4):
@@ -487,8 +488,9 @@ class PaceArrays:
     def history(self, rank) -> list:
         """A rank's last steps, oldest first: ``(slow, step, ts, ratio)``."""
         row = self.rows.row_of[rank]
-        length, n = int(self.h_len[row]), self.n
-        start = (int(self.h_pos[row]) - length) % n
+        recorded, n = int(self.h_count[row]), self.n
+        length = min(recorded, n)
+        start = (recorded - length) % n
         return [(bool(self.h_slow[row, i]), int(self.h_step[row, i]),
                  float(self.h_ts[row, i]), float(self.h_ratio[row, i]))
                 for i in ((start + j) % n for j in range(length))]
