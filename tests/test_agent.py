@@ -21,12 +21,16 @@ from trainguard.config import Config, Topics
 from fakes_nvml import FakePynvml, hgx_node
 
 NOW = 1_764_680_000.0
+#: the registered ranks' first pid: above Linux's largest (PID_MAX_LIMIT, 2**22), so never a
+#: live process here, which address() would take for a reused pid (this machine's pid_max is
+#: 32768: a busy run wraps around to 1000 and beyond)
+PID0 = 2**22 + 1000
 FRAMES = [{"function": "load_batch", "file": "/x/train.py", "line": 7},
           {"function": "<module>", "file": "/x/train.py", "line": 20}]
 
 
 def ranks(job="j1", node="n1", count=4, **extra):
-    return [{"job": job, "rank": r, "local_rank": r, "pid": 1000 + r, "node": node,
+    return [{"job": job, "rank": r, "local_rank": r, "pid": PID0 + r, "node": node,
              "start_time": NOW - 60, **extra} for r in range(count)]
 
 
@@ -71,9 +75,9 @@ def test_rank_list_selects_local_ranks_only():
 def test_malformed_entries_and_reused_pids_are_skipped():
     entries = ranks() + [{"job": "j1", "rank": "x", "pid": 5}, {"job": "j1", "rank": 9},
                          "not a dict"]
-    started = {1000: NOW - 70, 1001: NOW - 10, 1002: NOW + 3600, 1003: None}
+    started = {PID0: NOW - 70, PID0 + 1: NOW - 10, PID0 + 2: NOW + 3600, PID0 + 3: None}
     targets, why = address(command(), "n1", entries, started_at=lambda pid: started.get(pid))
-    assert why is None and [e["rank"] for e in targets] == [0, 1, 3]  # 1002: a new process
+    assert why is None and [e["rank"] for e in targets] == [0, 1, 3]  # rank 2: a new process
 
 
 def test_only_the_enumerated_command_form_is_obeyed():
@@ -167,7 +171,7 @@ def test_one_capture_per_pid_at_a_time():
     second = runner.run(command(capture_id="c2"), ranks()[:1])  # the same pid, meanwhile
     release.set()
     first.join(5)
-    assert second[0].error.startswith("busy: a capture of pid 1000")
+    assert second[0].error.startswith(f"busy: a capture of pid {PID0}")
     assert [e.error for e in published if e.capture_id == "c1"] == [None]
 
 
@@ -218,7 +222,7 @@ def test_runner_captures_every_rank_in_parallel_and_survives_a_failing_capture()
     def capture(pid, native, timeout, runtime_dir, signum):
         calls.append((pid, native, runtime_dir))
         barrier.wait()
-        if pid == 1003:
+        if pid == PID0 + 3:
             raise RuntimeError("boom")
         return {"pid": pid, "method": "py-spy", "error": None,
                 "threads": [{"name": "MainThread", "id": 1, "active": True, "frames": FRAMES}]}
