@@ -181,6 +181,8 @@ def xid_recovery(slurm, config, folder: Path, how: str, *, steps: int = 40,
                 ordered_s=round(ordered - fault_ts, 2),
                 resumed_s=round(first_resumed.ts - fault_ts, 2),
                 resume_step=first_resumed.step,
+                last_step_before=max((e.step for e in telemetry.events if e.type == "step"
+                                      and e.job == job and e.ts <= restart.ts), default=None),
                 nodes_after=nodes_stepping(telemetry.events, restart.ts),
                 anomaly_kinds=sorted({a.kind for a in found}),
                 actions=[(e.action, e.status, e.extra.get("ack_status"), e.reason[:160])
