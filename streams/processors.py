@@ -221,7 +221,7 @@ class JobProcessor(_SlotsProcessor):
                  incidents: bool = False, source_idle_s: float = 10.0,
                  tune_stage: Callable[[str, Any], Any] | None = None,
                  max_held: int = 200_000, hold_slack_s: float = 1.0,
-                 hold_idle_s: float = 2.0):
+                 hold_idle_s: float = 2.0, unread_s: float = 30.0):
         self.make_stage = make_stage
         #: items of a job held for a partition read behind, at most (see :meth:`apply`)
         self.max_held = max_held
@@ -245,6 +245,10 @@ class JobProcessor(_SlotsProcessor):
         #: a telemetry partition that sent nothing this long no longer holds the job's
         #: clock back (:meth:`JobSlot.heard`)
         self.source_idle_s = source_idle_s
+        #: ... unless no rank worker said since that it read the partition to the end (its
+        #: worker killed, stalled or its partitions moving): then it holds the time up to which
+        #: the job is judged (a silent machine's) back this long (:meth:`_unvouched`)
+        self.unread_s = unread_s
         self.incidents = incidents
         #: called with (job, stage) for each stage built or loaded from a snapshot: the
         #: job's per-job overrides (streams/config_feed.py)
@@ -314,8 +318,10 @@ class JobProcessor(_SlotsProcessor):
         self._first.setdefault(job, now)
         slot = self._slot(job, partition, now)
         slot.touched = now
-        self.state.dirty.add(job.encode())
+        if items or slot.held:           # a word of what a worker reads changes no state
+            self.state.dirty.add(job.encode())
         marks, held, idle_s = slot.marks, slot.held, self.source_idle_s
+        unvouched, unread_s = self._unvouched, self.unread_s
         limit = now + FUTURE_SLACK_S
         clock = getattr(slot.stage, "clock", None)
         for p, o, i, item in items:
@@ -345,12 +351,23 @@ class JobProcessor(_SlotsProcessor):
                 # carry every few seconds tells how far each was read. The launcher's own
                 # events and a machine's samples come seconds or minutes apart: they wait
                 # their turn, but hold nothing back.
-                low = slot.heard(p, ts, now, idle_s)
+                low = slot.heard(p, ts, now, idle_s, unvouched, unread_s)
                 if low > slot.low:
                     slot.low = low if low < limit else limit
             slot.held_seq += 1
             heapq.heappush(held, [ts, slot.held_seq, item, now])
         return self._release(job, slot, now, self._hold_upto(job, slot, now))
+
+    def _unvouched(self, partition: int, since: float, wall: float) -> bool:
+        """Whether a rank worker told of ``partition`` (live workers say with every message,
+        and every second to the jobs they send to, which partitions they read and which of
+        them they are behind on) and none said, since wall time ``since`` and within
+        ``hold_idle_s`` of ``wall``, that it read it to the end. A partition never told of is
+        judged by its silence alone."""
+        at = self.caught_up.get(partition)
+        if at is None:
+            return partition in self.behind
+        return at <= since or wall - at > self.hold_idle_s
 
     def _read(self, reading, now: float) -> None:
         behind, caught_up = self.behind, self.caught_up
@@ -458,7 +475,8 @@ class JobProcessor(_SlotsProcessor):
         for key, slot in self.state.slots.items():
             if slot.held:            # a partition gone quiet, or held too long, no longer
                                      # holds the others
-                low = slot.lowest(now, self.source_idle_s)
+                low = slot.lowest(now, self.source_idle_s, unvouched=self._unvouched,
+                                  unread_s=self.unread_s)
                 if low > slot.low:
                     slot.low = min(low, now + FUTURE_SLACK_S)
                 found = self._release(key.decode(), slot, now,
@@ -468,7 +486,9 @@ class JobProcessor(_SlotsProcessor):
                     out += found
             try:
                 every = self.advance_every_s
-                at, steps_at = slot.now(now), slot.steps_now(now)
+                unvouched, unread_s = self._unvouched, self.unread_s
+                at = slot.now(now, unvouched, unread_s)
+                steps_at = slot.steps_now(now, unvouched, unread_s)
                 if every:
                     at, steps_at = on_grid(at, every), on_grid(steps_at, every)
                 found = slot.stage.advance(at, steps_now=steps_at)

@@ -41,6 +41,10 @@ ACTIVE_S = 0.3
 AHEAD_S = 2.0
 #: a job told that a partition is behind hears that it no longer is within this (wall s)
 TELL_EVERY_S = 1.0
+#: a job that got items from this worker within this long (wall s) hears what it reads at
+#: least every TELL_EVERY_S, also with nothing to send: that its partitions are read, so
+#: their silence is its ranks' (``JobProcessor.unread_s``)
+VOUCH_FOR_S = 60.0
 
 
 class RankService(Service):
@@ -70,6 +74,8 @@ class RankService(Service):
         self.aligner = EventTimeAligner(max_hold_s=settings.align_hold_s)
         self._committed: dict = {}
         self._told: dict = {}           # job -> (partitions told behind, wall time)
+        self._fed: dict = {}            # job -> wall time it last got items from here
+        self._heard_at: dict = {}       # job -> wall time it last got a message from here
         self._partitions = 0            # the telemetry topic's partition count, once known
         self._count_again = 0.0         # ... and when to ask the broker for it again
         self._failed = 0
@@ -204,7 +210,7 @@ class RankService(Service):
                     positions[rec[0]] = rec[1] + 1
         if len(self.aligner) or self.paused:
             self._flow_control()
-        if out.items or self._told:
+        if out.items or self._told or self._vouch_due(now):
             self._tell_reading(out)
         self._account(out)
 
@@ -240,11 +246,26 @@ class RankService(Service):
             # for the partitions that sent to it anyway
             if job not in out.items and not was <= now_behind and now - when >= TELL_EVERY_S:
                 out.items[job] = []            # tell it that it may stop waiting
-        for job in out.items:
+        fed, heard_at = self._fed, self._heard_at
+        for job in [job for job, at in fed.items() if now - at > VOUCH_FOR_S]:
+            del fed[job], heard_at[job]
+        for job, at in heard_at.items():
+            if job not in out.items and now - at >= TELL_EVERY_S:
+                out.items[job] = []            # its partitions are read, nothing came
+        for job, items in out.items.items():
             if now_behind:
                 told[job] = (now_behind, now)
             else:
                 told.pop(job, None)
+            if items:
+                fed[job] = now
+            if job in fed:
+                heard_at[job] = now
+
+    def _vouch_due(self, now: float) -> bool:
+        """Whether a job this worker fed within VOUCH_FOR_S heard nothing from it for
+        TELL_EVERY_S."""
+        return any(now - at >= TELL_EVERY_S for at in self._heard_at.values())
 
     def _flow_control(self) -> None:
         """Pause partitions whose held records run ``AHEAD_S`` past the others, so that

@@ -80,6 +80,11 @@ class WorkerSettings:
                                          "long no longer holds a job's clock back (a job's "
                                          "now is the lowest newest time of its partitions)",
                                    above=0)
+    unread_partition_s: float = setting(30.0, "... unless no rank worker said since that it "
+                                              "read it: then it holds the time up to which a "
+                                              "job is judged this long (a killed or stalled "
+                                              "worker's partitions, while they move)",
+                                        above=0)
     idle_ttl_s: float = setting(6 * 3600.0, "stages without input this long are dropped",
                                 above=0)
     evict_idle_s: float = setting(1800.0, "stages without input this long leave memory for "

@@ -100,7 +100,8 @@ def build(settings: WorkerSettings, config: Config, detector_config=None, keys=N
                         evict_idle_s=settings.evict_idle_s,
                         max_live=settings.max_live_jobs, shared=shared,
                         incidents=settings.publish_incidents,
-                        source_idle_s=settings.source_idle_s, tune_stage=book.tune)
+                        source_idle_s=settings.source_idle_s,
+                        unread_s=settings.unread_partition_s, tune_stage=book.tune)
     collection = (ScheduledCollection(settings.gc_interval_s) if settings.gc_interval_s > 0
                   else None)
     runtime = JobRuntime(settings=settings, topics=topics, processor=jobs, metrics=metrics,

@@ -229,6 +229,38 @@ def test_summaries_say_which_partitions_the_worker_is_behind_on():
     assert svc._told == {}
 
 
+def test_a_job_fed_lately_hears_every_second_that_its_partitions_are_read():
+    """With nothing to send it, a job this worker fed within VOUCH_FOR_S still hears every
+    second which partitions it reads (and that it read them to the end): the job side then
+    knows their silence is its ranks', not a worker gone (``JobProcessor.unread_s``)."""
+    from trainguard.streams.logic import parse_summaries
+    from trainguard.streams.rank_side import VOUCH_FOR_S
+
+    broker, now = Broker(), [0.0]
+    _load(broker, steps=2, ranks=4)
+    svc = _service(broker, now)
+    _drain(svc, now, rounds=20)
+
+    def words():
+        said = [parse_summaries(v) for (topic, _), log in sorted(broker.logs.items())
+                if topic == TOPICS.summaries for _, v in log]
+        return [(job, reading.behind) for job, items, reading in said if not items]
+
+    assert words() == [] and _summaries(broker)      # items, each with the reading
+    start = now[0]
+    while now[0] < start + 3.05:
+        now[0] += 0.05
+        svc._process([])
+        svc.producer.flush()
+    assert words() == [("j", ())] * 3                 # once a second, nothing behind
+    now[0] = start + VOUCH_FOR_S + 1
+    svc._process([])
+    now[0] += 1.5
+    svc._process([])
+    svc.producer.flush()
+    assert len(words()) == 3 and svc._fed == {} and svc._heard_at == {}
+
+
 def test_checkpoint_commits_what_was_applied_and_a_restart_skips_it():
     broker, now = Broker(), [0.0]
     _load(broker, steps=200)
