@@ -101,10 +101,11 @@ class JobSlot:
         hang's detection back by as much.)
 
         ``unvouched(partition, since, wall)``: whether no rank worker said, since ``since``
-        (when the partition last sent) and lately at ``wall``, that it read it to the end. Such a partition is not
-        known to be quiet: its worker may be gone (killed, stalled, its partitions moving to
-        another in a rebalance). It holds the watermark back while silent up to ``unread_s``,
-        so its machines do not look silent while nobody reads them.
+        (when the partition last sent) and lately at ``wall``, that it read it to the end.
+        Such a partition is not known to be quiet: its worker may be gone (killed, stalled,
+        its partitions moving to another in a rebalance). It holds the watermark back while
+        silent up to ``unread_s``, so its machines do not look silent while nobody reads
+        them.
 
         >>> slot = JobSlot(stage=None, partition=0)
         >>> slot.heard(0, 100.0, wall=1.0, idle_s=10.0)
