@@ -277,6 +277,7 @@ class JobRuntime:
         m.set_gauge("behind_partitions", sum(
             1 for at in self.processor.behind.values()
             if wall - at <= self.processor.source_idle_s))
+        m.set_gauge("unread_partitions", len(self.processor.unread_partitions(wall)))
         m.counters["restore_failures"] = failures
         m.counters["evictions"] = evictions
         m.set_gauge("evicted_stages", evicted)

@@ -369,6 +369,14 @@ class JobProcessor(_SlotsProcessor):
             return partition in self.behind
         return at <= since or wall - at > self.hold_idle_s
 
+    def unread_partitions(self, wall: float) -> set:
+        """The telemetry partitions silent for more than ``source_idle_s`` that hold a job's
+        judged time back because no rank worker says it reads them (:meth:`_unvouched`)."""
+        out: set = set()
+        for slot in self.state.slots.values():
+            out.update(slot.unread(wall, self.source_idle_s, self._unvouched, self.unread_s))
+        return out
+
     def _read(self, reading, now: float) -> None:
         behind, caught_up = self.behind, self.caught_up
         for p in reading.parts:

@@ -174,6 +174,12 @@ class JobSlot:
                 best, low = newest, p
         return best, low
 
+    def unread(self, wall: float, idle_s: float, unvouched, unread_s: float) -> list:
+        """The partitions silent for more than ``idle_s`` that still hold the watermark back
+        because nobody read them since (see :meth:`heard`)."""
+        return [p for p, (_, heard) in self.sources.items()
+                if wall - heard > idle_s and _unread(p, heard, wall, unvouched, unread_s)]
+
     def _run_on(self, wall: float, unvouched, unread_s: float) -> float:
         """Wall seconds since items last came, by which the job's clock moves on: none while
         a partition it was heard from went unread since (``unvouched``) for ``unread_s`` at

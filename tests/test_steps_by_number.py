@@ -539,6 +539,31 @@ def test_a_rank_worker_gone_while_caught_up_makes_no_machine_silent_or_job_hung(
         assert online(events, delay, reading=True, down=down)[0] == [], name
 
 
+def test_the_partitions_nobody_says_it_reads_are_counted_while_they_hold_a_job():
+    """``trainguard_unread_partitions``: partition 1's worker gone 25 s in the middle of a
+    healthy job: counted once it is silent for ``source_idle_s``, until it is read again."""
+    events, _ = generate({sc.name: sc for sc in HEALTHY}["plain-120.0s"])
+    half = (events[-1].ts - events[0].ts) / 2
+    delay, down = worker_gone(25.0, at_s=half)
+    seen = {}
+    advance = JobProcessor.advance
+
+    def counting(self, now):
+        seen[round(now - events[0].ts)] = self.unread_partitions(now)
+        return advance(self, now)
+    JobProcessor.advance = counting
+    try:
+        assert online(events, delay, reading=True, down=down)[0] == []
+    finally:
+        JobProcessor.advance = advance
+    counted = sorted(t for t, parts in seen.items() if parts)
+    assert all(seen[t] == {1} for t in counted), seen
+    # from source_idle_s (10 s) after the partition's last record (a heartbeat summary
+    # comes every 5 s) until its worker's successor reads it again
+    assert counted and half + 5 <= counted[0] <= half + 11 and counted[-1] <= half + 26, \
+        (half, counted)
+
+
 def test_a_machine_lost_behind_a_worker_that_says_it_reads_is_found_as_before():
     """The live workers say every second which partitions they read: a partition gone quiet
     behind such a worker is its machines' silence, judged as without the workers' word."""
