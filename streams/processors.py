@@ -247,7 +247,7 @@ class JobProcessor(_SlotsProcessor):
         self.source_idle_s = source_idle_s
         #: ... unless no rank worker said since that it read the partition to the end (its
         #: worker killed, stalled or its partitions moving): then it holds the time up to which
-        #: the job is judged (a silent machine's) back this long (:meth:`_unvouched`)
+        #: the job is judged (a silent machine's) back this long (:meth:`_unread_since`)
         self.unread_s = unread_s
         self.incidents = incidents
         #: called with (job, stage) for each stage built or loaded from a snapshot: the
@@ -321,7 +321,7 @@ class JobProcessor(_SlotsProcessor):
         if items or slot.held:           # a word of what a worker reads changes no state
             self.state.dirty.add(job.encode())
         marks, held, idle_s = slot.marks, slot.held, self.source_idle_s
-        unvouched, unread_s = self._unvouched, self.unread_s
+        unread_since = self._unread_since
         limit = now + FUTURE_SLACK_S
         clock = getattr(slot.stage, "clock", None)
         for p, o, i, item in items:
@@ -351,30 +351,33 @@ class JobProcessor(_SlotsProcessor):
                 # carry every few seconds tells how far each was read. The launcher's own
                 # events and a machine's samples come seconds or minutes apart: they wait
                 # their turn, but hold nothing back.
-                low = slot.heard(p, ts, now, idle_s, unvouched, unread_s)
+                low = slot.heard(p, ts, now, idle_s, unread_since)
                 if low > slot.low:
                     slot.low = low if low < limit else limit
             slot.held_seq += 1
             heapq.heappush(held, [ts, slot.held_seq, item, now])
         return self._release(job, slot, now, self._hold_upto(job, slot, now))
 
-    def _unvouched(self, partition: int, since: float, wall: float) -> bool:
-        """Whether a rank worker told of ``partition`` (live workers say with every message,
-        and every second to the jobs they send to, which partitions they read and which of
-        them they are behind on) and none said, since wall time ``since`` and within
-        ``hold_idle_s`` of ``wall``, that it read it to the end. A partition never told of is
-        judged by its silence alone."""
+    def _unread_since(self, partition: int, heard: float, wall: float) -> bool:
+        """Whether ``partition``, which last sent at wall time ``heard``, is silent for at
+        most ``unread_s`` while a rank worker told of it (live workers say with every
+        message, and every second to the jobs they send to, which partitions they read and
+        which of them they are behind on) and none said, since ``heard`` and within
+        ``hold_idle_s`` of ``wall``, that it read it to the end. A partition never told of
+        is judged by its silence alone."""
+        if wall - heard > self.unread_s:
+            return False
         at = self.caught_up.get(partition)
         if at is None:
             return partition in self.behind
-        return at <= since or wall - at > self.hold_idle_s
+        return at <= heard or wall - at > self.hold_idle_s
 
     def unread_partitions(self, wall: float) -> set:
         """The telemetry partitions silent for more than ``source_idle_s`` that hold a job's
-        judged time back because no rank worker says it reads them (:meth:`_unvouched`)."""
+        judged time back because no rank worker says it reads them (:meth:`_unread_since`)."""
         out: set = set()
         for slot in self.state.slots.values():
-            out.update(slot.unread(wall, self.source_idle_s, self._unvouched, self.unread_s))
+            out.update(slot.unread(wall, self.source_idle_s, self._unread_since))
         return out
 
     def _read(self, reading, now: float) -> None:
@@ -483,8 +486,7 @@ class JobProcessor(_SlotsProcessor):
         for key, slot in self.state.slots.items():
             if slot.held:            # a partition gone quiet, or held too long, no longer
                                      # holds the others
-                low = slot.lowest(now, self.source_idle_s, unvouched=self._unvouched,
-                                  unread_s=self.unread_s)
+                low = slot.lowest(now, self.source_idle_s, unread_since=self._unread_since)
                 if low > slot.low:
                     slot.low = min(low, now + FUTURE_SLACK_S)
                 found = self._release(key.decode(), slot, now,
@@ -494,9 +496,7 @@ class JobProcessor(_SlotsProcessor):
                     out += found
             try:
                 every = self.advance_every_s
-                unvouched, unread_s = self._unvouched, self.unread_s
-                at = slot.now(now, unvouched, unread_s)
-                steps_at = slot.steps_now(now, unvouched, unread_s)
+                at, steps_at = slot.clocks(now, self._unread_since)
                 if every:
                     at, steps_at = on_grid(at, every), on_grid(steps_at, every)
                 found = slot.stage.advance(at, steps_now=steps_at)

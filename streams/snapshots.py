@@ -80,32 +80,31 @@ class JobSlot:
         for source in self.sources.values():
             source[1] = wall
 
-    def steps_now(self, wall: float, unvouched=None, unread_s: float = 0.0) -> float:
-        """The job's clock for closing steps by their age: :meth:`now` held back to the
-        partition read furthest behind (:meth:`heard`)."""
-        now = self.now(wall, unvouched, unread_s)
-        if self.low == -math.inf:
-            return now
-        return min(now, self.low + self._run_on(wall, unvouched, unread_s))
+    def clocks(self, wall: float, unread_since=None) -> tuple[float, float]:
+        """``(now, steps_now)``: :meth:`now`, and the job's clock for closing steps by their
+        age, that held back to the partition read furthest behind (:meth:`heard`)."""
+        run = self._run_on(wall, unread_since)
+        now = self._now(wall, run)
+        return now, (now if self.low == -math.inf else min(now, self.low + run))
 
     def heard(self, partition: int, ts: float, wall: float, idle_s: float,
-              unvouched=None, unread_s: float = 0.0) -> float:
+              unread_since=None) -> float:
         """The job's low watermark once ``ts`` came from telemetry ``partition`` at wall time
         ``wall``: the lowest newest event time over the partitions heard from within
         ``idle_s`` (the minimum over inputs, as Kafka Streams and Flink take it). It closes
-        steps by their age (:meth:`steps_now`): one partition read ahead of the others (a
+        steps by their age (:meth:`clocks`): one partition read ahead of the others (a
         backlog, a rank worker that lags, a collector sending a burst) does not close a step
         before the records on their way; a partition silent that long (its machines gone)
         no longer holds it back. (The detectors' "now" stays the newest time: a partition
         whose ranks are hung forwards a heartbeat only every few seconds, and would hold a
         hang's detection back by as much.)
 
-        ``unvouched(partition, since, wall)``: whether no rank worker said, since ``since``
-        (when the partition last sent) and lately at ``wall``, that it read it to the end.
-        Such a partition is not known to be quiet: its worker may be gone (killed, stalled,
-        its partitions moving to another in a rebalance). It holds the watermark back while
-        silent up to ``unread_s``, so its machines do not look silent while nobody reads
-        them.
+        ``unread_since(partition, heard, wall)``: whether no rank worker said, since wall
+        time ``heard`` (when the partition last sent) and lately at ``wall``, that it read
+        it to the end, within a bound of silence (``JobProcessor.unread_s``). Such a
+        partition is not known to be quiet: its worker may be gone (killed, stalled, its
+        partitions moving to another in a rebalance). It holds the watermark back while
+        silent, so its machines do not look silent while nobody reads them.
 
         >>> slot = JobSlot(stage=None, partition=0)
         >>> slot.heard(0, 100.0, wall=1.0, idle_s=10.0)
@@ -116,12 +115,12 @@ class JobSlot:
         80.0
         >>> slot.heard(0, 140.0, wall=12.0, idle_s=10.0)    # ... and silent for 11 s
         140.0
-        >>> unread = lambda p, since, wall: p == 1        # nobody read partition 1 since
+        >>> unread = lambda p, heard, wall: p == 1 and wall - heard <= 30.0   # nobody read 1
         >>> slot.heard(1, 80.0, wall=12.0, idle_s=10.0)
         80.0
-        >>> slot.heard(0, 150.0, wall=24.0, idle_s=10.0, unvouched=unread, unread_s=30.0)
+        >>> slot.heard(0, 150.0, wall=24.0, idle_s=10.0, unread_since=unread)
         80.0
-        >>> slot.heard(0, 160.0, wall=43.0, idle_s=10.0, unvouched=unread, unread_s=30.0)
+        >>> slot.heard(0, 160.0, wall=43.0, idle_s=10.0, unread_since=unread)
         160.0
         """
         sources = self.sources
@@ -135,20 +134,19 @@ class JobSlot:
             source[1] = wall
         low = sources.get(self.low_source)
         if fresh or low is None or partition == self.low_source or (
-                wall - low[1] > idle_s and not _unread(self.low_source, low[1], wall,
-                                                       unvouched, unread_s)):
-            best, self.low_source = self._lowest(wall, idle_s, unvouched=unvouched,
-                                                 unread_s=unread_s)
+                wall - low[1] > idle_s and not (unread_since is not None and
+                                                unread_since(self.low_source, low[1], wall))):
+            best, self.low_source = self._lowest(wall, idle_s, unread_since=unread_since)
             return best
         return low[0]
 
     def lowest(self, wall: float, idle_s: float, behind: dict | None = None,
-               behind_s: float = 0.0, unvouched=None, unread_s: float = 0.0) -> float:
+               behind_s: float = 0.0, unread_since=None) -> float:
         """:meth:`heard`'s low watermark at wall time ``wall`` without a new record: the
         partitions silent for ``idle_s`` no longer count (-inf when none is left), unless
         ``behind`` (partition -> wall time its reader said it is behind) has them within
-        ``behind_s`` and they were heard from within ``behind_s``, or (``unvouched``, as for
-        :meth:`heard`) no worker read them since and they were heard from within ``unread_s``.
+        ``behind_s`` and they were heard from within ``behind_s``, or (``unread_since``, as
+        for :meth:`heard`) no worker read them since.
 
         >>> slot = JobSlot(stage=None, partition=0)
         >>> slot.heard(0, 100.0, wall=1.0, idle_s=2.0), slot.heard(1, 130.0, wall=4.0, idle_s=2.0)
@@ -156,43 +154,42 @@ class JobSlot:
         >>> slot.lowest(4.0, 2.0), slot.lowest(4.0, 2.0, {0: 1.0}, 10.0)
         (130.0, 100.0)
         """
-        best = self._lowest(wall, idle_s, behind, behind_s, unvouched, unread_s)[0]
+        best = self._lowest(wall, idle_s, behind, behind_s, unread_since)[0]
         return best if best is not None else -math.inf
 
     def _lowest(self, wall: float, idle_s: float, behind: dict | None = None,
-                behind_s: float = 0.0, unvouched=None, unread_s: float = 0.0) -> tuple:
+                behind_s: float = 0.0, unread_since=None) -> tuple:
         """``(newest, partition)`` of the partition heard from within ``idle_s`` (see
-        :meth:`lowest` for ``behind`` and ``unvouched``) that was read the least far,
+        :meth:`lowest` for ``behind`` and ``unread_since``) that was read the least far,
         ``(None, -1)`` when there is none."""
         best, low = None, -1
         for p, (newest, heard) in self.sources.items():
             quiet = wall - heard
             if (quiet <= idle_s or (behind and quiet <= behind_s and p in behind
                                     and wall - behind[p] <= behind_s)
-                    or _unread(p, heard, wall, unvouched, unread_s)) \
+                    or (unread_since is not None and unread_since(p, heard, wall))) \
                     and (best is None or newest < best):
                 best, low = newest, p
         return best, low
 
-    def unread(self, wall: float, idle_s: float, unvouched, unread_s: float) -> list:
+    def unread(self, wall: float, idle_s: float, unread_since) -> list:
         """The partitions silent for more than ``idle_s`` that still hold the watermark back
         because nobody read them since (see :meth:`heard`)."""
         return [p for p, (_, heard) in self.sources.items()
-                if wall - heard > idle_s and _unread(p, heard, wall, unvouched, unread_s)]
+                if wall - heard > idle_s and unread_since(p, heard, wall)]
 
-    def _run_on(self, wall: float, unvouched, unread_s: float) -> float:
+    def _run_on(self, wall: float, unread_since) -> float:
         """Wall seconds since items last came, by which the job's clock moves on: none while
-        a partition it was heard from went unread since (``unvouched``) for ``unread_s`` at
-        most."""
+        a partition it was heard from went unread since (``unread_since``)."""
         run = wall - self.applied_at
         if run <= 0.0:
             return 0.0
-        if unvouched is not None and any(_unread(p, heard, wall, unvouched, unread_s)
-                                         for p, (_, heard) in self.sources.items()):
+        if unread_since is not None and any(unread_since(p, heard, wall)
+                                            for p, (_, heard) in self.sources.items()):
             return 0.0
         return run
 
-    def now(self, wall: float, unvouched=None, unread_s: float = 0.0) -> float:
+    def now(self, wall: float, unread_since=None) -> float:
         """The job's clock for ``advance``: its newest event time, moved on by the wall
         time since then. Live, that is the wall clock less the pipeline's delay (and any
         skew of the senders' clocks); while a backlog is read it is the backlog's own time,
@@ -200,31 +197,28 @@ class JobSlot:
         it runs on with the wall clock, so a job that went quiet is still found, but never
         past the first item held for a partition read behind (:meth:`JobProcessor.apply`):
         that job is not quiet, its worker is. Nor while a partition it was heard from is
-        not known to be read (``unvouched``, see :meth:`heard`; ``unread_s`` at most): its
-        worker may be gone, the job not quiet at all.
+        not known to be read (``unread_since``, see :meth:`heard`): its worker may be gone,
+        the job not quiet at all.
 
         >>> slot = JobSlot(stage=None, partition=0)
         >>> _ = slot.heard(3, 100.0, wall=50.0, idle_s=10.0)
         >>> slot.watermark, slot.applied_at = 100.0, 50.0
-        >>> slot.now(70.0, unvouched=lambda p, since, wall: True, unread_s=30.0), slot.now(70.0)
+        >>> slot.now(70.0, unread_since=lambda p, heard, wall: True), slot.now(70.0)
         (100.0, 120.0)
         """
+        return self._now(wall, self._run_on(wall, unread_since))
+
+    def _now(self, wall: float, run: float) -> float:
+        """:meth:`now`, the job's clock having run on ``run`` seconds since items came."""
         if self.watermark == -math.inf:       # nothing applied yet
             first = self.held[0][0] if self.held else wall
             return first if -math.inf < first < wall else wall
-        t = self.watermark + self._run_on(wall, unvouched, unread_s)
+        t = self.watermark + run
         if self.held and self.held[0][0] < t:
             t = self.held[0][0]       # not past an item that waits for a partition behind
         if t > self.clock:
             self.clock = t
         return self.clock
-
-
-def _unread(partition: int, heard: float, wall: float, unvouched, unread_s: float) -> bool:
-    """Whether ``partition``, heard from at wall time ``heard``, holds a watermark back as
-    one that nobody read since (see :meth:`JobSlot.heard`)."""
-    return (unvouched is not None and wall - heard <= unread_s
-            and unvouched(partition, heard, wall))
 
 
 _ALLOWLIST = None

@@ -71,13 +71,15 @@ def online(events, delay_s, clock_offsets=None, reading=False, partition=None, o
     tick = arrivals[0][0]
     parts = sorted({a[2] for a in arrivals})
 
+    def reading_of(q, wall):
+        behind = written[q][sent[q]] <= wall     # written by now, not read yet
+        return Reading(parts=(q,), behind=(q,) if behind else (), of=of)
+
     def vouch(wall):
         out = []
         for q in parts if reading else ():
             if sent[q] and not (down and down(q, wall)):
-                behind = written[q][sent[q]] <= wall
-                said = Reading(parts=(q,), behind=(q,) if behind else (), of=of)
-                for value in encode_summaries("j", [], reading=said):
+                for value in encode_summaries("j", [], reading=reading_of(q, wall)):
                     out += jobs.apply(value, 0, wall)
         return out
 
@@ -87,10 +89,7 @@ def online(events, delay_s, clock_offsets=None, reading=False, partition=None, o
             found += jobs.advance(tick)
             tick += 1.0
         sent[p] += 1
-        said = None
-        if reading:
-            behind = written[p][sent[p]] <= wall     # written by now, not read yet
-            said = Reading(parts=(p,), behind=(p,) if behind else (), of=of)
+        said = reading_of(p, wall) if reading else None
         for value in encode_summaries("j", [(p, sent[p], 0, item)], reading=said):
             found += jobs.apply(value, 0, wall)
     for _ in range(120):                 # the job ended: its time-driven checks go on
