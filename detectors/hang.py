@@ -169,6 +169,7 @@ class HangDetector(UsesView, Detector):
         self._moved_ts = None          # latest start of a step phase on any rank
         self._paused_since_progress = False
         self._hb: dict = {}            # rank -> [ts, phase, phase_since, step, first step in it]
+        self._latest = None            # the rank whose entry was put last (left_behind)
         self._pausing: set = set()     # the ranks whose _hb phase is an allowed one
         self._ended: dict = {}         # rank -> [phase, since, end, step] of its last allowed phase
         self._spread: dict = {}        # phase -> its slowest rank's time over its fastest's
@@ -311,6 +312,7 @@ class HangDetector(UsesView, Detector):
         """A rank's heartbeat entry, and whether it is in an allowed phase (the deadline
         looks at those ranks only)."""
         self._hb[rank] = entry
+        self._latest = rank
         if is_allowed_phase(entry[1]):
             self._pausing.add(rank)
         else:
@@ -451,17 +453,47 @@ class HangDetector(UsesView, Detector):
     def left_behind(self, now: float):
         """Ranks held up where their peers went on (see the module): ``(ranks, why)`` or
         ``None``. Every duration is taken on one rank's own clock (its heartbeat's time
-        against its phase's start), so no machine's clock offset makes another look stuck."""
+        against its phase's start), so no machine's clock offset makes another look stuck.
+
+        A healthy job is told apart without a look at every rank: a rank that entered its
+        step phase less than the wait that would count before its last heartbeat leaves no
+        one behind in the step (it is either behind, and not for long, or ahead, and its
+        peers did not wait long), and only ranks in an allowed phase can be behind in one."""
+        need = self._step_need()
+        if (need is None or self._moved_within(need, now)) and not self._pausing_fresh(now):
+            return None
         fresh = {r: h for r, h in self._hb.items()
                  if r not in self._exited and now - h[0] < self.stale_s}
         if len(fresh) < 2:
             return None
-        return self._behind_in_step(fresh) or self._behind_in_phase(fresh)
+        return (need is not None and self._behind_in_step(fresh, need)) \
+            or self._behind_in_phase(fresh)
 
-    def _behind_in_step(self, fresh):
+    def _step_need(self) -> float | None:
+        """How long ranks must have waited for peers still in an earlier point of the step
+        (``None``: no step time known yet, nothing to compare with)."""
         known = self.known_step_s()
         if known <= 0:
-            return None                  # no step time known yet: nothing to compare with
+            return None
+        return max(self.floor_s, self.peer_factor * known,
+                   self.max_margin * self._longest.get("step", 0.0))
+
+    def _moved_within(self, need: float, now: float) -> bool:
+        """Whether the rank heard of last, live and fresh, had been in its phase for less
+        than ``need`` when it was heard."""
+        rank = self._latest
+        h = self._hb.get(rank)
+        return h is not None and rank not in self._exited and now - h[0] < self.stale_s \
+            and h[0] - h[2] < need
+
+    def _pausing_fresh(self, now: float) -> bool:
+        """Whether a live, fresh rank is in an allowed phase that pauses the job."""
+        hb, exited, not_pauses = self._hb, self._exited, self._not_pauses
+        return any(r not in exited and now - hb[r][0] < self.stale_s
+                   and hb[r][1] not in not_pauses for r in self._pausing)
+
+    def _behind_in_step(self, fresh, need: float):
+        known = self.known_step_s()
         where = {}
         for r, h in fresh.items():
             order = PHASE_ORDER.get(h[1])
@@ -473,8 +505,6 @@ class HangDetector(UsesView, Detector):
         if len(behind) * 2 > len(fresh):
             return None                  # most ranks are there: no peers went on without them
         waited = min(fresh[r][0] - fresh[r][2] for r, w in where.items() if w != first)
-        need = max(self.floor_s, self.peer_factor * known,
-                   self.max_margin * self._longest.get("step", 0.0))
         if waited < need or min(fresh[r][0] - fresh[r][2] for r in behind) < waited:
             return None
         phase = fresh[behind[0]][1]
