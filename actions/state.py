@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 
 from trainguard.actions.model import RELAUNCHES, Decision, History, Incident
+from trainguard.files import write_atomic
 from trainguard.logs import service_logger
 
 __all__ = ["ServiceState", "FORMAT", "COUNTED"]
@@ -104,16 +104,8 @@ class ServiceState:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.write(json.dumps(self.to_dict(), separators=(",", ":")))
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(self.path, json.dumps(self.to_dict(), separators=(",", ":")),
+                     durable=True)
 
     def save_pending(self, now: float | None = None) -> None:
         """Write what :meth:`save` held back, if anything."""

@@ -58,6 +58,7 @@ from typing import Any, Callable, Mapping
 
 from trainguard.collectors.nodename import node_name
 from trainguard.errors import UserError
+from trainguard.files import write_atomic
 
 __all__ = ["ChaosError", "ChaosInjectedError", "Fault", "Chaos", "parse", "load",
            "from_env", "xid_line", "KINDS", "XID_MESSAGES"]
@@ -458,9 +459,7 @@ class Chaos:
         if self.state_dir:
             os.makedirs(self.state_dir, exist_ok=True)
             path = Path(self.state_dir) / (self._state_name(f) + ".json")
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(line, encoding="utf-8")
-            os.replace(tmp, path)
+            write_atomic(path, line)
         if self.log_path:
             _append(self.log_path, line)
         if not self.quiet:

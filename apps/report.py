@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from trainguard import events as ev
+from trainguard.files import write_atomic
 from trainguard.rank_sets import format_ranks
 
 __all__ = ["write_report", "render_report", "format_ranks"]
@@ -481,7 +482,5 @@ def write_report(path: str | os.PathLike, analysis: dict, events: Iterable[Any] 
     page = render_report(analysis, events, actions, captures, faults, title)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, out)
+    write_atomic(out, page)
     return out

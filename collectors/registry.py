@@ -28,6 +28,8 @@ import os
 from pathlib import Path
 from typing import Mapping
 
+from trainguard.files import write_atomic
+
 __all__ = ["Registry", "default_runtime_dir"]
 
 
@@ -66,9 +68,7 @@ class Registry:
         """Write one rank's entry (needs ``job``, ``rank`` and ``pid``); returns its path."""
         path = self.path(entry["job"], entry["rank"])
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dict(entry), sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(dict(entry), sort_keys=True))
         return path
 
     def unregister(self, job: str, rank: int, pid: int | None = None) -> bool:

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Iterable, Optional
+
+from trainguard.files import write_atomic
 
 __all__ = ["Holders", "gather"]
 
@@ -91,9 +92,7 @@ class Holders:
         """Under the lock."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self._known))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(self._known))
         except OSError as exc:
             log.warning("snapshots: %s not written: %s", self.path, exc)
 

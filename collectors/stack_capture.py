@@ -21,7 +21,6 @@ of ``SIGUSR2`` would kill a rank that has no handler.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
+from trainguard.files import write_atomic
 
 __all__ = ["capture_pid", "install_inproc_handler", "inproc_threads", "InprocDumper",
            "stack_file", "find_pyspy", "DEFAULT_SIGNAL"]
@@ -115,7 +115,7 @@ class InprocDumper:
         if self.wakeup_thread:
             self._start_wakeup_thread()
         marker = {"pid": self._pid, "signum": self.signum, "ts": time.time()}
-        _write_atomic(self.path.with_suffix(".ready"), marker)
+        write_atomic(self.path.with_suffix(".ready"), json.dumps(marker))
         os.register_at_fork(after_in_child=self._after_fork_child)
         return self
 
@@ -142,7 +142,7 @@ class InprocDumper:
         """Write this process's stacks now; returns the file."""
         doc = {"pid": os.getpid(), "ts": time.time(), "method": "inproc",
                "threads": inproc_threads(skip_thread=skip_thread)}
-        _write_atomic(self.path, doc)
+        write_atomic(self.path, json.dumps(doc))   # the wakeup thread and the handler may both
         return self.path
 
     # -- internals -------------------------------------------------------------------------
@@ -208,18 +208,6 @@ def install_inproc_handler(runtime_dir: os.PathLike, signum: int = DEFAULT_SIGNA
                            ) -> InprocDumper:
     """Install the in-process stack dump handler (collector side, main thread)."""
     return InprocDumper(runtime_dir, signum).install()
-
-
-_TMP_NAMES = itertools.count()
-
-
-def _write_atomic(path: Path, doc: dict) -> None:
-    # a temporary file of its own per write: the wakeup thread and the handler (or a handler
-    # run again within the first) may write the same dump at once
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(_TMP_NAMES)}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh)
-    os.replace(tmp, path)
 
 
 # -- agent side ----------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Optional
 
+from trainguard.files import write_atomic
+
 __all__ = ["MAGIC", "FORMAT", "ALIGN", "flatten", "unflatten", "plan", "Plan", "write_header",
            "zero_gaps",
            "read_snapshot", "manifest_path", "write_manifest", "read_manifest", "digest",
@@ -305,10 +307,8 @@ def manifest_path(data_path: "str | os.PathLike") -> Path:
 
 def write_manifest(data_path: "str | os.PathLike", manifest: dict) -> None:
     """Write the manifest atomically (a temporary file, then a rename): present means done."""
-    path = manifest_path(data_path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, **manifest}, sort_keys=True))
-    os.replace(tmp, path)
+    write_atomic(manifest_path(data_path), json.dumps({"format": FORMAT, **manifest},
+                                                      sort_keys=True))
 
 
 def read_manifest(data_path: "str | os.PathLike") -> Optional[dict]:

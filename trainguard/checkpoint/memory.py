@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from typing import Any, Callable, Optional
+
+from trainguard.files import write_atomic
 
 from . import layout
 from .restore import Restored, Sources, agree_and_load, all_min
@@ -95,9 +96,7 @@ class InMemoryCheckpoint:
             marker = self.snapshotter.dir / ROLLBACK_MARKER
             try:
                 marker.parent.mkdir(parents=True, exist_ok=True)
-                tmp = marker.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"id": rollback, "step": at_most}))
-                os.replace(tmp, marker)
+                write_atomic(marker, json.dumps({"id": rollback, "step": at_most}))
             except OSError as exc:
                 log.warning("trainguard: %s not written (%s): a restart in this job would "
                             "roll back to step %d again", marker, exc, at_most)
