@@ -229,7 +229,7 @@ class JobProcessor(_SlotsProcessor):
         self.hold_slack_s = hold_slack_s
         #: a partition holds the others back while it sent a rank's item this recently
         #: (wall seconds), or while its rank worker said it is behind (``reading``); an item
-        #: is held ``source_idle_s`` at most
+        #: is held ``source_idle_s`` at most (``unread_s`` for a partition said to be behind)
         self.hold_idle_s = hold_idle_s
         #: telemetry partition -> wall time its rank worker last said it is behind, or
         #: (``caught_up``) that it is not; shared by all jobs (a partition's backlog is every
@@ -308,7 +308,7 @@ class JobProcessor(_SlotsProcessor):
 
         A partition whose rank worker said, with its last message, that records of it are
         still to read (``reading``: a backlog) holds the others back also while it sends
-        nothing, within ``source_idle_s``: a worker that pauses for a few seconds in the
+        nothing, and their items wait, within ``unread_s``: a worker that pauses in the
         middle of a backlog (a snapshot, a collection, a rebalance) would otherwise let the
         other workers' items of that time go first (Kafka Streams waits for an empty
         partition in the same way only while it has lag, KIP-695)."""
@@ -372,6 +372,13 @@ class JobProcessor(_SlotsProcessor):
             return partition in self.behind
         return at <= heard or wall - at > self.hold_idle_s
 
+    def _told_behind(self, slot, wall: float) -> bool:
+        """Whether a telemetry partition of ``slot``'s job was last said, within ``unread_s``,
+        to have records still to read: its worker reads a backlog, and may pause in it for
+        longer than ``source_idle_s`` (a snapshot, a collection, a rebalance)."""
+        behind, bound = self.behind, self.unread_s
+        return any(p in behind and wall - behind[p] <= bound for p in slot.sources)
+
     def unread_partitions(self, wall: float) -> set:
         """The telemetry partitions silent for more than ``source_idle_s`` that hold a job's
         judged time back because no rank worker says it reads them (:meth:`_unread_since`)."""
@@ -420,7 +427,8 @@ class JobProcessor(_SlotsProcessor):
         plus ``hold_slack_s``."""
         if self._awaits_unheard(job, slot, now):
             return -math.inf
-        lowest = slot.lowest(now, self.hold_idle_s, self.behind, self.source_idle_s)
+        lowest = slot.lowest(now, self.hold_idle_s, self.behind, self.source_idle_s,
+                             self._unread_since)
         return math.inf if lowest == -math.inf else lowest + self.hold_slack_s
 
     def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
@@ -432,7 +440,9 @@ class JobProcessor(_SlotsProcessor):
         every = self.advance_every_s
         out = []
         applied = False
-        wait = now - self.source_idle_s            # held this long (wall): on it goes
+        wait = now - self.source_idle_s            # held this long (wall): on it goes ...
+        if held and self.behind and self._told_behind(slot, now):
+            wait = now - max(self.unread_s, self.source_idle_s)   # ... or this, in a backlog
         while held and (held[0][0] <= upto or len(held) > self.max_held
                         or held[0][3] < wait):
             if held[0][0] > upto:
