@@ -403,10 +403,10 @@ class JobProcessor(_SlotsProcessor):
         key ``job/rank``, the world size of its lifecycle ``start`` and the topic's partition
         count) sent none of them yet while its rank worker has not said it read it to the
         end: a worker that began reading a backlog later than the others. Within
-        ``source_idle_s`` of the job's first message only."""
+        ``unread_s`` of the job's first message only."""
         count = self.telemetry_partitions
         first = self._first.get(job)
-        if not count or first is None or now - first > self.source_idle_s:
+        if not count or first is None or now - first > max(self.unread_s, self.source_idle_s):
             return False
         # the starts received, held or not: a worker's first message may hold seconds of
         # its ranks' steps, which must wait for the other partitions' ranks
@@ -441,7 +441,7 @@ class JobProcessor(_SlotsProcessor):
         out = []
         applied = False
         wait = now - self.source_idle_s            # held this long (wall): on it goes ...
-        if held and self.behind and self._told_behind(slot, now):
+        if held and (upto == -math.inf or self.behind and self._told_behind(slot, now)):
             wait = now - max(self.unread_s, self.source_idle_s)   # ... or this, in a backlog
         while held and (held[0][0] <= upto or len(held) > self.max_held
                         or held[0][3] < wait):

@@ -451,15 +451,16 @@ def by_rank(e) -> int:
     return (murmur2(event_key(e) or e.job.encode()) & 0x7FFFFFFF) % 24
 
 
-@pytest.mark.parametrize("late_s", [3.0, 8.0])
+@pytest.mark.parametrize("late_s", [3.0, 8.0, 25.0])
 def test_a_rank_worker_that_starts_late_on_a_backlog_lets_nothing_go_first(late_s):
     """The same job's backlog, its ranks spread over 24 partitions by their key: the workers
-    of the odd partitions start ``late_s`` of wall time after the others (300 to 800 s of
+    of the odd partitions start ``late_s`` of wall time after the others (300 to 2,500 s of
     the job). The job side knows from the world size and the topic's partition count which
     partitions carry the job's ranks, and waits for those not heard of yet (within
-    ``source_idle_s``), unless their worker said it read them to the end. Before, nothing
-    waited for a partition not heard of: the false crashes again, and a lost machine named
-    without two of its ranks."""
+    ``unread_s`` of the job's first message; ``source_idle_s`` until a 15 s late start gave
+    a false crash and named the lost machine without three of its ranks), unless their
+    worker said it read them to the end. Before, nothing waited for a partition not heard
+    of: the false crashes again, and a lost machine named without two of its ranks."""
     from scenario_library import large_job
 
     events, _ = generate(large_job(8))
