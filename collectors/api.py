@@ -360,13 +360,12 @@ class Collector:
             self.producer.produce(ev.encode(ev.Lifecycle(
                 job=s.job, ts=self.clock(), node=s.node, rank=s.rank, event="exit",
                 exit_code=exit_code, signal=signal)), self._key)
-            dropped = self.producer.dropped
             timeout = self.flush_timeout if timeout is None else timeout
-            self.producer.close(timeout)
-            if self.producer.dropped > dropped:  # no later heartbeat will count them
+            lost = self.producer.close(timeout)
+            if lost:                              # no later heartbeat will count them
                 log.warning("trainguard: rank %s of job %s: %d telemetry events were not "
                             "delivered in the %g s flush at exit; they are lost", s.rank, s.job,
-                            self.producer.dropped - dropped, timeout)
+                            lost, timeout)
             if self.registry is not None:
                 self.registry.unregister(s.job, s.rank, self.pid)
             if threading.current_thread() is threading.main_thread():

@@ -201,14 +201,17 @@ class BackgroundProducer:
             pass
         return self
 
-    def close(self, timeout: float | None = None) -> None:
-        """Send what is queued, flush for at most ``timeout`` (default ``flush_timeout``) s."""
+    def close(self, timeout: float | None = None) -> int:
+        """Send what is queued, flush for at most ``timeout`` (default ``flush_timeout``) s;
+        returns how many records were lost in the meantime (not sent or not delivered in
+        time: no later report will count them)."""
         timeout = self.flush_timeout if timeout is None else max(0.0, timeout)
         deadline = time.monotonic() + timeout
         with self._lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
+            dropped = self._dropped
             self._close_deadline = deadline
             thread = self._thread
         if thread is not None and thread.is_alive():
@@ -221,6 +224,7 @@ class BackgroundProducer:
                 self._dropped += len(self._queue)
                 self._queue.clear()
                 self._queued_bytes = 0
+            return self._dropped - dropped
 
     # -- background thread -----------------------------------------------------------------
     def _run(self, deadline: float | None = None) -> None:

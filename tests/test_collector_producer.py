@@ -114,12 +114,15 @@ def test_unreachable_broker_never_blocks_and_close_is_bounded():
     for i in range(5000):
         p.produce(b'{"i":%d}' % i, b"j/0")
     produce_s = time.monotonic() - t0
+    overflowed = p.dropped
     t0 = time.monotonic()
-    p.close()
+    lost = p.close()
     close_s = time.monotonic() - t0
     print(f"5000 produce calls: {produce_s * 1e3:.1f} ms; close: {close_s:.2f} s")
     assert close_s < 5.0
     assert p.dropped == 5000  # the queue overflowed, the rest could not be delivered
+    assert lost == 5000 - overflowed and lost > 0    # ... which close() says it lost
+    assert p.close() == 0
 
 
 @pytest.mark.broker

@@ -311,12 +311,11 @@ class LocalBroker:
             return
         controller_port = None
         if self.properties.exists():
-            match = re.search(r"CONTROLLER://127\.0\.0\.1:(\d+)", self.properties.read_text())
-            port_ok = re.search(rf"PLAINTEXT://127\.0\.0\.1:{self.port}\b",
-                                self.properties.read_text())
-            if match and port_ok and not port_in_use(int(match.group(1))):
-                return
+            written = self.properties.read_text()
+            match = re.search(r"CONTROLLER://127\.0\.0\.1:(\d+)", written)
             if match and not port_in_use(int(match.group(1))):
+                if re.search(rf"PLAINTEXT://127\.0\.0\.1:{self.port}\b", written):
+                    return                   # as written: its port and a free controller port
                 controller_port = int(match.group(1))
         controller_port = controller_port or free_port()
         self.properties.write_text(SERVER_PROPERTIES.format(
