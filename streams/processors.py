@@ -423,12 +423,12 @@ class JobProcessor(_SlotsProcessor):
         """The job's time up to which held items go on: the slowest partition that carried
         a rank's item within ``hold_idle_s`` (a backlog read by two workers streams from
         every partition; live, a partition whose ranks stopped or send a heartbeat every
-        few seconds holds nothing back for long) or that its worker last said is behind,
-        plus ``hold_slack_s``."""
+        few seconds holds nothing back for long) or that its worker last said, within
+        ``unread_s``, is behind, plus ``hold_slack_s``."""
         if self._awaits_unheard(job, slot, now):
             return -math.inf
-        lowest = slot.lowest(now, self.hold_idle_s, self.behind, self.source_idle_s,
-                             self._unread_since)
+        lowest = slot.lowest(now, self.hold_idle_s, self.behind,
+                             max(self.unread_s, self.source_idle_s))
         return math.inf if lowest == -math.inf else lowest + self.hold_slack_s
 
     def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
