@@ -9,6 +9,7 @@ the network); without one, the machines share the loopback and are told apart by
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -45,13 +46,13 @@ class Network:
     """Network namespaces for machines: a bridge in this namespace and, per machine, a
     namespace with one veth (``eth0``, 198.18-19.x.<n>/24) on it. ``Network.create()`` is None
     where namespaces cannot be made (not root, no ``ip``): the machines then share the
-    loopback. ``close()`` deletes what it made."""
+    loopback. ``close()`` deletes what it made. Networks made at once (test lanes side by
+    side) get different subnets: one is chosen and its bridge addressed under a file lock."""
 
-    def __init__(self):
+    def __init__(self, subnet: str = "198.18.0"):
         self.tag = uuid.uuid4().hex[:6]
         self.bridge = f"tgb{self.tag}"
-        # 198.18.0.0/15: set aside for network tests (RFC 2544), never a real network's
-        self.subnet = f"198.{18 + int(self.tag[:2], 16) % 2}.{int(self.tag[2:4], 16)}"
+        self.subnet = subnet
         self.spaces: list = []
         self.links: list = []
 
@@ -59,8 +60,11 @@ class Network:
     def create(cls) -> "Network | None":
         net = cls()
         try:
-            net._ip("link", "add", net.bridge, "type", "bridge")
-            net._ip("addr", "add", f"{net.subnet}.254/24", "dev", net.bridge)
+            with open("/tmp/trainguard-test-networks.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                net.subnet = free_subnet()
+                net._ip("link", "add", net.bridge, "type", "bridge")
+                net._ip("addr", "add", f"{net.subnet}.254/24", "dev", net.bridge)
             net._ip("link", "set", net.bridge, "up")
             probe = f"tg{net.tag}probe"           # namespaces need more rights than links
             net._ip("netns", "add", probe)
@@ -105,6 +109,18 @@ class Network:
             subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
         self.spaces, self.links = [], []
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+
+
+def free_subnet() -> str:
+    """The first /24 of 198.18.0.0/15 (set aside for network tests, RFC 2544, never a real
+    network's) that no interface of this namespace has an address in."""
+    shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], check=True, capture_output=True,
+                           text=True, timeout=30).stdout
+    taken = set(re.findall(r"inet (198\.1[89]\.\d+)\.\d+/", shown))
+    for subnet in (f"198.{a}.{b}" for a in (18, 19) for b in range(256)):
+        if subnet not in taken:
+            return subnet
+    raise OSError("every /24 of 198.18.0.0/15 is in use")
 
 
 class Machine:
