@@ -59,8 +59,9 @@ logger at DEBUG; the first error of an outage is logged once at WARNING.
 [True, True, False]
 >>> p.dropped
 1
->>> p.close(timeout=0.2)   # the broker is unreachable: returns after at most 0.2 s of flush
->>> p.dropped
+>>> p.close(timeout=0.2)   # the broker is unreachable: returns after at most 0.2 s of flush,
+2
+>>> p.dropped              # ... with the records it lost meanwhile
 3
 """
 from __future__ import annotations

@@ -128,11 +128,18 @@ def test_the_rank_sleeping_in_its_forward_has_the_highest_compute_time(parallel_
 
 
 def test_trainguard_analyze_names_the_slow_rank_a_straggler(parallel_job):
+    from trainguard.detectors.config import DetectorConfig
     from trainguard.detectors.offline import analyze_file
+    from trainguard.setting import with_values
 
     name, _, recording = parallel_job
     _, _, slow, _, _ = JOBS[name]
-    stragglers = [i for i in analyze_file(str(recording))["incidents"]
+    # On gloo a rank's data-parallel peer leaks part of its wait for the slow rank into its
+    # compute time (not a marked wait): in one fresh-clone suite (ci50, pp-1f1b) rank 0 went
+    # from 16 to 17-30 ms a step while rank 1 slept 200 ms more, enough over the default
+    # 2 ms of excess to be named with it. The slow ranks here are 150-250 ms over.
+    config = with_values(DetectorConfig(), {"straggler.min_excess_s": 0.02})
+    stragglers = [i for i in analyze_file(str(recording), config)["incidents"]
                   if i["kind"] == "straggler"]
     print(name, "stragglers", [(i["ranks"], i.get("summary")) for i in stragglers])
     assert stragglers and {tuple(i["ranks"]) for i in stragglers} == {(slow,)}, stragglers
