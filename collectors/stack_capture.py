@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
+
 from trainguard.files import write_atomic
 
 __all__ = ["capture_pid", "install_inproc_handler", "inproc_threads", "InprocDumper",
@@ -142,7 +143,8 @@ class InprocDumper:
         """Write this process's stacks now; returns the file."""
         doc = {"pid": os.getpid(), "ts": time.time(), "method": "inproc",
                "threads": inproc_threads(skip_thread=skip_thread)}
-        write_atomic(self.path, json.dumps(doc))   # the wakeup thread and the handler may both
+        # the wakeup thread and the handler may write it at once: each call its own temp file
+        write_atomic(self.path, json.dumps(doc))
         return self.path
 
     # -- internals -------------------------------------------------------------------------

@@ -372,11 +372,18 @@ class JobProcessor(_SlotsProcessor):
             return partition in self.behind
         return at <= heard or wall - at > self.hold_idle_s
 
+    @property
+    def _behind_wait_s(self) -> float:
+        """How long a partition said to be behind (or not heard of yet at a job's start)
+        holds its job back, the others' items with it (wall s)."""
+        return max(self.unread_s, self.source_idle_s)
+
     def _told_behind(self, slot, wall: float) -> bool:
-        """Whether a telemetry partition of ``slot``'s job was last said, within ``unread_s``,
-        to have records still to read: its worker reads a backlog, and may pause in it for
-        longer than ``source_idle_s`` (a snapshot, a collection, a rebalance)."""
-        behind, bound = self.behind, self.unread_s
+        """Whether a telemetry partition of ``slot``'s job was last said, within
+        :attr:`_behind_wait_s`, to have records still to read: its worker reads a backlog,
+        and may pause in it for longer than ``source_idle_s`` (a snapshot, a collection, a
+        rebalance)."""
+        behind, bound = self.behind, self._behind_wait_s
         return any(p in behind and wall - behind[p] <= bound for p in slot.sources)
 
     def unread_partitions(self, wall: float) -> set:
@@ -406,7 +413,7 @@ class JobProcessor(_SlotsProcessor):
         ``unread_s`` of the job's first message only."""
         count = self.telemetry_partitions
         first = self._first.get(job)
-        if not count or first is None or now - first > max(self.unread_s, self.source_idle_s):
+        if not count or first is None or now - first > self._behind_wait_s:
             return False
         # the starts received, held or not: a worker's first message may hold seconds of
         # its ranks' steps, which must wait for the other partitions' ranks
@@ -427,8 +434,7 @@ class JobProcessor(_SlotsProcessor):
         ``unread_s``, is behind, plus ``hold_slack_s``."""
         if self._awaits_unheard(job, slot, now):
             return -math.inf
-        lowest = slot.lowest(now, self.hold_idle_s, self.behind,
-                             max(self.unread_s, self.source_idle_s))
+        lowest = slot.lowest(now, self.hold_idle_s, self.behind, self._behind_wait_s)
         return math.inf if lowest == -math.inf else lowest + self.hold_slack_s
 
     def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
@@ -442,7 +448,7 @@ class JobProcessor(_SlotsProcessor):
         applied = False
         wait = now - self.source_idle_s            # held this long (wall): on it goes ...
         if held and (upto == -math.inf or self.behind and self._told_behind(slot, now)):
-            wait = now - max(self.unread_s, self.source_idle_s)   # ... or this, in a backlog
+            wait = now - self._behind_wait_s       # ... or this, in a backlog
         while held and (held[0][0] <= upto or len(held) > self.max_held
                         or held[0][3] < wait):
             if held[0][0] > upto:
