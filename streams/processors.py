@@ -68,10 +68,13 @@ class RankOutput:
     time_rejected: int = 0         # of invalid: an implausible ts or step
     reading: Reading | None = None   # what the sender reads, told with every message
 
-    def messages(self) -> list[tuple[bytes, bytes]]:
-        """Summaries messages ``(key, value)``, keyed by job."""
+    def messages(self, carrying: bool | None = None) -> list[tuple[bytes, bytes]]:
+        """Summaries messages ``(key, value)``, keyed by job: those with items
+        (``carrying=True``), those that only tell what the sender reads (``False``), or all."""
         out = []
         for job, items in self.items.items():
+            if carrying is not None and bool(items) != carrying:
+                continue
             key = job.encode()
             out += [(key, value) for value in encode_summaries(job, items,
                                                                reading=self.reading)]

@@ -340,17 +340,22 @@ class RankService(Service):
         m.inc("ignored", out.ignored)
         m.inc("replayed", out.replayed)
         m.inc("stage_errors", out.errors)
-        for key, value in out.messages():
+        for key, value in out.messages(carrying=True):
             self._produce(self.topics.summaries, value, key)
+            m.inc("summaries_out")
+        for key, value in out.messages(carrying=False):
+            self._produce(self.topics.summaries, value, key, delivered=self._word_delivered)
             m.inc("summaries_out")
         for key, record in out.deadletters:
             self._produce(self.topics.deadletter, record, key)
 
-    def _produce(self, topic: str, value, key, partition: int | None = None) -> None:
+    def _produce(self, topic: str, value, key, partition: int | None = None,
+                 delivered=None) -> None:
         kwargs = {} if partition is None else {"partition": partition}
+        delivered = delivered or self._delivered
         while True:
             try:
-                self.producer.produce(topic, value, key, on_delivery=self._delivered, **kwargs)
+                self.producer.produce(topic, value, key, on_delivery=delivered, **kwargs)
                 return
             except BufferError:          # local queue full: let deliveries drain
                 self.producer.poll(0.05)
@@ -366,6 +371,14 @@ class RankService(Service):
             # produced again before the next commit, which waits until it is delivered
             self._retry.append((msg.topic(), msg.value(), msg.key(), msg.partition()))
             log.warning("delivery to %s failed (produced again): %s", msg.topic(), err)
+
+    def _word_delivered(self, err, msg) -> None:
+        """A summaries message with no items, only what this worker reads: one lost is not
+        produced again (the next, within TELL_EVERY_S, says it as of then; a late copy
+        would say it as of its arrival) and holds no commit back (it covers no record)."""
+        if err is not None:
+            self.metrics.inc("deliveries_failed")
+            log.info("delivery to %s failed (its next word replaces it): %s", msg.topic(), err)
 
     # -- snapshots and commits ------------------------------------------------------------
     def _write_snapshot(self) -> dict:

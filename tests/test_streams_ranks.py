@@ -261,6 +261,42 @@ def test_a_job_fed_lately_hears_every_second_that_its_partitions_are_read():
     assert len(words()) == 3 and svc._fed == {} and svc._heard_at == {}
 
 
+def test_a_lost_word_of_what_a_worker_reads_is_not_produced_again_nor_holds_commits():
+    """A summaries message with no items only says what the worker reads, as of when it was
+    sent: one the broker refuses is counted, not produced again (the next word replaces it;
+    a late copy would claim the partitions read as of its arrival) and holds no commit back.
+    A refused message with items is produced again and holds the commit back, as before
+    (a topic's size limit once refused every word for seconds, and the commit after it was
+    lifted waited a snapshot longer: ci52)."""
+    from trainguard.streams.logic import parse_summaries
+
+    broker, now = Broker(), [0.0]
+    _load(broker, steps=2, ranks=4)
+    svc = _service(broker, now)
+    _drain(svc, now, rounds=20)
+    svc.producer.flush()
+    refused = []
+
+    class Refusing(FakeProducer):
+        def produce(self, topic, value, key=None, partition=None, on_delivery=None):
+            refused.append(value)
+            on_delivery("MSG_SIZE_TOO_LARGE", type("Msg", (), {
+                "topic": lambda self: topic, "value": lambda self: value,
+                "key": lambda self: key, "partition": lambda self: -1})())
+
+    svc.producer = Refusing(broker)
+    start = now[0]
+    while now[0] < start + 3.05:
+        now[0] += 0.05
+        svc._process([])
+    assert len(refused) == 3 and svc.metrics.counters["deliveries_failed"] == 3
+    assert svc._retry == [] and svc._failed == 0
+    _load(broker, steps=1, ranks=4, first=2)
+    _drain(svc, now, rounds=20)
+    assert svc._retry and svc._failed == len(svc._retry)   # the items: again, and held
+    assert all(parse_summaries(value)[1] for _, value, _, _ in svc._retry)
+
+
 def test_checkpoint_commits_what_was_applied_and_a_restart_skips_it():
     broker, now = Broker(), [0.0]
     _load(broker, steps=200)

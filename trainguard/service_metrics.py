@@ -65,7 +65,8 @@ WORKER_COUNTERS = {
     "incidents_out": "Incident events (SPEC §6) delivered to the anomalies topic.",
     "anomalies_failed": "Anomaly deliveries that failed (each is sent again; offsets wait).",
     "deliveries_failed": "Rank-side deliveries (summaries, dead letters, state) that failed "
-                         "(each is produced again; offsets wait).",
+                         "(each is produced again and offsets wait, but for a word of what "
+                         "the worker reads, which its next replaces).",
     "deadletters_out": "Dead-letter records delivered to the dead-letter topic.",
     "time_rejected": "Telemetry events dead-lettered for an implausible ts or step.",
     "evictions": "Stages evicted from memory to their snapshot (idle, or beyond the cap).",
