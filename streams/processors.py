@@ -224,15 +224,16 @@ class JobProcessor(_SlotsProcessor):
                  incidents: bool = False, source_idle_s: float = 10.0,
                  tune_stage: Callable[[str, Any], Any] | None = None,
                  max_held: int = 200_000, hold_slack_s: float = 1.0,
-                 hold_idle_s: float = 2.0, unread_s: float = 30.0):
+                 hold_idle_s: float = 2.0, unread_s: float = 180.0):
         self.make_stage = make_stage
         #: items of a job held for a partition read behind, at most (see :meth:`apply`)
         self.max_held = max_held
         #: an item at most this far ahead of the slowest partition is not held
         self.hold_slack_s = hold_slack_s
         #: a partition holds the others back while it sent a rank's item this recently
-        #: (wall seconds), or while its rank worker said it is behind (``reading``); an item
-        #: is held ``source_idle_s`` at most (``unread_s`` for a partition said to be behind)
+        #: (wall seconds), or while its rank worker said it is behind (``reading``) or nobody
+        #: says it reads it; an item is held ``source_idle_s`` at most (``unread_s`` for a
+        #: partition said to be behind or that nobody reads)
         self.hold_idle_s = hold_idle_s
         #: telemetry partition -> wall time its rank worker last said it is behind, or
         #: (``caught_up``) that it is not; shared by all jobs (a partition's backlog is every
@@ -314,7 +315,9 @@ class JobProcessor(_SlotsProcessor):
         nothing, and their items wait, within ``unread_s``: a worker that pauses in the
         middle of a backlog (a snapshot, a collection, a rebalance) would otherwise let the
         other workers' items of that time go first (Kafka Streams waits for an empty
-        partition in the same way only while it has lag, KIP-695)."""
+        partition in the same way only while it has lag, KIP-695). So does a partition that
+        went silent while nobody says it reads it (:meth:`_unread_since`: its worker killed
+        or stalled, its partitions moving to another worker that reads their state back)."""
         job, items, reading = parse_summaries(value)
         if reading is not None:
             self._read(reading, now)
@@ -381,13 +384,17 @@ class JobProcessor(_SlotsProcessor):
         holds its job back, the others' items with it (wall s)."""
         return max(self.unread_s, self.source_idle_s)
 
-    def _told_behind(self, slot, wall: float) -> bool:
-        """Whether a telemetry partition of ``slot``'s job was last said, within
-        :attr:`_behind_wait_s`, to have records still to read: its worker reads a backlog,
-        and may pause in it for longer than ``source_idle_s`` (a snapshot, a collection, a
-        rebalance)."""
+    def _waits_long(self, slot, wall: float) -> bool:
+        """Whether ``slot``'s job waits for one of its telemetry partitions for up to
+        :attr:`_behind_wait_s` rather than ``source_idle_s``: one was last said, within
+        :attr:`_behind_wait_s`, to have records still to read (its worker reads a backlog,
+        and may pause in it for longer than ``source_idle_s``: a snapshot, a collection, a
+        rebalance), or went silent while nobody says it reads it (:meth:`_unread_since`:
+        its worker killed or stalled, its partitions moving and their state restored)."""
         behind, bound = self.behind, self._behind_wait_s
-        return any(p in behind and wall - behind[p] <= bound for p in slot.sources)
+        if behind and any(p in behind and wall - behind[p] <= bound for p in slot.sources):
+            return True
+        return bool(slot.unread(wall, self.source_idle_s, self._unread_since))
 
     def unread_partitions(self, wall: float) -> set:
         """The telemetry partitions silent for more than ``source_idle_s`` that hold a job's
@@ -433,11 +440,13 @@ class JobProcessor(_SlotsProcessor):
         """The job's time up to which held items go on: the slowest partition that carried
         a rank's item within ``hold_idle_s`` (a backlog read by two workers streams from
         every partition; live, a partition whose ranks stopped or send a heartbeat every
-        few seconds holds nothing back for long) or that its worker last said, within
-        ``unread_s``, is behind, plus ``hold_slack_s``."""
+        few seconds holds nothing back for long), that its worker last said, within
+        ``unread_s``, is behind, or that nobody says it reads (:meth:`_unread_since`), plus
+        ``hold_slack_s``."""
         if self._awaits_unheard(job, slot, now):
             return -math.inf
-        lowest = slot.lowest(now, self.hold_idle_s, self.behind, self._behind_wait_s)
+        lowest = slot.lowest(now, self.hold_idle_s, self.behind, self._behind_wait_s,
+                             self._unread_since)
         return math.inf if lowest == -math.inf else lowest + self.hold_slack_s
 
     def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
@@ -450,7 +459,7 @@ class JobProcessor(_SlotsProcessor):
         out = []
         applied = False
         wait = now - self.source_idle_s            # held this long (wall): on it goes ...
-        if held and (upto == -math.inf or self.behind and self._told_behind(slot, now)):
+        if held and (upto == -math.inf or self._waits_long(slot, now)):
             wait = now - self._behind_wait_s       # ... or this, in a backlog
         while held and (held[0][0] <= upto or len(held) > self.max_held
                         or held[0][3] < wait):

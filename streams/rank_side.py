@@ -43,8 +43,14 @@ AHEAD_S = 2.0
 TELL_EVERY_S = 1.0
 #: a job that got items from this worker within this long (wall s) hears what it reads at
 #: least every TELL_EVERY_S, also with nothing to send: that its partitions are read, so
-#: their silence is its ranks' (``JobProcessor.unread_s``)
+#: their silence is its ranks' (``JobProcessor.unread_s``); at least that long and
+#: VOUCH_MARGIN_S more (:attr:`RankService.vouch_for_s`), or a partition whose ranks all
+#: went quiet would pass for one nobody reads once its worker stopped saying it reads it
 VOUCH_FOR_S = 60.0
+VOUCH_MARGIN_S = 30.0
+#: the longest a restore of the rank state of newly assigned partitions reads (wall s); the
+#: job side waits longer for partitions that nobody reads (``worker.unread_partition_s``)
+RESTORE_MOST_S = 120.0
 
 
 class RankService(Service):
@@ -247,7 +253,8 @@ class RankService(Service):
             if job not in out.items and not was <= now_behind and now - when >= TELL_EVERY_S:
                 out.items[job] = []            # tell it that it may stop waiting
         fed, heard_at = self._fed, self._heard_at
-        for job in [job for job, at in fed.items() if now - at > VOUCH_FOR_S]:
+        vouch_for_s = self.vouch_for_s
+        for job in [job for job, at in fed.items() if now - at > vouch_for_s]:
             del fed[job], heard_at[job]
         for job, at in heard_at.items():
             if job not in out.items and now - at >= TELL_EVERY_S:
@@ -262,9 +269,16 @@ class RankService(Service):
             if job in fed:
                 heard_at[job] = now
 
+    @property
+    def vouch_for_s(self) -> float:
+        """How long after this worker last fed a job it says what it reads to that job: as
+        long as the job side may take a partition that sent nothing for a partition that
+        nobody reads (``worker.unread_partition_s``), and more."""
+        return max(VOUCH_FOR_S, self.settings.unread_partition_s + VOUCH_MARGIN_S)
+
     def _vouch_due(self, now: float) -> bool:
-        """Whether a job this worker fed within VOUCH_FOR_S heard nothing from it for
-        TELL_EVERY_S."""
+        """Whether a job this worker fed within :attr:`vouch_for_s` heard nothing from it
+        for TELL_EVERY_S."""
         return any(now - at >= TELL_EVERY_S for at in self._heard_at.values())
 
     def _flow_control(self) -> None:
@@ -486,7 +500,7 @@ class RankService(Service):
                     ends[q] = high
             reader.assign([TopicPartition(self.topics.rank_state, q, OFFSET_BEGINNING)
                            for q in ends])
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + RESTORE_MOST_S
             while ends and time.monotonic() < deadline:
                 for m in reader.consume(10000, 0.5):
                     if m.error():
@@ -495,7 +509,7 @@ class RankService(Service):
                     if m.offset() + 1 >= ends.get(m.partition(), 0):
                         ends.pop(m.partition(), None)
                 # by position, not by the last record: a compacted or aborted last offset
-                # is never delivered, and waiting for it would hold the rebalance 120 s
+                # is never delivered, and waiting for it would hold the rebalance that long
                 for tp in reader.position([TopicPartition(self.topics.rank_state, q)
                                            for q in ends]):
                     if tp.offset >= 0 and tp.offset >= ends[tp.partition]:

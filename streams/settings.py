@@ -80,12 +80,13 @@ class WorkerSettings:
                                          "long no longer holds a job's clock back (a job's "
                                          "now is the lowest newest time of its partitions)",
                                    above=0)
-    unread_partition_s: float = setting(30.0, "... unless no rank worker said since that it "
-                                              "read it: then it holds the time up to which a "
-                                              "job is judged this long (a killed or stalled "
-                                              "worker's partitions, while they move); one "
-                                              "said to be behind holds its jobs' items as long "
-                                              "(a worker paused in a backlog)",
+    unread_partition_s: float = setting(180.0, "... unless no rank worker said since that "
+                                               "it read it: then it holds the time up to "
+                                               "which a job is judged this long (a killed or "
+                                               "stalled worker's partitions, while they move "
+                                               "and their state is restored, up to 120 s); "
+                                               "one said to be behind holds its jobs' items "
+                                               "as long (a worker paused in a backlog)",
                                         above=0)
     idle_ttl_s: float = setting(6 * 3600.0, "stages without input this long are dropped",
                                 above=0)

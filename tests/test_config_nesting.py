@@ -53,9 +53,10 @@ def shown(text: str) -> dict:
 
 #: keys added since, and defaults changed on purpose since (issue 21 point 2: steps by
 #: number within a window, where a step used to close once a rank was 2 steps on; a
-#: partition that no worker says it reads holds a job's judged time back)
+#: partition that no worker says it reads holds a job's judged time back, for as long as a
+#: killed worker's partitions take to move and be restored)
 ADDED_SINCE = {"worker.source_idle_s": (10.0, "default"),
-               "worker.unread_partition_s": (30.0, "default")}
+               "worker.unread_partition_s": (180.0, "default")}
 CHANGED_SINCE = {"detectors.stages.step_window": (32, "default")}
 
 

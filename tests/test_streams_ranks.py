@@ -230,15 +230,19 @@ def test_summaries_say_which_partitions_the_worker_is_behind_on():
 
 
 def test_a_job_fed_lately_hears_every_second_that_its_partitions_are_read():
-    """With nothing to send it, a job this worker fed within VOUCH_FOR_S still hears every
-    second which partitions it reads (and that it read them to the end): the job side then
-    knows their silence is its ranks', not a worker gone (``JobProcessor.unread_s``)."""
+    """With nothing to send it, a job this worker fed within ``vouch_for_s`` still hears
+    every second which partitions it reads (and that it read them to the end): the job side
+    then knows their silence is its ranks', not a worker gone (``JobProcessor.unread_s``),
+    for as long as it could take them for a worker gone. Until 2026-12-06 the worker said
+    so for 60 s, and the job side waited 30 s; waiting 180 s, a job whose ranks on one
+    partition all went quiet would have been held back from 60 s to 180 s after."""
     from trainguard.streams.logic import parse_summaries
-    from trainguard.streams.rank_side import VOUCH_FOR_S
 
     broker, now = Broker(), [0.0]
     _load(broker, steps=2, ranks=4)
     svc = _service(broker, now)
+    assert svc.vouch_for_s >= svc.settings.unread_partition_s + 30.0
+    assert _service(Broker(), now, unread_partition_s=10.0).vouch_for_s == 60.0
     _drain(svc, now, rounds=20)
 
     def words():
@@ -253,12 +257,16 @@ def test_a_job_fed_lately_hears_every_second_that_its_partitions_are_read():
         svc._process([])
         svc.producer.flush()
     assert words() == [("j", ())] * 3                 # once a second, nothing behind
-    now[0] = start + VOUCH_FOR_S + 1
+    now[0] = start + svc.vouch_for_s - 2             # still fed lately: it hears
+    svc._process([])
+    svc.producer.flush()
+    assert len(words()) == 4
+    now[0] = start + svc.vouch_for_s + 1
     svc._process([])
     now[0] += 1.5
     svc._process([])
     svc.producer.flush()
-    assert len(words()) == 3 and svc._fed == {} and svc._heard_at == {}
+    assert len(words()) == 4 and svc._fed == {} and svc._heard_at == {}
 
 
 def test_a_lost_word_of_what_a_worker_reads_is_not_produced_again_nor_holds_commits():

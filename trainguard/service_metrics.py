@@ -111,10 +111,12 @@ WORKER_GAUGES = {
                   "reaches their time (a rank worker read behind another).",
     "released_early_records": "Held items applied before the slowest partition reached them: "
                             "more than max_held were held for one job, or one waited "
-                            "source_idle_s.",
+                            "source_idle_s (unread_partition_s for a partition said to be "
+                            "behind or that nobody reads).",
     "unread_partitions": "Telemetry partitions silent for more than source_idle_s that no "
                          "rank worker says it reads (killed, stalled, moving in a "
-                         "rebalance): their jobs are judged up to their last records, for "
+                         "rebalance): their jobs wait for them (judged, and the other "
+                         "partitions' items applied, up to their last records), for "
                          "unread_partition_s at most.",
     "behind_partitions": "Telemetry partitions whose rank worker last said (within "
                          "source_idle_s) that it has not read them to the end; the job side "
