@@ -364,18 +364,21 @@ class JobProcessor(_SlotsProcessor):
             heapq.heappush(held, [ts, slot.held_seq, item, now])
         return self._release(job, slot, now, self._hold_upto(job, slot, now))
 
-    def _unread_since(self, partition: int, heard: float, wall: float) -> bool:
+    def _unread_since(self, partition: int, heard: float, wall: float,
+                      since: float = -math.inf) -> bool:
         """Whether ``partition``, which last sent at wall time ``heard``, is silent for at
         most ``unread_s`` while a rank worker told of it (live workers say with every
         message, and every second to the jobs they send to, which partitions they read and
         which of them they are behind on) and none said, since ``heard`` and within
         ``hold_idle_s`` of ``wall``, that it read it to the end. A partition never told of
-        is judged by its silence alone."""
+        (``since``: since its job was loaded from a snapshot, ``JobSlot.loaded_at``) is
+        judged by its silence alone."""
         if wall - heard > self.unread_s:
             return False
         at = self.caught_up.get(partition)
-        if at is None:
-            return partition in self.behind
+        if at is None or at < since:
+            told = self.behind.get(partition)
+            return told is not None and told >= since
         return at <= heard or wall - at > self.hold_idle_s
 
     @property
@@ -391,10 +394,13 @@ class JobProcessor(_SlotsProcessor):
         and may pause in it for longer than ``source_idle_s``: a snapshot, a collection, a
         rebalance), or went silent while nobody says it reads it (:meth:`_unread_since`:
         its worker killed or stalled, its partitions moving and their state restored)."""
-        behind, bound = self.behind, self._behind_wait_s
-        if behind and any(p in behind and wall - behind[p] <= bound for p in slot.sources):
+        behind, bound, since = self.behind, self._behind_wait_s, slot.loaded_at
+        if behind and any(p in behind and behind[p] >= since and wall - behind[p] <= bound
+                          for p in slot.sources):
             return True
-        return bool(slot.unread(wall, self.source_idle_s, self._unread_since))
+        idle_s, unread_since = self.source_idle_s, self._unread_since
+        return any(wall - heard > idle_s and unread_since(p, heard, wall, since)
+                   for p, (_, heard) in slot.sources.items())
 
     def unread_partitions(self, wall: float) -> set:
         """The telemetry partitions silent for more than ``source_idle_s`` that hold a job's

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 
 from mode import Service
 
 from trainguard.streams.logic import EventTimeAligner, Reading
-from trainguard.streams.processors import RankOutput, RankProcessor, state_partition
-from trainguard.streams.snapshots import StateError, snapshot_pause
+from trainguard.streams.processors import RankOutput, RankProcessor
+from trainguard.streams.snapshots import StateError, snapshot_pause, state_header
 
 __all__ = ["RankService"]
 
@@ -525,14 +526,30 @@ class RankService(Service):
                 self.processor.restore(key, None)
                 continue
             try:
-                mine = state_partition(blob) in partitions
+                partition, touched = state_header(blob)
             except StateError as exc:      # not a snapshot of ours: never loaded
                 self.processor.state.failed(key, exc)
                 continue
-            if mine:
+            if partition in partitions:
                 self.processor.restore(key, blob)
+                self._fed_before(key, touched)
                 count += 1
         return count
+
+    def _fed_before(self, key: bytes, touched: float) -> None:
+        """A restored stage of ``key`` had input at ``touched`` (the writer's wall time):
+        its job was fed from these partitions then, and hears what this worker reads for
+        :attr:`vouch_for_s` since, as if this worker had fed it (a partition whose ranks
+        went quiet before it moved here would otherwise pass for one nobody reads)."""
+        job = (key.split(b"\x00", 1)[0] if b"\x00" in key else key.rpartition(b"/")[0])
+        now = self.clock()
+        at = min(touched, now)
+        if now - at > self.vouch_for_s:
+            return
+        job = job.decode("utf-8", "replace")
+        if at > self._fed.get(job, -math.inf):
+            self._fed[job] = at
+            self._heard_at.setdefault(job, now - TELL_EVERY_S)
 
     # -- gauges -------------------------------------------------------------------------------
     def lag(self) -> int:

@@ -81,12 +81,12 @@ class WorkerSettings:
                                          "now is the lowest newest time of its partitions)",
                                    above=0)
     unread_partition_s: float = setting(180.0, "... unless no rank worker said since that "
-                                               "it read it: then it holds the time up to "
-                                               "which a job is judged this long (a killed or "
-                                               "stalled worker's partitions, while they move "
-                                               "and their state is restored, up to 120 s); "
-                                               "one said to be behind holds its jobs' items "
-                                               "as long (a worker paused in a backlog)",
+                                               "it read it (a killed or stalled worker's "
+                                               "partitions, while they move and their state "
+                                               "is restored, up to 120 s), or its worker "
+                                               "said it is behind (a pause in a backlog): "
+                                               "then it holds its jobs (their judged time "
+                                               "and the other partitions' items) this long",
                                         above=0)
     idle_ttl_s: float = setting(6 * 3600.0, "stages without input this long are dropped",
                                 above=0)

@@ -383,7 +383,7 @@ def backlog(pause_s: float = 0.0, at_s: float = 0.0, speed: float = 100.0):
 LAST_WRITTEN = 2.0e9
 
 
-@pytest.mark.parametrize("pause_s", [4.0, 28.0, 150.0])
+@pytest.mark.parametrize("pause_s", [4.0, 150.0])
 def test_a_rank_worker_that_pauses_in_a_backlog_lets_nothing_go_first(pause_s):
     """Issue 21's four faults in a 256-rank job, read as a backlog by two rank workers, one of
     which pauses for seconds around the restart: the same anomalies as without the pause,
@@ -453,7 +453,7 @@ def by_rank(e) -> int:
     return (murmur2(event_key(e) or e.job.encode()) & 0x7FFFFFFF) % 24
 
 
-@pytest.mark.parametrize("late_s", [3.0, 25.0, 90.0])
+@pytest.mark.parametrize("late_s", [3.0, 90.0])
 def test_a_rank_worker_that_starts_late_on_a_backlog_lets_nothing_go_first(late_s):
     """The same job's backlog, its ranks spread over 24 partitions by their key: the workers
     of the odd partitions start ``late_s`` of wall time after the others (300 to 2,500 s of
@@ -535,7 +535,7 @@ GONE_SHAPES = ("plain-120.0s", "checkpoints-0.05s", "user-phase-30.0s", "mixed-1
                "shared-cpu-noise-2.0s", "loader-stalls-600.0s")
 
 
-@pytest.mark.parametrize("gone_s", [25.0, 170.0])
+@pytest.mark.parametrize("gone_s", [12.0, 170.0])
 def test_a_rank_worker_gone_while_caught_up_makes_no_machine_silent_or_job_hung(gone_s):
     """A worker of a group killed while live: its partitions move after the session timeout
     (10 s), their state is restored (up to two minutes) and they are read again. Nobody

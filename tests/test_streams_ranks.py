@@ -269,6 +269,47 @@ def test_a_job_fed_lately_hears_every_second_that_its_partitions_are_read():
     assert len(words()) == 4 and svc._fed == {} and svc._heard_at == {}
 
 
+def test_a_worker_that_takes_partitions_over_tells_their_quiet_jobs_what_it_reads():
+    """Ranks that went quiet before their partitions moved to another worker (a rebalance,
+    a restart): the new worker restores their state and says every second to their job
+    what it reads, as if it had fed the job when they last sent, for ``vouch_for_s`` from
+    then. Else the job side would take their partitions for ones nobody reads and hold the
+    job for up to ``worker.unread_partition_s``."""
+    from trainguard.streams.logic import parse_summaries
+
+    broker, now = Broker(), [0.0]
+    _load(broker, steps=2, ranks=4)
+    svc = _service(broker, now)
+    _drain(svc, now, rounds=20)
+    assert svc.checkpoint_now("test")
+    last_input = max(slot.touched for slot in svc.processor.state.slots.values())
+
+    def words():
+        return sum(1 for (topic, _), log in broker.logs.items() if topic == TOPICS.summaries
+                   for _, v in log if not parse_summaries(v)[1])
+
+    now[0] += 20.0
+    again = _service(broker, now)             # the successor: restores, nothing new to read
+    _drain(again, now, rounds=2)
+    assert again._fed == {"j": last_input}
+    said = words()
+    for _ in range(3):
+        now[0] += 1.0
+        again._process([])
+    again.producer.flush()
+    assert words() == said + 3
+    now[0] = last_input + again.vouch_for_s + 1.0
+    again._process([])
+    now[0] += 1.5
+    again._process([])
+    again.producer.flush()
+    assert words() == said + 3 and again._fed == {}
+    now[0] += 1.0
+    late = _service(broker, now)             # restored after that: nothing to say
+    _drain(late, now, rounds=2)
+    assert late._fed == {} and late._heard_at == {}
+
+
 def test_a_lost_word_of_what_a_worker_reads_is_not_produced_again_nor_holds_commits():
     """A summaries message with no items only says what the worker reads, as of when it was
     sent: one the broker refuses is counted, not produced again (the next word replaces it;
