@@ -31,6 +31,7 @@ import heapq
 import logging
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Iterable
 
 from trainguard import events as ev
@@ -243,6 +244,9 @@ class JobProcessor(_SlotsProcessor):
         #: the telemetry topic's partition count, from the rank workers (0: not told)
         self.telemetry_partitions = 0
         self._first: dict = {}        # job -> wall time its first message came
+        #: job -> wall time its state, idle evict_idle_s or more, was loaded again: what
+        #: the rank workers said before then is not of it (:meth:`_unread_of`)
+        self._idle_loads: dict = {}
         self._worlds: dict = {}       # job -> world size of the latest start received
         self._expected: dict = {}     # job -> (world, partitions, the partitions of its ranks)
         self.released_early = 0
@@ -279,6 +283,8 @@ class JobProcessor(_SlotsProcessor):
         else:
             slot = self.state.load(key)
             if slot is not None and now is not None:
+                if now - slot.touched >= (self.evict_idle_s or 0.0):
+                    self._idle_loads[job] = now    # not one evicted for room (max_live)
                 slot.heard_again(now)
             if slot is None:
                 slot = JobSlot(self.make_stage(), partition)
@@ -327,7 +333,7 @@ class JobProcessor(_SlotsProcessor):
         if items or slot.held:           # a word of what a worker reads changes no state
             self.state.dirty.add(job.encode())
         marks, held, idle_s = slot.marks, slot.held, self.source_idle_s
-        unread_since = self._unread_since
+        unread_since = self._unread_of(job)
         limit = now + FUTURE_SLACK_S
         clock = getattr(slot.stage, "clock", None)
         for p, o, i, item in items:
@@ -371,8 +377,8 @@ class JobProcessor(_SlotsProcessor):
         message, and every second to the jobs they send to, which partitions they read and
         which of them they are behind on) and none said, since ``heard`` and within
         ``hold_idle_s`` of ``wall``, that it read it to the end. A partition never told of
-        (``since``: since its job was loaded from a snapshot, ``JobSlot.loaded_at``) is
-        judged by its silence alone."""
+        (``since``: since its job's state was loaded again after it was idle,
+        :meth:`_unread_of`) is judged by its silence alone."""
         if wall - heard > self.unread_s:
             return False
         at = self.caught_up.get(partition)
@@ -381,33 +387,47 @@ class JobProcessor(_SlotsProcessor):
             return told is not None and told >= since
         return at <= heard or wall - at > self.hold_idle_s
 
+    def _unread_of(self, job: str):
+        """:meth:`_unread_since` for ``job``: a job idle ``evict_idle_s`` or more whose
+        state was loaded again when it spoke takes no word the rank workers said before the
+        load as said of its partitions (they may have moved since, and their new worker
+        says what it reads to the jobs it feeds only), for ``unread_s`` after the load;
+        until they say it again, its partitions are judged by their silence, as those of a
+        job never told of. A job loaded when its summaries partition moved here
+        (:meth:`load_saved`) was not idle: the words said of its partitions stand (a worker
+        killed with this job's worker is still waited for)."""
+        since = self._idle_loads.get(job)
+        if since is None:
+            return self._unread_since
+        return partial(self._unread_since, since=since)
+
     @property
     def _behind_wait_s(self) -> float:
         """How long a partition said to be behind (or not heard of yet at a job's start)
         holds its job back, the others' items with it (wall s)."""
         return max(self.unread_s, self.source_idle_s)
 
-    def _waits_long(self, slot, wall: float) -> bool:
+    def _waits_long(self, job: str, slot, wall: float) -> bool:
         """Whether ``slot``'s job waits for one of its telemetry partitions for up to
         :attr:`_behind_wait_s` rather than ``source_idle_s``: one was last said, within
         :attr:`_behind_wait_s`, to have records still to read (its worker reads a backlog,
         and may pause in it for longer than ``source_idle_s``: a snapshot, a collection, a
         rebalance), or went silent while nobody says it reads it (:meth:`_unread_since`:
         its worker killed or stalled, its partitions moving and their state restored)."""
-        behind, bound, since = self.behind, self._behind_wait_s, slot.loaded_at
-        if behind and any(p in behind and behind[p] >= since and wall - behind[p] <= bound
-                          for p in slot.sources):
+        behind, bound = self.behind, self._behind_wait_s
+        if behind and any(p in behind and wall - behind[p] <= bound for p in slot.sources):
             return True
-        idle_s, unread_since = self.source_idle_s, self._unread_since
-        return any(wall - heard > idle_s and unread_since(p, heard, wall, since)
+        idle_s, unread_since = self.source_idle_s, self._unread_of(job)
+        return any(wall - heard > idle_s and unread_since(p, heard, wall)
                    for p, (_, heard) in slot.sources.items())
 
     def unread_partitions(self, wall: float) -> set:
         """The telemetry partitions silent for more than ``source_idle_s`` that hold a job's
         judged time back because no rank worker says it reads them (:meth:`_unread_since`)."""
         out: set = set()
-        for slot in self.state.slots.values():
-            out.update(slot.unread(wall, self.source_idle_s, self._unread_since))
+        for key, slot in self.state.slots.items():
+            out.update(slot.unread(wall, self.source_idle_s,
+                                   self._unread_of(key.decode("utf-8", "replace"))))
         return out
 
     def _read(self, reading, now: float) -> None:
@@ -452,7 +472,7 @@ class JobProcessor(_SlotsProcessor):
         if self._awaits_unheard(job, slot, now):
             return -math.inf
         lowest = slot.lowest(now, self.hold_idle_s, self.behind, self._behind_wait_s,
-                             self._unread_since)
+                             self._unread_of(job))
         return math.inf if lowest == -math.inf else lowest + self.hold_slack_s
 
     def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
@@ -465,7 +485,7 @@ class JobProcessor(_SlotsProcessor):
         out = []
         applied = False
         wait = now - self.source_idle_s            # held this long (wall): on it goes ...
-        if held and (upto == -math.inf or self._waits_long(slot, now)):
+        if held and (upto == -math.inf or self._waits_long(job, slot, now)):
             wait = now - self._behind_wait_s       # ... or this, in a backlog
         while held and (held[0][0] <= upto or len(held) > self.max_held
                         or held[0][3] < wait):
@@ -512,31 +532,34 @@ class JobProcessor(_SlotsProcessor):
 
     def advance(self, now: float) -> list[ev.Anomaly]:
         out = []
+        for job in [j for j, at in self._idle_loads.items() if now - at > self.unread_s]:
+            del self._idle_loads[job]
         if len(self._first) > len(self.state.slots):
             for job in [j for j in self._first if j.encode() not in self.state.slots]:
                 del self._first[job]
                 self._expected.pop(job, None)
                 self._worlds.pop(job, None)
         for key, slot in self.state.slots.items():
+            job = key.decode()
+            unread_since = self._unread_of(job)
             if slot.held:            # a partition gone quiet, or held too long, no longer
                                      # holds the others
-                low = slot.lowest(now, self.source_idle_s, unread_since=self._unread_since)
+                low = slot.lowest(now, self.source_idle_s, unread_since=unread_since)
                 if low > slot.low:
                     slot.low = min(low, now + FUTURE_SLACK_S)
-                found = self._release(key.decode(), slot, now,
-                                      self._hold_upto(key.decode(), slot, now))
+                found = self._release(job, slot, now, self._hold_upto(job, slot, now))
                 if found:
                     self.state.dirty.add(key)
                     out += found
             try:
                 every = self.advance_every_s
-                at, steps_at = slot.clocks(now, self._unread_since)
+                at, steps_at = slot.clocks(now, unread_since)
                 if every:
                     at, steps_at = on_grid(at, every), on_grid(steps_at, every)
                 found = slot.stage.advance(at, steps_now=steps_at)
             except Exception:
                 self.errors += 1
-                log.exception("job stage %s failed in advance()", key.decode())
+                log.exception("job stage %s failed in advance()", job)
                 continue
             if found:
                 self.state.dirty.add(key)
@@ -565,6 +588,7 @@ class JobProcessor(_SlotsProcessor):
             if slot is not None:
                 if now is not None:
                     slot.heard_again(now)
+                self._idle_loads.pop(key.decode("utf-8", "replace"), None)
                 self._tuned(key.decode("utf-8", "replace"), slot)
                 loaded += 1
         return loaded

@@ -520,7 +520,7 @@ class RankService(Service):
                             "afresh", sorted(ends))
         finally:
             reader.close()
-        count = 0
+        count, now = 0, self.clock()
         for key, blob in latest.items():
             if not blob:
                 self.processor.restore(key, None)
@@ -532,17 +532,16 @@ class RankService(Service):
                 continue
             if partition in partitions:
                 self.processor.restore(key, blob)
-                self._fed_before(key, touched)
+                self._fed_before(key, touched, now)
                 count += 1
         return count
 
-    def _fed_before(self, key: bytes, touched: float) -> None:
+    def _fed_before(self, key: bytes, touched: float, now: float) -> None:
         """A restored stage of ``key`` had input at ``touched`` (the writer's wall time):
         its job was fed from these partitions then, and hears what this worker reads for
         :attr:`vouch_for_s` since, as if this worker had fed it (a partition whose ranks
         went quiet before it moved here would otherwise pass for one nobody reads)."""
         job = (key.split(b"\x00", 1)[0] if b"\x00" in key else key.rpartition(b"/")[0])
-        now = self.clock()
         at = min(touched, now)
         if now - at > self.vouch_for_s:
             return

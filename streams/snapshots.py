@@ -72,17 +72,13 @@ class JobSlot:
     low: float = -math.inf         # the newest time every partition heard from has reached
     held: list = field(default_factory=list)   # heap of [time, seq, item, wall] not applied
     held_seq: int = 0
-    loaded_at: float = -math.inf   # wall time it was loaded from a snapshot (heard_again)
 
     def heard_again(self, wall: float) -> None:
         """Loaded from a snapshot at wall time ``wall``: every partition it had heard from
         counts as heard as long before ``wall`` as it had been before the snapshot's last
         input (the wall times of the process that wrote it are read only against each
         other), so one that lagged still holds steps open until ``idle_s`` passes, and one
-        silent for hours does not pass for one that nobody reads since this load. What the
-        rank workers said before the load is not of this job (``loaded_at``, the ``since``
-        of ``unread_since``): until they say it again, its partitions are judged by their
-        silence, as in a process that just started.
+        silent for hours does not pass for one that nobody reads since this load.
 
         >>> slot = JobSlot(stage=None, partition=0, touched=5000.0,
         ...                sources={0: [100.0, 4999.0], 1: [90.0, 1400.0]})
@@ -90,7 +86,7 @@ class JobSlot:
         >>> slot.sources
         {0: [100.0, 19.0], 1: [90.0, -3580.0]}
         """
-        touched, self.loaded_at = self.touched, wall
+        touched = self.touched
         for source in self.sources.values():
             quiet = touched - source[1]
             source[1] = wall - quiet if quiet > 0.0 else wall
@@ -114,7 +110,7 @@ class JobSlot:
         whose ranks are hung forwards a heartbeat only every few seconds, and would hold a
         hang's detection back by as much.)
 
-        ``unread_since(partition, heard, wall, since)``: whether no rank worker said, since wall
+        ``unread_since(partition, heard, wall)``: whether no rank worker said, since wall
         time ``heard`` (when the partition last sent) and lately at ``wall``, that it read
         it to the end, within a bound of silence (``JobProcessor.unread_s``). Such a
         partition is not known to be quiet: its worker may be gone (killed, stalled, its
@@ -130,7 +126,7 @@ class JobSlot:
         80.0
         >>> slot.heard(0, 140.0, wall=12.0, idle_s=10.0)    # ... and silent for 11 s
         140.0
-        >>> unread = lambda p, heard, wall, since: p == 1 and wall - heard <= 30.0  # 1: unread
+        >>> unread = lambda p, heard, wall: p == 1 and wall - heard <= 30.0   # nobody read 1
         >>> slot.heard(1, 80.0, wall=12.0, idle_s=10.0)
         80.0
         >>> slot.heard(0, 150.0, wall=24.0, idle_s=10.0, unread_since=unread)
@@ -150,8 +146,7 @@ class JobSlot:
         low = sources.get(self.low_source)
         if fresh or low is None or partition == self.low_source or (
                 wall - low[1] > idle_s and not (unread_since is not None and
-                                                unread_since(self.low_source, low[1], wall,
-                                                             self.loaded_at))):
+                                                unread_since(self.low_source, low[1], wall))):
             best, self.low_source = self._lowest(wall, idle_s, unread_since=unread_since)
             return best
         return low[0]
@@ -178,12 +173,12 @@ class JobSlot:
         """``(newest, partition)`` of the partition heard from within ``idle_s`` (see
         :meth:`lowest` for ``behind`` and ``unread_since``) that was read the least far,
         ``(None, -1)`` when there is none."""
-        best, low, since = None, -1, self.loaded_at
+        best, low = None, -1
         for p, (newest, heard) in self.sources.items():
             quiet = wall - heard
             if (quiet <= idle_s or (behind and quiet <= behind_s and p in behind
-                                    and wall - behind[p] <= behind_s and behind[p] >= since)
-                    or (unread_since is not None and unread_since(p, heard, wall, since))) \
+                                    and wall - behind[p] <= behind_s)
+                    or (unread_since is not None and unread_since(p, heard, wall))) \
                     and (best is None or newest < best):
                 best, low = newest, p
         return best, low
@@ -192,7 +187,7 @@ class JobSlot:
         """The partitions silent for more than ``idle_s`` that still hold the watermark back
         because nobody read them since (see :meth:`heard`)."""
         return [p for p, (_, heard) in self.sources.items()
-                if wall - heard > idle_s and unread_since(p, heard, wall, self.loaded_at)]
+                if wall - heard > idle_s and unread_since(p, heard, wall)]
 
     def _run_on(self, wall: float, unread_since) -> float:
         """Wall seconds since items last came, by which the job's clock moves on: none while
@@ -200,7 +195,7 @@ class JobSlot:
         run = wall - self.applied_at
         if run <= 0.0:
             return 0.0
-        if unread_since is not None and any(unread_since(p, heard, wall, self.loaded_at)
+        if unread_since is not None and any(unread_since(p, heard, wall)
                                             for p, (_, heard) in self.sources.items()):
             return 0.0
         return run
@@ -219,7 +214,7 @@ class JobSlot:
         >>> slot = JobSlot(stage=None, partition=0)
         >>> _ = slot.heard(3, 100.0, wall=50.0, idle_s=10.0)
         >>> slot.watermark, slot.applied_at = 100.0, 50.0
-        >>> slot.now(70.0, unread_since=lambda p, heard, wall, since: True), slot.now(70.0)
+        >>> slot.now(70.0, unread_since=lambda p, heard, wall: True), slot.now(70.0)
         (100.0, 120.0)
         """
         return self._now(wall, self._run_on(wall, unread_since))

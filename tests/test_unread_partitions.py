@@ -26,11 +26,11 @@ def _job_side(plain: bool = False, **kwargs):
 
     jobs = JobProcessor(JobStage if plain else Stage, advance_every_s=None, **kwargs)
 
-    def send(p, offset, times, wall):
-        items = [(p, offset + n, 0, {"k": "hb", "job": "j", "rank": p, "node": f"n{p}",
+    def send(p, offset, times, wall, job="j"):
+        items = [(p, offset + n, 0, {"k": "hb", "job": job, "rank": p, "node": f"n{p}",
                                      "ts": t, "step": 1, "phase": "forward",
                                      "phase_since": 99.0}) for n, t in enumerate(times)]
-        for value in encode_summaries("j", items, reading=Reading(parts=(p,), behind=())):
+        for value in encode_summaries(job, items, reading=Reading(parts=(p,), behind=())):
             jobs.apply(value, 0, wall)
 
     return jobs, applied, send
@@ -56,6 +56,28 @@ def test_a_job_loaded_again_waits_for_no_partition_it_was_told_of_before():
     jobs.advance(1012.5)
     assert jobs.applied == applied + 2 and jobs.state.slots[b"j"].held == []
     assert jobs.unread_partitions(1012.5) == set()
+
+
+def test_a_job_moved_here_still_waits_for_a_partition_whose_worker_went_with_its_own():
+    """The worker that ran job ``j``'s job side and partition 1's rank side is killed: the
+    survivor loads ``j``'s state as its summaries partition moves there (``load_saved``).
+    What the rank workers said before the load stands for such a job (it was not idle):
+    partition 1, last said to be read before its worker died, holds ``j`` until it is read
+    again. Taken as never told of, it would let partition 0's items and the job's clock
+    run on while partition 1 is restored elsewhere: the false silent machines again."""
+    dead, _, send_dead = _job_side(plain=True)
+    send_dead(0, 0, [100.0], wall=100.0)
+    send_dead(1, 0, [100.0], wall=100.0)
+    survivor, _, send = _job_side(plain=True)
+    send(1, 0, [100.0], wall=100.0, job="k")        # it heard partition 1's worker too
+    for key, _, blob in dead.snapshot():
+        survivor.restore(key, blob)
+    assert survivor.load_saved({0}, now=101.0) == 1
+    applied = survivor.applied
+    for wall in range(101, 131):
+        send(0, wall - 100, [float(wall)], wall=float(wall))
+    survivor.advance(130.5)
+    assert survivor.applied - applied <= 2 and 1 in survivor.unread_partitions(130.5)
 
 
 def test_a_partition_nobody_reads_holds_the_job_until_its_successor_reads_it():
