@@ -34,17 +34,18 @@ SLOW_FROM = 12
 #: lanes). FSDP2 0.25 s: on gloo part of a peer's wait for the slow rank is not a marked wait
 #: (a fresh-clone suite saw the slow rank's median go up 0.11 s of a 0.15 s sleep and a
 #: peer's 0.04 s), so the sleep must dwarf that share
-SLOW_SECONDS = {"fsdp2": 0.25, "tp": 0.15, "pp-gpipe": 0.05, "pp-1f1b": 0.05}
+SLOW_SECONDS = {"fsdp2": 0.25, "tp": 0.15, "pp-1f1b": 0.05}
 #: the straggler detector's default ``ratio``: what the slow rank's time must be over a peer's
 #: to be slow in a step
 DETECTOR_RATIO = 1.2
 #: job -> (its arguments, ranks, the slow rank, the ranks it is compared with, the ranks
 #: that have a loss). Pipeline parallel: rank 1 runs stage 0 of pipeline 1, rank 0 is its
-#: stage peer, ranks 2 and 3 run the last stage
+#: stage peer, ranks 2 and 3 run the last stage. (The same pipeline job with the GPipe
+#: schedule passed every check here until 2026-12-06; it left to keep the suite within its
+#: 15 minutes: 46 s of a lane for the schedule that differs least from 1F1B in what is sent.)
 JOBS = {
     "fsdp2": (["fsdp2"], 3, 1, (0, 2), (0, 1, 2)),
     "tp": (["tp"], 3, 1, (0, 2), (0, 1, 2)),
-    "pp-gpipe": (["pp", "--schedule", "gpipe"], 4, 1, (0,), (2, 3)),
     "pp-1f1b": (["pp", "--schedule", "1f1b"], 4, 1, (0,), (2, 3)),
 }
 PIPELINE_TOPOLOGY = {"tp": 1, "pp": 2, "dp": 2}
