@@ -417,9 +417,8 @@ class JobProcessor(_SlotsProcessor):
         behind, bound = self.behind, self._behind_wait_s
         if behind and any(p in behind and wall - behind[p] <= bound for p in slot.sources):
             return True
-        idle_s, unread_since = self.source_idle_s, self._unread_of(job)
-        return any(wall - heard > idle_s and unread_since(p, heard, wall)
-                   for p, (_, heard) in slot.sources.items())
+        unread = slot.unread(wall, self.source_idle_s, self._unread_of(job))
+        return next(unread, None) is not None      # partition 0 is one too
 
     def unread_partitions(self, wall: float) -> set:
         """The telemetry partitions silent for more than ``source_idle_s`` that hold a job's

@@ -25,7 +25,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from . import statecodec
 from .logic import SourceMarks
@@ -183,11 +183,11 @@ class JobSlot:
                 best, low = newest, p
         return best, low
 
-    def unread(self, wall: float, idle_s: float, unread_since) -> list:
+    def unread(self, wall: float, idle_s: float, unread_since) -> Iterator[int]:
         """The partitions silent for more than ``idle_s`` that still hold the watermark back
-        because nobody read them since (see :meth:`heard`)."""
-        return [p for p, (_, heard) in self.sources.items()
-                if wall - heard > idle_s and unread_since(p, heard, wall)]
+        because nobody read them since (see :meth:`heard`), as they are found."""
+        return (p for p, (_, heard) in self.sources.items()
+                if wall - heard > idle_s and unread_since(p, heard, wall))
 
     def _run_on(self, wall: float, unread_since) -> float:
         """Wall seconds since items last came, by which the job's clock moves on: none while
