@@ -43,7 +43,7 @@ import orjson
 from trainguard import events as ev
 
 __all__ = ["RANK_TYPES", "NODE_TYPES", "TELEMETRY_TYPES", "classify", "stage_key", "node_key",
-           "encode_summaries", "decode_summaries", "parse_summaries", "Reading",
+           "key_job", "encode_summaries", "decode_summaries", "parse_summaries", "Reading",
            "rank_partitions", "InvalidSummaries", "SourceMarks", "EventTimeAligner",
            "trusted_event"]
 
@@ -91,6 +91,17 @@ def node_key(job: str, node: str | None) -> bytes:
     b'llama\\x00n7'
     """
     return f"{job}\x00{node or ''}".encode()
+
+
+def key_job(key: bytes) -> str:
+    """The job of a :func:`stage_key` or :func:`node_key` (a job id holds neither ``/`` nor
+    NUL).
+
+    >>> key_job(stage_key("llama", 12)), key_job(node_key("llama", "n7"))
+    ('llama', 'llama')
+    """
+    job = key.split(b"\x00", 1)[0] if b"\x00" in key else key.rpartition(b"/")[0]
+    return job.decode("utf-8", "replace")
 
 
 class InvalidSummaries(ValueError):

@@ -29,7 +29,7 @@ import uuid
 
 from mode import Service
 
-from trainguard.streams.logic import EventTimeAligner, Reading
+from trainguard.streams.logic import EventTimeAligner, Reading, key_job
 from trainguard.streams.processors import RankOutput, RankProcessor
 from trainguard.streams.snapshots import StateError, snapshot_pause, state_header
 
@@ -541,11 +541,10 @@ class RankService(Service):
         its job was fed from these partitions then, and hears what this worker reads for
         :attr:`vouch_for_s` since, as if this worker had fed it (a partition whose ranks
         went quiet before it moved here would otherwise pass for one nobody reads)."""
-        job = (key.split(b"\x00", 1)[0] if b"\x00" in key else key.rpartition(b"/")[0])
         at = min(touched, now)
         if now - at > self.vouch_for_s:
             return
-        job = job.decode("utf-8", "replace")
+        job = key_job(key)
         if at > self._fed.get(job, -math.inf):
             self._fed[job] = at
             self._heard_at.setdefault(job, now - TELL_EVERY_S)
