@@ -428,6 +428,8 @@ class HangDetector(UsesView, Detector):
         elif self._exited and all(r in self._exited or now - ts >= self.stale_s
                                   for r, ts in self.view.last_seen.items()):
             return []      # every rank exited or went quiet after some exited: over, not hung
+        elif self.view.unseen:
+            return []      # nobody reads some ranks now: one may be in a pause the rest wait for
         else:
             suspects, majority = self._suspects(now)
         self._hung = True

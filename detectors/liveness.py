@@ -128,8 +128,9 @@ class SilentDetector(UsesView, Detector):
         self._looked = at
         limit = at - self.timeout_s
         quiet, pending, alive = [], set(), False
+        unseen = self.view.unseen         # nobody reads their records now: not judged
         for rank, ts in self._heard.items():
-            if rank in self._exited:
+            if rank in self._exited or (unseen and rank in unseen):
                 continue
             if ts > limit:
                 alive = True
@@ -157,7 +158,9 @@ class SilentDetector(UsesView, Detector):
         time up to which every source was heard) is past it; else ``at``. The same online
         (partitions heard up to a time that moves in jumps while the job is quiet) as in
         ``analyze``."""
-        node_ranks = [r for r, n in self.view.where.items() if n == node and r not in self._exited]
+        unseen = self.view.unseen
+        node_ranks = [r for r, n in self.view.where.items()
+                      if n == node and r not in self._exited and r not in unseen]
         all_quiet = node is not None and all(
             r in ranks or r in self._reported for r in node_ranks)
         gpu = self._gpu_seen.get(node)
@@ -345,6 +348,8 @@ class CrashDetector(UsesView, Detector):
         wave = self._wave
         if wave is None or wave["decided"] or at < wave["last"] + self.grace_s:
             return []
+        if self.view.unseen:
+            return []     # their exits, or our restart's word, may be among what nobody reads
         if not wave["torn"] and at < wave["start"] + self.vanish_s:
             return []     # failures alone: a peer hung in the collective is heard again first
         return self._decide(at)
@@ -370,6 +375,8 @@ class CrashDetector(UsesView, Detector):
         wave = self._wave
         if wave is not None and wave["own"]:
             self._own_span = (wave["start"], now)
+        if wave is not None and not wave["decided"] and self.view.unseen:
+            wave["decided"] = True  # not judged: our restart's word may be among the unseen
         found = self.finish(now)
         self._wave = None
         return found

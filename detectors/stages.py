@@ -337,16 +337,18 @@ class JobStage:
             finding.evidence = {**finding.evidence, "rank_nodes": {str(rank): node}}
         return finding
 
-    def advance(self, now: float, final: bool = False,
-                steps_now: float | None = None) -> list[ev.Anomaly]:
+    def advance(self, now: float, final: bool = False, steps_now: float | None = None,
+                unseen: frozenset = frozenset()) -> list[ev.Anomaly]:
         """``steps_now``: the time up to which every source of the job has been heard (the
         worker's lowest partition; default ``now``). It closes steps by their age, and the
         detectors that judge an absence (a silent rank, a tear-down's grace) judge up to it
         (:meth:`JobView.judged`): a partition read behind the others still counts toward its
-        steps, and its ranks are not missing."""
+        steps, and its ranks are not missing. ``unseen``: ranks whose records nobody reads
+        now (the worker's, :attr:`JobView.unseen`); they are not judged missing."""
         findings = []
         upto = now if steps_now is None or steps_now > now else steps_now
         self.view.heard_upto = None if upto == now else upto
+        self.view.unseen = unseen
         for jobstep in self.steps.expire(upto):
             findings += self._jobstep(jobstep)
         for d in self._routes["tick"]:

@@ -36,6 +36,9 @@ class JobView:
         #: the job's time up to which every source has been heard (the worker's lowest
         #: telemetry partition), None: up to "now" (one process reads everything in order)
         self.heard_upto = None
+        #: ranks whose records nobody reads now (their telemetry partition's worker is gone
+        #: for longer than the job waits for it): their silence is not judged
+        self.unseen = frozenset()
 
     def judged(self, now: float) -> float:
         """The time up to which an absence can be judged at ``now``: a rank whose records

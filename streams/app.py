@@ -275,9 +275,10 @@ class JobRuntime:
         m.set_gauge("released_early_records", self.processor.released_early)
         wall = self.clock()
         m.set_gauge("behind_partitions", sum(
-            1 for at in self.processor.behind.values()
+            1 for at in self.processor.watch.behind.values()
             if wall - at <= self.processor.source_idle_s))
         m.set_gauge("unread_partitions", len(self.processor.unread_partitions(wall)))
+        m.set_gauge("unseen_ranks", self.processor.watch.unseen_ranks())
         m.counters["restore_failures"] = failures
         m.counters["evictions"] = evictions
         m.set_gauge("evicted_stages", evicted)

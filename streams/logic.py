@@ -44,7 +44,7 @@ from trainguard import events as ev
 
 __all__ = ["RANK_TYPES", "NODE_TYPES", "TELEMETRY_TYPES", "classify", "stage_key", "node_key",
            "key_job", "encode_summaries", "decode_summaries", "parse_summaries", "Reading",
-           "rank_partitions", "InvalidSummaries", "SourceMarks", "EventTimeAligner",
+           "rank_partitions", "rank_partition", "InvalidSummaries", "SourceMarks", "EventTimeAligner",
            "trusted_event"]
 
 RANK_TYPES = frozenset(("step", "heartbeat", "lifecycle"))
@@ -166,10 +166,18 @@ def rank_partitions(job: str, world: int, partitions: int) -> frozenset:
     """
     if world >= _EVERY_PARTITION * partitions or world > _HASHED_MOST:
         return frozenset(range(partitions))
+    return frozenset(rank_partition(job, r, partitions) for r in range(world))
+
+
+def rank_partition(job: str, rank: int, partitions: int) -> int:
+    """The telemetry partition of rank ``rank`` of ``job`` (see :func:`rank_partitions`).
+
+    >>> [rank_partition("j", r, 24) for r in range(4)]
+    [14, 20, 8, 21]
+    """
     from trainguard.detectors.parallel import murmur2
 
-    return frozenset((murmur2(f"{job}/{r}".encode()) & 0x7FFFFFFF) % partitions
-                     for r in range(world))
+    return (murmur2(f"{job}/{rank}".encode()) & 0x7FFFFFFF) % partitions
 
 
 def decode_summaries(value) -> tuple[str, list]:

@@ -31,7 +31,6 @@ import heapq
 import logging
 import math
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable, Iterable
 
 from trainguard import events as ev
@@ -40,7 +39,8 @@ from trainguard.deadletter import deadletter_record
 from trainguard.detectors.stages import launcher_summary, on_grid
 
 from .logic import (NODE_TYPES, InvalidSummaries, Reading, classify, encode_summaries,
-                    node_key, parse_summaries, rank_partitions, stage_key, trusted_event)
+                    node_key, parse_summaries, stage_key, trusted_event)
+from .partition_watch import PartitionWatch
 from .snapshots import (STATE_VERSION, JobSlot, RankSlot, Slots, StateError, dump_state,
                         load_state, state_header, state_partition)
 
@@ -236,27 +236,18 @@ class JobProcessor(_SlotsProcessor):
         #: says it reads it; an item is held ``source_idle_s`` at most (``unread_s`` for a
         #: partition said to be behind or that nobody reads)
         self.hold_idle_s = hold_idle_s
-        #: telemetry partition -> wall time its rank worker last said it is behind, or
-        #: (``caught_up``) that it is not; shared by all jobs (a partition's backlog is every
-        #: job's in it); not in snapshots: the next messages tell it again
-        self.behind: dict = {}
-        self.caught_up: dict = {}
-        #: the telemetry topic's partition count, from the rank workers (0: not told)
-        self.telemetry_partitions = 0
-        self._first: dict = {}        # job -> wall time its first message came
-        #: job -> wall time its state, idle evict_idle_s or more, was loaded again: what
-        #: the rank workers said before then is not of it (:meth:`_unread_of`)
-        self._idle_loads: dict = {}
-        self._worlds: dict = {}       # job -> world size of the latest start received
-        self._expected: dict = {}     # job -> (world, partitions, the partitions of its ranks)
         self.released_early = 0
         #: a telemetry partition that sent nothing this long no longer holds the job's
         #: clock back (:meth:`JobSlot.heard`)
         self.source_idle_s = source_idle_s
         #: ... unless no rank worker said since that it read the partition to the end (its
         #: worker killed, stalled or its partitions moving): then it holds the time up to which
-        #: the job is judged (a silent machine's) back this long (:meth:`_unread_since`)
+        #: the job is judged (a silent machine's) back this long, and the job goes on without
+        #: the ranks on it after that (:class:`~.partition_watch.PartitionWatch`)
         self.unread_s = unread_s
+        #: what the rank workers said of the telemetry partitions, and what follows for a job
+        self.watch = PartitionWatch(source_idle_s=source_idle_s, hold_idle_s=hold_idle_s,
+                                    unread_s=unread_s)
         self.incidents = incidents
         #: called with (job, stage) for each stage built or loaded from a snapshot: the
         #: job's per-job overrides (streams/config_feed.py)
@@ -284,7 +275,7 @@ class JobProcessor(_SlotsProcessor):
             slot = self.state.load(key)
             if slot is not None and now is not None:
                 if now - slot.touched >= (self.evict_idle_s or 0.0):
-                    self._idle_loads[job] = now    # not one evicted for room (max_live)
+                    self.watch.idle_loads[job] = now   # not one evicted for room (max_live)
                 slot.heard_again(now)
             if slot is None:
                 slot = JobSlot(self.make_stage(), partition)
@@ -322,20 +313,26 @@ class JobProcessor(_SlotsProcessor):
         middle of a backlog (a snapshot, a collection, a rebalance) would otherwise let the
         other workers' items of that time go first (Kafka Streams waits for an empty
         partition in the same way only while it has lag, KIP-695). So does a partition that
-        went silent while nobody says it reads it (:meth:`_unread_since`: its worker killed
-        or stalled, its partitions moving to another worker that reads their state back)."""
+        went silent while nobody says it reads it (:meth:`PartitionWatch.unread_since`: its
+        worker killed or stalled, its partitions moving to another worker that reads their
+        state back); after ``unread_s`` the job goes on without it, and the ranks on it are
+        not judged missing until it is read again (:meth:`PartitionWatch.unseen`)."""
         job, items, reading = parse_summaries(value)
+        watch = self.watch
         if reading is not None:
-            self._read(reading, now)
-        self._first.setdefault(job, now)
+            watch.read(reading, now)
+        watch.first.setdefault(job, now)
         slot = self._slot(job, partition, now)
         slot.touched = now
         if items or slot.held:           # a word of what a worker reads changes no state
             self.state.dirty.add(job.encode())
         marks, held, idle_s = slot.marks, slot.held, self.source_idle_s
-        unread_since = self._unread_of(job)
+        unread_since = watch.unread_of(job)
         limit = now + FUTURE_SLACK_S
         clock = getattr(slot.stage, "clock", None)
+        parts_of = watch.rank_parts.get(job)
+        if parts_of is None:
+            parts_of = watch.rank_parts[job] = {}
         for p, o, i, item in items:
             if not marks.advance(p, o, i):
                 self.replayed += 1
@@ -348,11 +345,12 @@ class JobProcessor(_SlotsProcessor):
                 if clock is not None and item.get("k") != "finding":
                     clock.correct(item)       # learns, and restamps it in place
                 ts = item.get("ts")
-                ranked = item.get("rank") is not None and item.get("k") in _RANK_KINDS
+                rank = item.get("rank")
+                ranked = rank is not None and item.get("k") in _RANK_KINDS
                 if ranked and item.get("event") == "start":
                     world = item.get("world_size")
                     if type(world) is int and world > 0:
-                        self._worlds[job] = world     # before it is applied: see below
+                        watch.worlds[job] = world     # before it is applied: see below
             else:
                 ts = item.ts if clock is None else clock.time(item.node, item.ts)
                 ranked = False
@@ -366,112 +364,28 @@ class JobProcessor(_SlotsProcessor):
                 low = slot.heard(p, ts, now, idle_s, unread_since)
                 if low > slot.low:
                     slot.low = low if low < limit else limit
+                parts_of[rank] = p
             slot.held_seq += 1
             heapq.heappush(held, [ts, slot.held_seq, item, now])
         return self._release(job, slot, now, self._hold_upto(job, slot, now))
 
-    def _unread_since(self, partition: int, heard: float, wall: float,
-                      since: float = -math.inf) -> bool:
-        """Whether ``partition``, which last sent at wall time ``heard``, is silent for at
-        most ``unread_s`` while a rank worker told of it (live workers say with every
-        message, and every second to the jobs they send to, which partitions they read and
-        which of them they are behind on) and none said, since ``heard`` and within
-        ``hold_idle_s`` of ``wall``, that it read it to the end. A partition never told of
-        (``since``: since its job's state was loaded again after it was idle,
-        :meth:`_unread_of`) is judged by its silence alone."""
-        if wall - heard > self.unread_s:
-            return False
-        at = self.caught_up.get(partition)
-        if at is None or at < since:
-            told = self.behind.get(partition)
-            return told is not None and told >= since
-        return at <= heard or wall - at > self.hold_idle_s
-
-    def _unread_of(self, job: str):
-        """:meth:`_unread_since` for ``job``: a job idle ``evict_idle_s`` or more whose
-        state was loaded again when it spoke takes no word the rank workers said before the
-        load as said of its partitions (they may have moved since, and their new worker
-        says what it reads to the jobs it feeds only), for ``unread_s`` after the load;
-        until they say it again, its partitions are judged by their silence, as those of a
-        job never told of. A job loaded when its summaries partition moved here
-        (:meth:`load_saved`) was not idle: the words said of its partitions stand (a worker
-        killed with this job's worker is still waited for)."""
-        since = self._idle_loads.get(job)
-        if since is None:
-            return self._unread_since
-        return partial(self._unread_since, since=since)
-
-    @property
-    def _behind_wait_s(self) -> float:
-        """How long a partition said to be behind (or not heard of yet at a job's start)
-        holds its job back, the others' items with it (wall s)."""
-        return max(self.unread_s, self.source_idle_s)
-
-    def _waits_long(self, job: str, slot, wall: float) -> bool:
-        """Whether ``slot``'s job waits for one of its telemetry partitions for up to
-        :attr:`_behind_wait_s` rather than ``source_idle_s``: one was last said, within
-        :attr:`_behind_wait_s`, to have records still to read (its worker reads a backlog,
-        and may pause in it for longer than ``source_idle_s``: a snapshot, a collection, a
-        rebalance), or went silent while nobody says it reads it (:meth:`_unread_since`:
-        its worker killed or stalled, its partitions moving and their state restored)."""
-        behind, bound = self.behind, self._behind_wait_s
-        if behind and any(p in behind and wall - behind[p] <= bound for p in slot.sources):
-            return True
-        unread = slot.unread(wall, self.source_idle_s, self._unread_of(job))
-        return next(unread, None) is not None      # partition 0 is one too
-
     def unread_partitions(self, wall: float) -> set:
-        """The telemetry partitions silent for more than ``source_idle_s`` that hold a job's
-        judged time back because no rank worker says it reads them (:meth:`_unread_since`)."""
-        out: set = set()
-        for key, slot in self.state.slots.items():
-            out.update(slot.unread(wall, self.source_idle_s,
-                                   self._unread_of(key.decode("utf-8", "replace"))))
-        return out
-
-    def _read(self, reading, now: float) -> None:
-        behind, caught_up = self.behind, self.caught_up
-        for p in reading.parts:
-            behind.pop(p, None)
-            caught_up[p] = now
-        for p in reading.behind:
-            caught_up.pop(p, None)
-            behind[p] = now
-        if reading.of:
-            self.telemetry_partitions = reading.of
-
-    def _awaits_unheard(self, job: str, slot, now: float) -> bool:
-        """Whether a telemetry partition that carries ranks of ``job`` (by the collectors'
-        key ``job/rank``, the world size of its lifecycle ``start`` and the topic's partition
-        count) sent none of them yet while its rank worker has not said it read it to the
-        end: a worker that began reading a backlog later than the others. Within
-        ``unread_s`` of the job's first message only."""
-        count = self.telemetry_partitions
-        first = self._first.get(job)
-        if not count or first is None or now - first > self._behind_wait_s:
-            return False
-        # the starts received, held or not: a worker's first message may hold seconds of
-        # its ranks' steps, which must wait for the other partitions' ranks
-        world = self._worlds.get(job) or getattr(getattr(slot.stage, "steps", None), "world", 0)
-        if not world:
-            return False
-        known = self._expected.get(job)
-        if known is None or known[:2] != (world, count):
-            known = self._expected[job] = (world, count, rank_partitions(job, world, count))
-        sources, caught_up = slot.sources, self.caught_up
-        return any(p not in sources and p not in caught_up for p in known[2])
+        """The telemetry partitions that nobody says it reads (see
+        :meth:`PartitionWatch.unread_partitions`)."""
+        return self.watch.unread_partitions(self.state.slots, wall)
 
     def _hold_upto(self, job: str, slot, now: float) -> float:
         """The job's time up to which held items go on: the slowest partition that carried
         a rank's item within ``hold_idle_s`` (a backlog read by two workers streams from
         every partition; live, a partition whose ranks stopped or send a heartbeat every
         few seconds holds nothing back for long), that its worker last said, within
-        ``unread_s``, is behind, or that nobody says it reads (:meth:`_unread_since`), plus
+        ``unread_s``, is behind, or that nobody says it reads (:meth:`PartitionWatch.unread_since`), plus
         ``hold_slack_s``."""
-        if self._awaits_unheard(job, slot, now):
+        watch = self.watch
+        if watch.awaits_unheard(job, slot, now):
             return -math.inf
-        lowest = slot.lowest(now, self.hold_idle_s, self.behind, self._behind_wait_s,
-                             self._unread_of(job))
+        lowest = slot.lowest(now, self.hold_idle_s, watch.behind, watch.behind_wait_s,
+                             watch.unread_of(job))
         return math.inf if lowest == -math.inf else lowest + self.hold_slack_s
 
     def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
@@ -483,9 +397,10 @@ class JobProcessor(_SlotsProcessor):
         every = self.advance_every_s
         out = []
         applied = False
+        unseen = None                              # found at the first advance
         wait = now - self.source_idle_s            # held this long (wall): on it goes ...
-        if held and (upto == -math.inf or self._waits_long(job, slot, now)):
-            wait = now - self._behind_wait_s       # ... or this, in a backlog
+        if held and (upto == -math.inf or self.watch.waits_long(job, slot, now)):
+            wait = now - self.watch.behind_wait_s   # ... or this, in a backlog
         while held and (held[0][0] <= upto or len(held) > self.max_held
                         or held[0][3] < wait):
             if held[0][0] > upto:
@@ -512,7 +427,9 @@ class JobProcessor(_SlotsProcessor):
                     on_grid(watermark, every) > slot.clock:
                 slot.clock = on_grid(watermark, every)     # analyze's event-time grid
                 try:
-                    out += stage.advance(slot.clock, steps_now=on_grid(slot.low, every))
+                    if unseen is None:
+                        unseen = self.watch.unseen(job, slot, now)
+                    out += _advance(stage, slot.clock, on_grid(slot.low, every), unseen)
                 except Exception:
                     self.errors += 1
                     log.exception("job stage %s failed in advance()", job,
@@ -531,16 +448,14 @@ class JobProcessor(_SlotsProcessor):
 
     def advance(self, now: float) -> list[ev.Anomaly]:
         out = []
-        for job in [j for j, at in self._idle_loads.items() if now - at > self.unread_s]:
-            del self._idle_loads[job]
-        if len(self._first) > len(self.state.slots):
-            for job in [j for j in self._first if j.encode() not in self.state.slots]:
-                del self._first[job]
-                self._expected.pop(job, None)
-                self._worlds.pop(job, None)
+        watch = self.watch
+        watch.prune(now)
+        if len(watch.first) > len(self.state.slots):
+            for job in [j for j in watch.first if j.encode() not in self.state.slots]:
+                watch.forget(job)
         for key, slot in self.state.slots.items():
             job = key.decode()
-            unread_since = self._unread_of(job)
+            unread_since = watch.unread_of(job)
             if slot.held:            # a partition gone quiet, or held too long, no longer
                                      # holds the others
                 low = slot.lowest(now, self.source_idle_s, unread_since=unread_since)
@@ -555,7 +470,7 @@ class JobProcessor(_SlotsProcessor):
                 at, steps_at = slot.clocks(now, unread_since)
                 if every:
                     at, steps_at = on_grid(at, every), on_grid(steps_at, every)
-                found = slot.stage.advance(at, steps_now=steps_at)
+                found = _advance(slot.stage, at, steps_at, watch.unseen(job, slot, now))
             except Exception:
                 self.errors += 1
                 log.exception("job stage %s failed in advance()", job)
@@ -587,10 +502,18 @@ class JobProcessor(_SlotsProcessor):
             if slot is not None:
                 if now is not None:
                     slot.heard_again(now)
-                self._idle_loads.pop(key.decode("utf-8", "replace"), None)
+                self.watch.idle_loads.pop(key.decode("utf-8", "replace"), None)
                 self._tuned(key.decode("utf-8", "replace"), slot)
                 loaded += 1
         return loaded
+
+
+def _advance(stage, now: float, steps_now: float, unseen: frozenset) -> list:
+    """``stage.advance``, told the ranks nobody reads when there are any (a stage that
+    knows nothing of them is never told)."""
+    if unseen:
+        return stage.advance(now, steps_now=steps_now, unseen=unseen)
+    return stage.advance(now, steps_now=steps_now)
 
 
 __all__ += ["InvalidSummaries"]

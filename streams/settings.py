@@ -86,7 +86,9 @@ class WorkerSettings:
                                                "is restored, up to 120 s), or its worker "
                                                "said it is behind (a pause in a backlog): "
                                                "then it holds its jobs (their judged time "
-                                               "and the other partitions' items) this long",
+                                               "and the other partitions' items) this long; "
+                                               "after that they go on, and its ranks' "
+                                               "silence is not judged until it is read",
                                         above=0)
     idle_ttl_s: float = setting(6 * 3600.0, "stages without input this long are dropped",
                                 above=0)

@@ -558,7 +558,9 @@ def test_a_worker_gone_a_minute_around_a_lost_machine_lets_only_the_faults_be_na
     partition is read again. While the job side waited 30 s for such a partition and held
     only its judged time, 16 healthy machines were reported silent beside the lost one (an
     eviction of each), and the other partition's exits of trainguard's restart, whose word
-    was on the unread partition, a "stopped from outside" warning."""
+    was on the unread partition, a "stopped from outside" warning. Waiting 30 s now, the job
+    goes on without the partition after them, and judges none of its ranks until it is read
+    again: nothing false, the lost machine named (its hang, over by then, is not)."""
     from scenario_library import large_job
 
     events, _ = generate(large_job(8))
@@ -566,7 +568,7 @@ def test_a_worker_gone_a_minute_around_a_lost_machine_lets_only_the_faults_be_na
     delay, down = worker_gone(60.0, at_s=60.0)
     assert online(events, delay, reading=True, down=down)[0] == in_order
     short, _ = online(events, delay, reading=True, down=down, unread_s=30.0)
-    assert len([r for kind, r, _ in short if kind == "silent"]) > 10, short
+    assert set(short) <= set(in_order) and ("silent", tuple(range(168, 176)), None) in short
 
 
 def test_the_partitions_nobody_says_it_reads_are_counted_while_they_hold_a_job():

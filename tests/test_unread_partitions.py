@@ -9,6 +9,11 @@ loaded again is not taken as said of that job.
 """
 from __future__ import annotations
 
+import pytest
+
+from scenario_library import HEALTHY
+from scenarios import Fault, Scenario, generate
+from test_steps_by_number import online, partition_of, worker_gone
 from trainguard.detectors import JobStage
 from trainguard.streams.logic import Reading, encode_summaries
 from trainguard.streams.processors import JobProcessor
@@ -95,3 +100,139 @@ def test_a_partition_nobody_reads_holds_the_job_until_its_successor_reads_it():
     times = [ts for _, ts in applied]
     assert times == sorted(times) and applied[-3:] == [(0, 155.0), (1, 155.0), (0, 156.0)]
     assert jobs.unread_partitions(161.0) == set()
+
+
+# -- past the bound: the job goes on without the partition, and does not judge its ranks --------
+LONG_GONE_SHAPES = ("plain-120.0s", "ckpt-rank0-6.0s", "own-restart-6.0s", "own-restart-0.05s",
+                    "mixed-2")
+
+
+def read_back_slowly(gone_s: float, at_s: float, speed: float):
+    """:func:`worker_gone`, but the successor reads the partition's backlog at ``speed``
+    times the rate it was written (a second of the job at most per record: a stopped job
+    wrote nothing meanwhile), and what is written after it caught up as it comes."""
+    first, reader = [], {}
+
+    def delay(e, happened):
+        if not first:
+            first.append(happened)
+        since = happened - first[0]
+        if partition_of(e.node) != 1 or since < at_s:
+            return 0.0
+        last, at = reader.get("last", since), reader.get("at", at_s + gone_s)
+        reader["last"], reader["at"] = since, max(since, at + min(since - last, 1.0) / speed)
+        return reader["at"] - since
+
+    _, down = worker_gone(gone_s, at_s)
+    return delay, down
+
+
+@pytest.mark.parametrize("gone_s, speed", [(300.0, None), (900.0, None), (300.0, 1.3)])
+def test_a_rank_worker_gone_longer_than_the_job_waits_makes_no_machine_silent_or_job_hung(
+        gone_s, speed):
+    """Partition 1's rank worker gone for longer than ``unread_s`` (a pod that takes minutes
+    to come back, a crash loop): the job goes on without the partition, and its ranks are
+    not judged silent, their tear-downs not decided and the job not judged hung until it is
+    read to the end again (``speed``: its successor reads the backlog that much faster than
+    it was written, instead of at once). Before, 300 s gone raised a false ``silent`` (an
+    eviction) in every healthy shape of the library with more than one machine (86 of 86
+    long enough), a "stopped from outside" warning in six (trainguard's own restart, whose
+    word was on the partition) and a false ``hang`` in two (ranks waiting on a rank 0 that
+    checkpointed there)."""
+    by_name = {sc.name: sc for sc in HEALTHY}
+    for name in LONG_GONE_SHAPES:
+        events, _ = generate(by_name[name])
+        delay, down = (worker_gone(gone_s, at_s=30.0) if speed is None
+                       else read_back_slowly(gone_s, 30.0, speed))
+        assert online(events, delay, reading=True, down=down)[0] == [], name
+
+
+def _gone_by_rank(gone_s: float, at_s: float):
+    """:func:`worker_gone` with the collectors' keying by rank: partition 1 carries the odd
+    ranks (of every machine)."""
+    first = []
+
+    def delay(e, happened):
+        if not first:
+            first.append(happened)
+        since = happened - first[0]
+        return at_s + gone_s - since if by_rank(e) == 1 and at_s <= since < at_s + gone_s \
+            else 0.0
+
+    def down(p, wall):
+        return p == 1 and bool(first) and at_s <= wall - first[0] < at_s + gone_s
+    return delay, down
+
+
+def by_rank(e) -> int:
+    return (e.rank or 0) % 2
+
+
+@pytest.mark.parametrize("keyed", ["machine", "rank"])
+def test_a_machine_lost_while_a_partition_is_unread_is_named_all_the_same(keyed):
+    """A machine lost 80 s into a 5-minute outage of partition 1's worker, and not replaced:
+    named as in order. With the collectors' keying by rank, its ranks on the partition still
+    read name it during the outage (``silent`` of its even ranks, the machine with them), the
+    rest once the partition is read again; with a machine's ranks all on the unread
+    partition, once it is read again."""
+    events, _ = generate(Scenario(
+        name="lost-in-outage", tp=1, pp=1, dp=16, per_node=4, steps=400, step_time=1.0,
+        first_step_s=5.0, seed=7,
+        faults=(Fault(kind="machine", step=100, node="n1", restart_after_s=400.0),)))
+    partition = by_rank if keyed == "rank" else None
+    in_order, _ = online(events, lambda e, happened: 0.0, reading=True, partition=partition)
+    assert ("silent", (0, 1, 2, 3), None) in in_order
+    delay, down = (_gone_by_rank if keyed == "rank" else worker_gone)(300.0, at_s=20.0)
+    found, _ = online(events, delay, reading=True, down=down, partition=partition)
+    during = [("silent", (0, 2), None)] if keyed == "rank" else []
+    assert found == sorted(in_order + during, key=str), found
+
+
+def _send_ranks(jobs, p, ranks, offset, ts, wall, said=True, job="j"):
+    items = [(p, offset + n, 0, {"k": "hb", "job": job, "rank": r, "node": f"n{r}", "ts": ts,
+                                 "step": 1, "phase": "forward", "phase_since": 99.0})
+             for n, r in enumerate(ranks)]
+    reading = Reading(parts=(p,), behind=(), of=24) if said else None
+    for value in encode_summaries(job, items, reading=reading):
+        jobs.apply(value, 0, wall)
+
+
+def test_a_partition_whose_worker_saw_its_ranks_go_quiet_is_judged_not_unseen():
+    """A rank worker that kept saying it reads partition 1 for a minute after its last
+    record saw its ranks go quiet (a lost machine alone there): when its words stop (it
+    vouches for ``vouch_for_s`` after it last fed the job), the ranks are not unseen, and
+    their silence stays theirs. A worker whose words stopped with its records (killed) leaves
+    them unseen once ``unread_s`` passed."""
+    for vouched_s, unseen in ((60, frozenset()), (0, frozenset({1}))):
+        jobs = JobProcessor(JobStage, advance_every_s=None, unread_s=180.0)
+        for wall in range(100, 500):
+            _send_ranks(jobs, 0, [0], wall - 100, float(wall), float(wall))
+            if wall == 100:
+                _send_ranks(jobs, 1, [1], 0, 100.0, 100.0)
+            elif wall <= 100 + vouched_s:
+                _send_ranks(jobs, 1, [], 1, float(wall), float(wall))     # a word alone
+            jobs.advance(wall + 0.5)
+        slot = jobs.state.slots[b"j"]
+        assert jobs.watch.unseen("j", slot, 499.5) == unseen, vouched_s
+        assert slot.stage.view.unseen == unseen
+        assert jobs.watch.unseen_ranks() == len(unseen)
+
+
+def test_the_ranks_of_a_partition_nobody_reads_are_known_without_their_items():
+    """A job side that took the job over (its state loaded, nothing of the unread partition
+    heard since) finds the ranks on it by the collectors' murmur2 partition of
+    ``job/rank`` (ranks 0-3 of ``j`` are on partitions 14, 20, 8 and 21 of 24)."""
+    jobs = JobProcessor(JobStage, advance_every_s=None, unread_s=180.0)
+    _send_ranks(jobs, 14, [0], 0, 100.0, 100.0)
+    _send_ranks(jobs, 20, [1], 0, 100.0, 100.0)
+    _send_ranks(jobs, 8, [2], 0, 100.0, 100.0)
+    for wall in range(101, 300):
+        _send_ranks(jobs, 14, [0], wall - 100, float(wall), float(wall))
+        _send_ranks(jobs, 20, [1], wall - 100, float(wall), float(wall))
+    jobs.advance(300.0)
+    slot = jobs.state.slots[b"j"]
+    assert jobs.watch.unseen("j", slot, 300.0) == {2}
+    jobs.watch.rank_parts.clear()                 # as after a takeover
+    assert jobs.watch.unseen("j", slot, 301.0) == {2}
+    assert jobs.unread_partitions(301.0) == {8}
+

@@ -53,7 +53,7 @@ SECONDS_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.
 KINDS = ("counter", "gauge", "histogram")
 #: what a gauge's or histogram's name ends in: a base unit, or the plural of what it counts
 UNITS = ("seconds", "bytes", "ratio", "messages", "partitions", "stages", "records",
-         "restarts")
+         "restarts", "ranks")
 
 
 def check_name(full_name: str, kind: str) -> None:
@@ -63,7 +63,7 @@ def check_name(full_name: str, kind: str) -> None:
     >>> check_name("trainguard_consumer_lag", "gauge")
     Traceback (most recent call last):
     ...
-    ValueError: metric trainguard_consumer_lag: a gauge's name ends in its unit (_seconds, _bytes, _ratio, _messages, _partitions, _stages, _records, _restarts)
+    ValueError: metric trainguard_consumer_lag: a gauge's name ends in its unit (_seconds, _bytes, _ratio, _messages, _partitions, _stages, _records, _restarts, _ranks)
     """
     if not full_name.startswith(PREFIX):
         raise ValueError(f"metric {full_name}: must start with {PREFIX}")

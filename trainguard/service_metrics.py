@@ -117,7 +117,10 @@ WORKER_GAUGES = {
                          "rank worker says it reads (killed, stalled, moving in a "
                          "rebalance): their jobs wait for them (judged, and the other "
                          "partitions' items applied, up to their last records), for "
-                         "unread_partition_s at most.",
+                         "unread_partition_s at most, then go on without them.",
+    "unseen_ranks": "Ranks whose telemetry partition nobody has read for more than "
+                    "unread_partition_s: their jobs go on without them, and their silence, "
+                    "a tear-down and a hang are not judged until they are read again.",
     "behind_partitions": "Telemetry partitions whose rank worker last said (within "
                          "source_idle_s) that it has not read them to the end; the job side "
                          "waits for them while they send nothing.",
