@@ -18,8 +18,9 @@ class StepAggregator:
     clock after its first record (:meth:`expire`). So a rank whose records come late (its
     worker lags, its collector sends in bursts, one partition of a backlog is read before the
     others) still counts toward its step while the step is inside that window. A record of a
-    step already closed is a restart when a lifecycle ``start`` came since; otherwise it is
-    late, counted in ``late``, and comes out alone as a ``jobstep`` with ``"late": True``, for
+    step already closed is a restart when a lifecycle ``start`` came since (one stamped
+    more than ``window_s`` before the newest closed step began was read late, as the rest of
+    its partition's backlog: no restart); otherwise it is late, counted in ``late``, and comes out alone as a ``jobstep`` with ``"late": True``, for
     the one check that makes sense on one rank (a non-finite loss). A rank that stops
     reporting steps while its peers go on (its telemetry lost) holds their steps open until
     ``window_s`` or ``window``: it cannot be told from one that lags. Memory: the highest
@@ -39,6 +40,12 @@ class StepAggregator:
     [(4, [0])]
     >>> [(js["step"], sorted(js["ranks"]), js.get("late")) for js in agg.add(rec(1, 4))]
     [(4, [1], True)]
+    >>> agg.life({"k": "life", "event": "start", "rank": 1, "ts": -9.0})   # read late
+    >>> [(js["step"], js.get("late")) for js in agg.add(rec(1, 2))]
+    [(2, True)]
+    >>> agg.life({"k": "life", "event": "start", "rank": 1, "ts": 9.0})    # a restart
+    >>> agg.add(rec(1, 2)), agg.late
+    ([], 2)
     """
 
     def __init__(self, window: int = 32, window_s: float = 5.0):
@@ -46,6 +53,7 @@ class StepAggregator:
         self.window_s = window_s
         self._open: dict = {}        # step -> [first_ts, last_ts, {rank: summary}]
         self._closed = -1            # a record of this step or older is late (or a restart)
+        self._closed_ts = float("-inf")   # when the newest closed step began
         self._ranks: set = set()
         self._world = 0
         self._first_step = {}        # rank -> first step it reported, to know the roster
@@ -65,6 +73,9 @@ class StepAggregator:
 
     def life(self, item) -> None:
         if item.get("event") == "start":
+            ts = item.get("ts")
+            if type(ts) in (int, float) and ts < self._closed_ts - self.window_s:
+                return          # from before steps already closed: read late, not a restart
             if item.get("world_size") and item["world_size"] != self._world:
                 self._world = item["world_size"]
                 self._ranks = set()
@@ -163,4 +174,6 @@ class StepAggregator:
             job = next(iter(ranks.values()))["job"]
             out.append(self._jobstep(job, step, last_ts, first_ts, ranks))
             self._closed = max(self._closed, step)
+            if first_ts > self._closed_ts:
+                self._closed_ts = first_ts
         return out

@@ -13,7 +13,8 @@ import pytest
 
 from scenario_library import HEALTHY
 from scenarios import Fault, Scenario, generate
-from test_steps_by_number import online, partition_of, worker_gone
+from test_steps_by_number import LAST_WRITTEN, online, partition_of, worker_gone
+from test_steps_by_number import by_rank as by_key
 from trainguard.detectors import JobStage
 from trainguard.streams.logic import Reading, encode_summaries
 from trainguard.streams.processors import JobProcessor
@@ -236,3 +237,20 @@ def test_the_ranks_of_a_partition_nobody_reads_are_known_without_their_items():
     assert jobs.watch.unseen("j", slot, 301.0) == {2}
     assert jobs.unread_partitions(301.0) == {8}
 
+def test_a_rank_worker_that_starts_later_than_the_job_waits_on_a_backlog_raises_nothing():
+    """A backlog read 100 times faster than written, the ranks on 24 partitions by their
+    key, the workers of the odd partitions starting 300 s late (more than ``unread_s``): the
+    job goes on without them, and what they read later is late. Their ranks' lifecycle
+    ``start``, stamped long before steps already closed, is no restart
+    (``StepAggregator.life``): taken for one, it reopened step 0 and compared its loss with
+    the baseline of the steps after it, a false ``loss_spike`` in 74 of the 112 healthy
+    shapes with more than one machine."""
+    by_name = {sc.name: sc for sc in HEALTHY}
+    for name in ("plain-0.05s", "mixed-7"):
+        events, _ = generate(by_name[name])
+        first = events[0].ts
+
+        def late(e, happened):
+            arrival = LAST_WRITTEN + (happened - first) / 100 + (300.0 if by_key(e) % 2 else 0)
+            return arrival - happened
+        assert online(events, late, reading=True, partition=by_key, of=24)[0] == [], name
