@@ -392,6 +392,20 @@ class HangDetector(UsesView, Detector):
         after ``n`` intervals."""
         return self.max_margin + self.factor * self.early_margin / max(self._n_intervals, 1) ** 0.5
 
+    def _unseen_may_pause(self, now: float) -> bool:
+        """Whether a rank nobody reads now (:attr:`JobView.unseen`) may be in an allowed
+        phase that the rest wait for: one of them was last heard less than the longest
+        allowance of a pause before ``now``."""
+        unseen = self.view.ranks_unseen
+        if not unseen:
+            return False
+        seen = self.view.last_seen
+        last = max((seen[r] for r in unseen if r in seen), default=None)
+        if last is None:
+            return False
+        phases = {"checkpoint", "eval", "init", "phase", *self._longest}
+        return now < last + max(self.allowance(p) for p in phases)
+
     def deadline(self) -> float | None:
         if self._start_ts is None:
             return None
@@ -428,7 +442,7 @@ class HangDetector(UsesView, Detector):
         elif self._exited and all(r in self._exited or now - ts >= self.stale_s
                                   for r, ts in self.view.last_seen.items()):
             return []      # every rank exited or went quiet after some exited: over, not hung
-        elif self.view.unseen:
+        elif self._unseen_may_pause(now):
             return []      # nobody reads some ranks now: one may be in a pause the rest wait for
         else:
             suspects, majority = self._suspects(now)

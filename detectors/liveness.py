@@ -348,8 +348,8 @@ class CrashDetector(UsesView, Detector):
         wave = self._wave
         if wave is None or wave["decided"] or at < wave["last"] + self.grace_s:
             return []
-        if self.view.unseen:
-            return []     # their exits, or our restart's word, may be among what nobody reads
+        if self.view.launcher_unseen:
+            return []     # our restart's word may be among what nobody reads
         if not wave["torn"] and at < wave["start"] + self.vanish_s:
             return []     # failures alone: a peer hung in the collective is heard again first
         return self._decide(at)
@@ -375,7 +375,7 @@ class CrashDetector(UsesView, Detector):
         wave = self._wave
         if wave is not None and wave["own"]:
             self._own_span = (wave["start"], now)
-        if wave is not None and not wave["decided"] and self.view.unseen:
+        if wave is not None and not wave["decided"] and self.view.launcher_unseen:
             wave["decided"] = True  # not judged: our restart's word may be among the unseen
         found = self.finish(now)
         self._wave = None
@@ -383,8 +383,9 @@ class CrashDetector(UsesView, Detector):
 
     def _pending_ranks(self, wave) -> list:
         """Ranks heard shortly before the tear-down began that have not exited."""
-        since = wave["start"] - self.vanish_s
-        return sorted(r for r, ts in self._last.items() if ts >= since and r not in self._exit)
+        since, unseen = wave["start"] - self.vanish_s, self.view.unseen
+        return sorted(r for r, ts in self._last.items()
+                      if ts >= since and r not in self._exit and r not in unseen)
 
     def _decide(self, now, wave=None) -> list[Finding]:
         wave = wave if wave is not None else self._wave

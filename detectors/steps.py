@@ -18,9 +18,11 @@ class StepAggregator:
     clock after its first record (:meth:`expire`). So a rank whose records come late (its
     worker lags, its collector sends in bursts, one partition of a backlog is read before the
     others) still counts toward its step while the step is inside that window. A record of a
-    step already closed is a restart when a lifecycle ``start`` came since (one stamped
-    more than ``window_s`` before the newest closed step began was read late, as the rest of
-    its partition's backlog: no restart); otherwise it is late, counted in ``late``, and comes out alone as a ``jobstep`` with ``"late": True``, for
+    step already closed is a restart when a lifecycle ``start`` came since (one of a rank
+    that reported no step yet, stamped more than ``window_s`` before the newest closed step
+    began, was read late, as the rest of its partition's backlog: no restart; a rank that
+    stepped before and starts on a machine whose clock runs behind restarts); otherwise it
+    is late, counted in ``late``, and comes out alone as a ``jobstep`` with ``"late": True``, for
     the one check that makes sense on one rank (a non-finite loss). A rank that stops
     reporting steps while its peers go on (its telemetry lost) holds their steps open until
     ``window_s`` or ``window``: it cannot be told from one that lags. Memory: the highest
@@ -40,10 +42,10 @@ class StepAggregator:
     [(4, [0])]
     >>> [(js["step"], sorted(js["ranks"]), js.get("late")) for js in agg.add(rec(1, 4))]
     [(4, [1], True)]
-    >>> agg.life({"k": "life", "event": "start", "rank": 1, "ts": -9.0})   # read late
-    >>> [(js["step"], js.get("late")) for js in agg.add(rec(1, 2))]
+    >>> agg.life({"k": "life", "event": "start", "rank": 2, "ts": -9.0})   # read late
+    >>> [(js["step"], js.get("late")) for js in agg.add(rec(2, 2))]
     [(2, True)]
-    >>> agg.life({"k": "life", "event": "start", "rank": 1, "ts": 9.0})    # a restart
+    >>> agg.life({"k": "life", "event": "start", "rank": 1, "ts": -9.0})   # its clock behind
     >>> agg.add(rec(1, 2)), agg.late
     ([], 2)
     """
@@ -74,8 +76,10 @@ class StepAggregator:
     def life(self, item) -> None:
         if item.get("event") == "start":
             ts = item.get("ts")
-            if type(ts) in (int, float) and ts < self._closed_ts - self.window_s:
-                return          # from before steps already closed: read late, not a restart
+            if type(ts) in (int, float) and ts < self._closed_ts - self.window_s and \
+                    item.get("rank") not in self._tops:
+                return          # a rank not heard of, from before steps already closed:
+                                # read late (its partition's backlog), not a restart
             if item.get("world_size") and item["world_size"] != self._world:
                 self._world = item["world_size"]
                 self._ranks = set()

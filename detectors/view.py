@@ -37,7 +37,8 @@ class JobView:
         #: telemetry partition), None: up to "now" (one process reads everything in order)
         self.heard_upto = None
         #: ranks whose records nobody reads now (their telemetry partition's worker is gone
-        #: for longer than the job waits for it): their silence is not judged
+        #: for longer than the job waits for it): their silence is not judged; ``None`` in
+        #: it: nor the launcher's (``trainguard run``'s events, keyed by the job)
         self.unseen = frozenset()
 
     def judged(self, now: float) -> float:
@@ -51,6 +52,22 @@ class JobView:
         """
         upto = self.heard_upto
         return now if upto is None or upto > now else upto
+
+    @property
+    def launcher_unseen(self) -> bool:
+        """Whether nobody reads the launcher's events now (its word of a restart of ours)."""
+        return None in self.unseen
+
+    @property
+    def ranks_unseen(self) -> list:
+        """The ranks in :attr:`unseen`.
+
+        >>> view = JobView()
+        >>> view.unseen = frozenset({None, 3})
+        >>> view.ranks_unseen, view.launcher_unseen
+        ([3], True)
+        """
+        return [r for r in self.unseen if r is not None] if self.unseen else []
 
     def learn(self, item) -> None:
         """One stage item of :data:`LEARNS_FROM`; others are ignored."""

@@ -58,6 +58,11 @@ lane_args=()
 if [ "$lanes" -gt 1 ]; then
   lane_args=(-n "$lanes" --dist loadgroup)
 fi
+# The project's bytecode, written once: the tests start hundreds of Python processes (workers,
+# agents, ranks, the CLI) that import it, and with PYTHONDONTWRITEBYTECODE set (as in some CI
+# images) each would compile it anew (0.15-0.2 s of CPU a process)
+.venv/bin/python -m compileall -q collectors detectors streams actions deploy launcher \
+  diagnosis apps trainguard >/dev/null || true
 set +e
 .venv/bin/python -m pytest "${lane_args[@]}" "$@"
 rc=$?

@@ -44,7 +44,7 @@ from trainguard import events as ev
 
 __all__ = ["RANK_TYPES", "NODE_TYPES", "TELEMETRY_TYPES", "classify", "stage_key", "node_key",
            "key_job", "encode_summaries", "decode_summaries", "parse_summaries", "Reading",
-           "rank_partitions", "rank_partition", "InvalidSummaries", "SourceMarks", "EventTimeAligner",
+           "rank_partitions", "rank_partition", "job_partition", "InvalidSummaries", "SourceMarks", "EventTimeAligner",
            "trusted_event"]
 
 RANK_TYPES = frozenset(("step", "heartbeat", "lifecycle"))
@@ -178,6 +178,17 @@ def rank_partition(job: str, rank: int, partitions: int) -> int:
     from trainguard.detectors.parallel import murmur2
 
     return (murmur2(f"{job}/{rank}".encode()) & 0x7FFFFFFF) % partitions
+
+
+def job_partition(job: str, partitions: int) -> int:
+    """The telemetry partition of the events keyed by ``job`` alone (the launcher's).
+
+    >>> job_partition("j", 24)
+    14
+    """
+    from trainguard.detectors.parallel import murmur2
+
+    return (murmur2(job.encode()) & 0x7FFFFFFF) % partitions
 
 
 def decode_summaries(value) -> tuple[str, list]:

@@ -40,7 +40,7 @@ import logging
 import math
 from functools import partial
 
-from .logic import rank_partition, rank_partitions
+from .logic import job_partition, rank_partition, rank_partitions
 
 __all__ = ["PartitionWatch"]
 
@@ -184,43 +184,61 @@ class PartitionWatch:
     def unseen(self, job: str, slot, wall: float) -> frozenset:
         """The ranks of ``job`` whose records nobody reads: their telemetry partition is
         silent for more than ``unread_s`` and nobody may have read it since (:meth:`blind`:
-        its worker gone for longer than the job waits for it). The job goes on without them
-        from then on; they are not judged missing
-        (:attr:`~trainguard.detectors.view.JobView.unseen`) until their partition is read to
-        the end again (its successor says so: while it reads the backlog, the ranks not read
-        yet would look silent, the job's time being far past their last records). A rank's partition is the one its items came from, else (a rank not
-        heard since this process took the job) the collectors' murmur2 partition of
-        ``job/rank``."""
+        its worker gone for longer than the job waits for it); ``None`` among them when the
+        launcher's partition is one. The job goes on without them from then on; they are
+        not judged missing (:attr:`~trainguard.detectors.view.JobView.unseen`) until their
+        partition is read to the end again: while its successor says, afresh, that it reads
+        its backlog (for :attr:`behind_wait_s` at most), the ranks it has not reached yet
+        would look silent, the job's time being far past their last records. A rank's
+        partition is the one its items came from, else (a rank not heard since this process
+        took the job) the collectors' murmur2 partition of ``job/rank`` (of ``job`` for the
+        launcher)."""
         since = self.idle_loads.get(job, -math.inf)
-        bound, behind = self.unread_s, self.behind
+        bound, behind, fresh = self.unread_s, self.behind, self.source_idle_s
         found = self._unseen.get(job)
-        blind = [p for p, (_, heard) in slot.sources.items()
-                 if (wall - heard > bound and self.blind(p, heard, since))
-                 or (found is not None and p in found[0][0] and p in behind)]
+        sticky = found[2] if found is not None else {}
+        blind, still = [], {}
+        for p, (_, heard) in slot.sources.items():
+            if wall - heard > bound and self.blind(p, heard, since):
+                blind.append(p)
+            elif p in sticky or (found is not None and p in found[0][0]):
+                said = behind.get(p)
+                began = sticky.get(p, wall)
+                if said is not None and wall - said <= fresh and \
+                        wall - began <= self.behind_wait_s:
+                    blind.append(p)
+                    still[p] = began
         if not blind:
-            if job in self._unseen:
+            if found is not None:
                 log.info("job %s: its telemetry partitions are read again", job,
                          extra={"job": job})
                 del self._unseen[job]
             return frozenset()
-        parts_of = self.rank_parts.get(job, {})
+        parts_of = self.rank_parts.setdefault(job, {})
         where = getattr(getattr(slot.stage, "view", None), "where", {})
-        key = (frozenset(blind), len(parts_of), len(where), self.count)
+        count = self.count
+        key = (frozenset(blind), len(parts_of), len(where), count)
         if found is not None and found[0] == key:
+            self._unseen[job] = (key, found[1], still)
             return found[1]
-        parts, count = key[0], self.count
-        ranks = {r for r, p in parts_of.items() if p in parts}
-        if count:
-            ranks.update(r for r in where if r not in parts_of and type(r) is int
-                         and rank_partition(job, r, count) in parts)
-        ranks = frozenset(ranks)
+        parts = key[0]
+        if count:               # guessed once, replaced by where its items come from
+            for r in where:
+                if r not in parts_of and type(r) is int:
+                    parts_of[r] = rank_partition(job, r, count)
+            if None not in parts_of:
+                parts_of[None] = job_partition(job, count)
+            key = (parts, len(parts_of), len(where), count)
+        ranks = frozenset(r for r, p in parts_of.items() if p in parts)
+        if None not in parts_of:
+            ranks |= {None}     # the launcher's partition unknown: it may be one of them
         if found is None or found[0][0] != parts:
             log.warning("job %s: nobody has read telemetry partition(s) %s for more than %.0f "
                         "s (worker.unread_partition_s): the job goes on without them, and its "
                         "%d rank(s) on them are not judged silent until they are read again",
-                        job, ", ".join(map(str, sorted(parts))), bound, len(ranks),
-                        extra={"job": job})
-        self._unseen[job] = (key, ranks)
+                        job, ", ".join(map(str, sorted(parts))), bound,
+                        len(ranks - {None}), extra={"job": job})
+        self._unseen[job] = (key, ranks, still)
         return ranks
 
     # -- the worker's gauges ---------------------------------------------------------------
@@ -232,11 +250,11 @@ class PartitionWatch:
         for key, slot in slots.items():
             out.update(slot.unread(wall, self.source_idle_s,
                                    self.unread_of(key.decode("utf-8", "replace"))))
-        for key, _ in self._unseen.values():
+        for key, _, _ in self._unseen.values():
             out.update(key[0])
         return out
 
     def unseen_ranks(self) -> int:
         """Ranks, over all jobs, whose partition nobody has read for more than ``unread_s``
         (as last found by :meth:`unseen`)."""
-        return sum(len(ranks) for _, ranks in self._unseen.values())
+        return sum(len(ranks - {None}) for _, ranks, _ in self._unseen.values())

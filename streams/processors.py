@@ -347,7 +347,9 @@ class JobProcessor(_SlotsProcessor):
                 ts = item.get("ts")
                 rank = item.get("rank")
                 ranked = rank is not None and item.get("k") in _RANK_KINDS
-                if ranked and item.get("event") == "start":
+                if rank is None and item.get("k") == "life":
+                    parts_of[None] = p        # the launcher's (trainguard run's) partition
+                elif ranked and item.get("event") == "start":
                     world = item.get("world_size")
                     if type(world) is int and world > 0:
                         watch.worlds[job] = world     # before it is applied: see below
@@ -364,7 +366,8 @@ class JobProcessor(_SlotsProcessor):
                 low = slot.heard(p, ts, now, idle_s, unread_since)
                 if low > slot.low:
                     slot.low = low if low < limit else limit
-                parts_of[rank] = p
+                if type(rank) is int:
+                    parts_of[rank] = p
             slot.held_seq += 1
             heapq.heappush(held, [ts, slot.held_seq, item, now])
         return self._release(job, slot, now, self._hold_upto(job, slot, now))

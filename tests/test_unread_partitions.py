@@ -189,11 +189,11 @@ def test_a_machine_lost_while_a_partition_is_unread_is_named_all_the_same(keyed)
     assert found == sorted(in_order + during, key=str), found
 
 
-def _send_ranks(jobs, p, ranks, offset, ts, wall, said=True, job="j"):
+def _send_ranks(jobs, p, ranks, offset, ts, wall, said=True, job="j", behind=False):
     items = [(p, offset + n, 0, {"k": "hb", "job": job, "rank": r, "node": f"n{r}", "ts": ts,
                                  "step": 1, "phase": "forward", "phase_since": 99.0})
              for n, r in enumerate(ranks)]
-    reading = Reading(parts=(p,), behind=(), of=24) if said else None
+    reading = Reading(parts=(p,), behind=(p,) if behind else (), of=24) if said else None
     for value in encode_summaries(job, items, reading=reading):
         jobs.apply(value, 0, wall)
 
@@ -236,6 +236,86 @@ def test_the_ranks_of_a_partition_nobody_reads_are_known_without_their_items():
     jobs.watch.rank_parts.clear()                 # as after a takeover
     assert jobs.watch.unseen("j", slot, 301.0) == {2}
     assert jobs.unread_partitions(301.0) == {8}
+
+
+def test_a_successor_that_stays_behind_leaves_the_ranks_unseen_for_a_bounded_time():
+    """Partition 1's worker gone at 100 s; its successor reads it again from 400 s on and
+    keeps saying it is behind (a pool short of workers): its ranks stay unseen while it says
+    so, for ``unread_s`` at most, and are judged again after that; the same when it stops
+    saying anything."""
+    for says_behind in (True, False):
+        jobs = JobProcessor(JobStage, advance_every_s=None, unread_s=180.0)
+        slot = None
+        seen = {}
+        for wall in range(100, 700):
+            _send_ranks(jobs, 0, [0], wall - 100, float(wall), float(wall))
+            if wall == 100 or wall >= 400:
+                _send_ranks(jobs, 1, [1], wall - 99, float(wall), float(wall),
+                            said=says_behind or wall == 100, behind=wall >= 400)
+            jobs.advance(wall + 0.5)
+            slot = jobs.state.slots[b"j"]
+            seen[wall] = jobs.watch.unseen("j", slot, wall + 0.5)
+        assert seen[350] == {1} and seen[399] == {1}
+        if says_behind:
+            assert seen[579] == {1} and seen[582] == set()
+        else:
+            assert seen[401] == set()
+
+
+def test_a_rank_that_vanishes_while_another_partition_is_unseen_is_still_a_crash():
+    """Only the launcher's word (of a restart of ours) lets a tear-down wait for an unseen
+    partition: a rank SIGKILLed (no exit) on a partition still read, its peers torn down by
+    torchrun, is a crash while another partition's ranks are unseen."""
+    stage = JobStage()
+    for t in range(100, 130):
+        for r in range(4):
+            stage.update({"k": "step", "job": "j", "rank": r, "node": f"n{r // 2}",
+                          "ts": float(t), "step": t - 100, "step_time": 1.0})
+        stage.advance(float(t) + 0.5, unseen=frozenset({3}))
+    for r in (0, 2):                         # rank 1 vanished; torchrun stops the rest
+        stage.update({"k": "life", "job": "j", "rank": r, "node": f"n{r // 2}", "ts": 130.5,
+                      "event": "exit", "exit_code": None, "signal": "SIGTERM", "step": 29})
+    found = []
+    for t in range(131, 140):
+        found += stage.advance(float(t), unseen=frozenset({3}))
+    assert [(a.kind, a.ranks) for a in found] == [("crash", [1])]
+    launcher = JobStage()                    # ... and with the launcher's partition unseen
+    for item in [{"k": "step", "job": "j", "rank": r, "node": "n0", "ts": 100.0, "step": 0,
+                  "step_time": 1.0} for r in range(2)]:
+        launcher.update(item)
+    launcher.update({"k": "life", "job": "j", "rank": 0, "node": "n0", "ts": 100.5,
+                     "event": "exit", "exit_code": None, "signal": "SIGTERM", "step": 0})
+    assert sum((launcher.advance(float(t), unseen=frozenset({None})) for t in range(101, 140)),
+               []) == []
+
+
+def test_a_hang_is_declared_once_an_unseen_rank_cannot_be_pausing_any_more():
+    """While a rank is unseen, the job's deadline hang waits for the longest allowance of a
+    pause after the rank was last heard (it may checkpoint while the rest wait), not for
+    ever."""
+    from trainguard.detectors import DetectorConfig
+    from trainguard.setting import with_values
+
+    config = with_values(DetectorConfig(), {f"hang.{name}": 60.0 for name in (
+        "checkpoint_s", "eval_s", "phase_s", "first_step_s")})
+    hung = {}
+    for unseen in (frozenset(), frozenset({3})):
+        stage = JobStage(config)
+        for t in range(100, 140):
+            for r in range(4):
+                stage.update({"k": "step", "job": "j", "rank": r, "node": f"n{r // 2}",
+                              "ts": float(t), "step": t - 100, "step_time": 1.0})
+            stage.advance(float(t) + 0.5)
+        for t in range(140, 400):             # rank 3 last heard at 139 s
+            for r in range(3):
+                stage.update({"k": "hb", "job": "j", "rank": r, "node": f"n{r // 2}",
+                              "ts": float(t), "step": 39, "phase": "collective",
+                              "phase_since": 139.5})
+            if [a for a in stage.advance(float(t) + 0.5, unseen=unseen) if a.kind == "hang"]:
+                hung[unseen] = t
+                break
+    assert hung[frozenset()] < 139 + 60 <= hung[frozenset({3})] <= 139 + 61, hung
+
 
 def test_a_rank_worker_that_starts_later_than_the_job_waits_on_a_backlog_raises_nothing():
     """A backlog read 100 times faster than written, the ranks on 24 partitions by their
