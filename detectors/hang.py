@@ -560,7 +560,8 @@ class HangDetector(UsesView, Detector):
         return None if self._progress_ts is not None else "first_step"
 
     def _suspects(self, now: float):
-        live = {r: h for r, h in self._hb.items() if r not in self._exited}
+        unseen = self.view.unseen        # their heartbeats look stale: nobody reads them
+        live = {r: h for r, h in self._hb.items() if r not in self._exited and r not in unseen}
         fresh = {r: h for r, h in live.items() if now - h[0] < self.stale_s}
         stale = sorted(r for r in live if r not in fresh)
         if not fresh:

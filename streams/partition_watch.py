@@ -230,8 +230,10 @@ class PartitionWatch:
                 parts_of[None] = job_partition(job, count)
             key = (parts, len(parts_of), len(where), count)
         ranks = frozenset(r for r, p in parts_of.items() if p in parts)
-        if None not in parts_of:
-            ranks |= {None}     # the launcher's partition unknown: it may be one of them
+        if parts_of.get(None) not in slot.sources:
+            # the launcher's partition unknown, or carrying no rank of the job (so its
+            # silence tells nothing): it may be one of them
+            ranks |= {None}
         if found is None or found[0][0] != parts:
             log.warning("job %s: nobody has read telemetry partition(s) %s for more than %.0f "
                         "s (worker.unread_partition_s): the job goes on without them, and its "

@@ -30,6 +30,7 @@ def cluster(tmp_path_factory):
 
 
 def test_cluster_topics_are_replicated(cluster):
+    from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient, ConfigResource
 
     from trainguard.config import Config, Topics
@@ -47,7 +48,15 @@ def test_cluster_topics_are_replicated(cluster):
     assert meta is not None, f"{config.topics.telemetry} not listed 30 s after its creation"
     assert {len(p.replicas) for p in meta.partitions.values()} == {3}
     resource = ConfigResource(ConfigResource.Type.TOPIC, config.topics.telemetry)
-    conf = admin.describe_configs([resource])[resource].result(timeout=10)
+    while True:           # ... and the broker asked for its configs, later still
+        try:
+            conf = admin.describe_configs([resource])[resource].result(timeout=10)
+            break
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART or \
+                    time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     assert conf["min.insync.replicas"].value == "2"
     assert cluster.answering() == [1, 2, 3]
     assert all(": running" in line for line in cluster.status())
