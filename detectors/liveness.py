@@ -57,6 +57,10 @@ class SilentDetector(UsesView, Detector):
     """
 
     PREFIX = "silent"
+    #: ranks last heard within this of each other stopped together (a job killed at once,
+    #: whose partitions' last records a worker applied a moment apart): the rest does not
+    #: go on, and none of them is silent
+    TOGETHER_S = 2.0
     CONSUMES = ("step", "hb", "life", "gpu", "tick")
 
     @dataclass(kw_only=True)
@@ -127,13 +131,15 @@ class SilentDetector(UsesView, Detector):
             return []
         self._looked = at
         limit = at - self.timeout_s
+        going_on = limit + self.TOGETHER_S
         quiet, pending, alive = [], set(), False
         unseen = self.view.unseen         # nobody reads their records now: not judged
         for rank, ts in self._heard.items():
             if rank in self._exited or (unseen and rank in unseen):
                 continue
             if ts > limit:
-                alive = True
+                if ts > going_on:
+                    alive = True
                 if ts <= at - self.timeout_s / 2:
                     pending.add(rank)
             elif rank not in self._reported:

@@ -343,3 +343,25 @@ def test_a_rank_worker_that_starts_later_than_the_job_waits_on_a_backlog_raises_
             arrival = LAST_WRITTEN + (happened - first) / 100 + (300.0 if by_key(e) % 2 else 0)
             return arrival - happened
         assert online(events, late, reading=True, partition=by_key, of=24)[0] == [], name
+
+
+def test_a_job_that_stops_at_once_has_no_silent_machine_when_its_partitions_end_apart():
+    """A job killed at once (no exit events): online, a worker applies the last records of
+    its partitions up to a second or so apart, so some ranks are heard a moment after the
+    others. Those did not go on: the silent detector names nobody (live through the broker,
+    a worker restarted in the middle of the job left 9 healthy machines named silent at its
+    end). A machine that stops while the rest go on is still named."""
+    from trainguard.detectors.liveness import SilentDetector
+
+    def run(last_of):
+        d = SilentDetector(timeout_s=15.0)
+        found = []
+        for t in range(60, 140):
+            for r in range(8):
+                if t <= last_of(r):
+                    d.update({"k": "hb", "rank": r, "node": f"n{r // 4}",
+                              "ts": t + (0.7 if r >= 4 else 0.0)})
+            found += d.advance(t + 0.5)
+        return [(f.nodes, f.ranks) for f in found]
+    assert run(lambda r: 100) == []
+    assert run(lambda r: 100 if r < 4 else 200) == [(["n0"], [0, 1, 2, 3])]
