@@ -44,7 +44,8 @@ from trainguard import events as ev
 
 __all__ = ["RANK_TYPES", "NODE_TYPES", "TELEMETRY_TYPES", "classify", "stage_key", "node_key",
            "key_job", "encode_summaries", "decode_summaries", "parse_summaries", "Reading",
-           "rank_partitions", "rank_partition", "job_partition", "InvalidSummaries", "SourceMarks", "EventTimeAligner",
+           "rank_partitions", "rank_partition", "job_partition", "InvalidSummaries",
+           "SourceMarks", "EventTimeAligner",
            "trusted_event"]
 
 RANK_TYPES = frozenset(("step", "heartbeat", "lifecycle"))

@@ -382,8 +382,8 @@ class JobProcessor(_SlotsProcessor):
         a rank's item within ``hold_idle_s`` (a backlog read by two workers streams from
         every partition; live, a partition whose ranks stopped or send a heartbeat every
         few seconds holds nothing back for long), that its worker last said, within
-        ``unread_s``, is behind, or that nobody says it reads (:meth:`PartitionWatch.unread_since`), plus
-        ``hold_slack_s``."""
+        ``unread_s``, is behind, or that nobody says it reads
+        (:meth:`PartitionWatch.unread_since`), plus ``hold_slack_s``."""
         watch = self.watch
         if watch.awaits_unheard(job, slot, now):
             return -math.inf
