@@ -176,9 +176,7 @@ def rank_partition(job: str, rank: int, partitions: int) -> int:
     >>> [rank_partition("j", r, 24) for r in range(4)]
     [14, 20, 8, 21]
     """
-    from trainguard.detectors.parallel import murmur2
-
-    return (murmur2(f"{job}/{rank}".encode()) & 0x7FFFFFFF) % partitions
+    return _key_partition(f"{job}/{rank}".encode(), partitions)
 
 
 def job_partition(job: str, partitions: int) -> int:
@@ -187,9 +185,14 @@ def job_partition(job: str, partitions: int) -> int:
     >>> job_partition("j", 24)
     14
     """
+    return _key_partition(job.encode(), partitions)
+
+
+def _key_partition(key: bytes, partitions: int) -> int:
+    """The partition of a producer key under the Java client's murmur2 partitioner."""
     from trainguard.detectors.parallel import murmur2
 
-    return (murmur2(job.encode()) & 0x7FFFFFFF) % partitions
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
 
 
 def decode_summaries(value) -> tuple[str, list]:
