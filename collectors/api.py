@@ -349,35 +349,42 @@ class Collector:
         try:
             if self.closed or os.getpid() != self.pid:
                 return
-            self.closed = True
-            for flush in self.before_close:
-                try:
-                    flush()
-                except Exception as exc:  # an integration's last step must not stop the exit
-                    log.warning("trainguard: flushing before close failed: %s", exc)
-            self._stop.set()
-            s = self.settings
-            self.producer.produce(ev.encode(ev.Lifecycle(
-                job=s.job, ts=self.clock(), node=s.node, rank=s.rank, event="exit",
-                exit_code=exit_code, signal=signal)), self._key)
-            timeout = self.flush_timeout if timeout is None else timeout
-            lost = self.producer.close(timeout)
-            if lost:                              # no later heartbeat will count them
-                log.warning("trainguard: rank %s of job %s: %d telemetry events were not "
-                            "delivered in the %g s flush at exit; they are lost", s.rank, s.job,
-                            lost, timeout)
-            if self.registry is not None:
-                self.registry.unregister(s.job, s.rank, self.pid)
-            if threading.current_thread() is threading.main_thread():
-                if self._hooks is not None:
-                    self._hooks.uninstall()
-                if self._dumper is not None:
-                    self._dumper.uninstall()
+            if self._hooks is not None:        # a SIGTERM meanwhile waits for the flush
+                with self._hooks.holding():
+                    self._close(exit_code, signal, timeout)
+            else:
+                self._close(exit_code, signal, timeout)
         finally:
             self._close_lock.release()
         global _ACTIVE
         if _ACTIVE is self:
             _ACTIVE = None
+
+    def _close(self, exit_code, signal, timeout) -> None:
+        self.closed = True
+        for flush in self.before_close:
+            try:
+                flush()
+            except Exception as exc:  # an integration's last step must not stop the exit
+                log.warning("trainguard: flushing before close failed: %s", exc)
+        self._stop.set()
+        s = self.settings
+        self.producer.produce(ev.encode(ev.Lifecycle(
+            job=s.job, ts=self.clock(), node=s.node, rank=s.rank, event="exit",
+            exit_code=exit_code, signal=signal)), self._key)
+        timeout = self.flush_timeout if timeout is None else timeout
+        lost = self.producer.close(timeout)
+        if lost:                              # no later heartbeat will count them
+            log.warning("trainguard: rank %s of job %s: %d telemetry events were not "
+                        "delivered in the %g s flush at exit; they are lost", s.rank, s.job,
+                        lost, timeout)
+        if self.registry is not None:
+            self.registry.unregister(s.job, s.rank, self.pid)
+        if threading.current_thread() is threading.main_thread():
+            if self._hooks is not None:
+                self._hooks.uninstall()
+            if self._dumper is not None:
+                self._dumper.uninstall()
 
     def _on_exit(self, exit_code, signal_name, timeout) -> None:
         self.close(exit_code=exit_code, signal=signal_name, timeout=timeout)

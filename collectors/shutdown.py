@@ -21,6 +21,12 @@ SIGTERM's default action. It does so only while the collector's handler is still
 installed and nobody had a handler before (a handler installed later by the program owns
 SIGTERM, and the watcher leaves the process alone).
 
+A SIGTERM that comes while the collector closes (:meth:`ExitHooks.holding`: its last
+flush, from ``close``, ``atexit`` or an earlier signal) waits for the close to end, then ends
+the process as it would have: otherwise it would kill the flush before the collector says how
+many events it could not deliver (torchrun's SIGTERM to a rank that is already exiting
+because a peer died, while the broker fails over). The flush is bounded (``flush_timeout``).
+
 Signal handlers and the wakeup fd are only touched from the main thread; in a forked child
 (DataLoader workers) the hooks forget the wakeup fd and do nothing but chain.
 """
@@ -34,7 +40,8 @@ import socket
 import sys
 import threading
 import weakref
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 __all__ = ["ExitHooks"]
 
@@ -78,6 +85,22 @@ class ExitHooks:
         self._signal_seen: str | None = None
         self._socks: tuple | None = None
         self._forward_fd: int | None = None
+        self._holding = 0                    # closes under way (holding)
+        self._deferred: int | None = None    # a signal that came meanwhile
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """A close under way: a SIGTERM that comes meanwhile ends the process when it is
+        over, not before (it can still say what it could not deliver)."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+            deferred = self._deferred if not self._holding else None
+            if deferred is not None and os.getpid() == self._pid:
+                self._deferred = None
+                _die_by(deferred)
 
     def install(self) -> "ExitHooks":
         self._pid = os.getpid()
@@ -127,6 +150,10 @@ class ExitHooks:
             if mine:
                 self._signal_seen = "SIGTERM"
             prev(signum, frame)
+            return
+        if mine and self._holding:         # a close under way ends the process when done
+            self._signal_seen = signal.Signals(signum).name
+            self._deferred = signum
             return
         if mine:
             self._report_signal(signum)

@@ -138,6 +138,37 @@ def test_events_left_undelivered_at_exit_are_said_once_with_their_number(tmp_pat
     assert int(lost[0].split(": ")[2].split()[0]) >= 6  # start, five steps, exit
 
 
+@pytest.mark.parametrize("how", ["close", "uncaught"])
+def test_a_sigterm_during_the_exit_flush_lets_it_say_what_it_lost(tmp_path, how):
+    """torchrun SIGTERMs a rank that is already flushing at exit (a peer died while the broker
+    failed over): the process still dies by SIGTERM, but after the collector said how many
+    events it could not deliver (the signal killed the flush unsaid before: CI, ci63)."""
+    code = textwrap.dedent(f"""
+        import os, signal, sys, threading
+        import trainguard
+        tg = trainguard.init(job="flush-job", bootstrap="127.0.0.1:{closed_port()}",
+                             environ={{"RANK": "0"}}, runtime_dir={str(tmp_path)!r},
+                             stack_signal=None, flush_timeout=1.5)
+        for step in range(5):
+            with tg.step(step):
+                pass
+        timer = threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+        if {how!r} == "close":
+            tg.close()
+        else:
+            raise RuntimeError("a peer is gone")     # atexit closes
+        print("survived", flush=True)
+    """)
+    proc = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert "survived" not in proc.stdout
+    said = [line for line in proc.stderr.splitlines() if "were not delivered" in line]
+    assert len(said) == 1 and said[0].startswith("trainguard: rank 0 of job flush-job: "), \
+        proc.stderr
+
+
 def test_bad_kafka_environment_disables_telemetry_but_never_raises(tmp_path, caplog):
     environ = {"TRAINGUARD_KAFKA_CONFIG": str(tmp_path / "missing.properties")}
     tg = trainguard.init(job="bad-env", environ=environ, runtime_dir=tmp_path,
