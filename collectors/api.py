@@ -338,7 +338,8 @@ class Collector:
         self._heartbeat_thread = threading.Thread(
             target=self._heartbeat_loop, name="trainguard-heartbeat", daemon=True)
         self._heartbeat_thread.start()
-        self._hooks = ExitHooks(self._on_exit, handle_signals=self.handle_signals).install()
+        self._hooks = ExitHooks(self._on_exit, hold_limit=self.flush_timeout + 2.0,
+                                handle_signals=self.handle_signals).install()
         return self
 
     def close(self, exit_code: int | None = 0, signal: str | None = None,

@@ -21,11 +21,13 @@ SIGTERM's default action. It does so only while the collector's handler is still
 installed and nobody had a handler before (a handler installed later by the program owns
 SIGTERM, and the watcher leaves the process alone).
 
-A SIGTERM that comes while the collector closes (:meth:`ExitHooks.holding`: its last
-flush, from ``close``, ``atexit`` or an earlier signal) waits for the close to end, then ends
-the process as it would have: otherwise it would kill the flush before the collector says how
-many events it could not deliver (torchrun's SIGTERM to a rank that is already exiting
-because a peer died, while the broker fails over). The flush is bounded (``flush_timeout``).
+When the hooks' own handler owns SIGTERM (no earlier Python handler), a SIGTERM that comes
+while the collector closes (:meth:`ExitHooks.holding`: its last flush, from ``close``,
+``atexit`` or an earlier signal) waits for the close to end, then ends the process as it
+would have: otherwise it would kill the flush before the collector says how many events it
+could not deliver (torchrun's SIGTERM to a rank that is already exiting because a peer died,
+while the broker fails over). It waits ``hold_limit`` seconds at most (a close can block in a
+CUDA call of a hung collective), then a helper thread ends the process all the same.
 
 Signal handlers and the wakeup fd are only touched from the main thread; in a forked child
 (DataLoader workers) the hooks forget the wakeup fd and do nothing but chain.
@@ -73,10 +75,11 @@ class ExitHooks:
 
     def __init__(self, on_exit: Callable[[int | None, str | None, float], None], *,
                  sigterm_timeout: float = 2.0, stuck_grace: float = 1.0,
-                 handle_signals: bool = True):
+                 hold_limit: float = 5.0, handle_signals: bool = True):
         self.on_exit = on_exit
         self.sigterm_timeout = sigterm_timeout
         self.stuck_grace = stuck_grace
+        self.hold_limit = hold_limit
         self.handle_signals = handle_signals
         self._pid = 0
         self._prev = None
@@ -96,11 +99,16 @@ class ExitHooks:
         try:
             yield
         finally:
-            self._holding -= 1
+            self._holding -= 1                # then read _deferred: see _on_sigterm
             deferred = self._deferred if not self._holding else None
             if deferred is not None and os.getpid() == self._pid:
-                self._deferred = None
                 _die_by(deferred)
+
+    def _die_when_held_too_long(self, signum: int) -> None:
+        if self._deferred is not None and os.getpid() == self._pid:
+            log.warning("SIGTERM held %g s by a close that did not end: terminating",
+                        self.hold_limit)
+            _die_by(signum)
 
     def install(self) -> "ExitHooks":
         self._pid = os.getpid()
@@ -151,11 +159,17 @@ class ExitHooks:
                 self._signal_seen = "SIGTERM"
             prev(signum, frame)
             return
-        if mine and self._holding:         # a close under way ends the process when done
-            self._signal_seen = signal.Signals(signum).name
-            self._deferred = signum
-            return
         if mine:
+            # set before _holding is read (holding() reads them the other way round): a
+            # close on another thread that ends meanwhile dies by it, or this handler does
+            self._deferred = signum
+            if self._holding:              # a close under way ends the process when done
+                self._signal_seen = signal.Signals(signum).name
+                timer = threading.Timer(self.hold_limit, self._die_when_held_too_long,
+                                        (signum,))
+                timer.daemon = True
+                timer.start()
+                return
             self._report_signal(signum)
         _die_by(signum)
 

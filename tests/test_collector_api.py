@@ -169,6 +169,28 @@ def test_a_sigterm_during_the_exit_flush_lets_it_say_what_it_lost(tmp_path, how)
         proc.stderr
 
 
+def test_a_sigterm_held_by_a_close_that_never_ends_still_ends_the_process(tmp_path):
+    """A close can block for ever (an integration's last flush in a CUDA call of a hung
+    collective): the SIGTERM it holds ends the process after flush_timeout + 2 s."""
+    code = textwrap.dedent(f"""
+        import os, signal, threading, time
+        import trainguard
+        tg = trainguard.init(job="stuck-close", bootstrap="127.0.0.1:{closed_port()}",
+                             environ={{"RANK": "0"}}, runtime_dir={str(tmp_path)!r},
+                             stack_signal=None, flush_timeout=0.5)
+        tg.before_close.append(lambda: time.sleep(600))
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+        tg.close()
+    """)
+    began = time.monotonic()
+    proc = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert time.monotonic() - began < 30, proc.stderr
+    assert "SIGTERM held 2.5 s by a close that did not end" in proc.stderr, proc.stderr
+
+
 def test_bad_kafka_environment_disables_telemetry_but_never_raises(tmp_path, caplog):
     environ = {"TRAINGUARD_KAFKA_CONFIG": str(tmp_path / "missing.properties")}
     tg = trainguard.init(job="bad-env", environ=environ, runtime_dir=tmp_path,
