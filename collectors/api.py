@@ -32,8 +32,9 @@ Phases and steps belong to the training thread.
 which for a CUDA tensor copies it to the host and so waits for all GPU work queued before it
 (a device synchronization that stops the CPU from running ahead; typically the length of the
 queued kernels, often milliseconds). With ``report_every=N`` values are read and sent only on
-steps divisible by N (``s.report`` returns at once on other steps, reading nothing); the step
-timings are still sent every step, as they need no synchronization. Pass values you have
+steps divisible by N (``s.report`` returns at once on other steps, reading nothing but a
+``tokens`` count given as a plain ``int``); the step timings are still sent every step, as
+they need no synchronization. Pass values you have
 already synchronized (``loss.item()`` you print anyway) to add no cost at all.
 
 The hot path (``step``, ``phase``, ``report``) does no I/O and no encoding: it appends a tuple
@@ -140,9 +141,14 @@ class StepContext:
         """Values of this step (floats, ints, 0-d tensors; extra names become extra fields).
 
         Only read on report steps (``step % report_every == 0``); later calls in the same step
-        update earlier ones.
+        update earlier ones. On the other steps only ``tokens`` given as a plain ``int`` is
+        kept (it costs no device read): the job's throughput is judged per token on every
+        step, not only on report steps.
         """
         if not self._report:
+            if type(tokens) is int:
+                values = (None, None, tokens, None, None, None)
+                self._values = values if self._values is None else _merge(self._values, values)
             return
         _f, _i = float, int
         if loss is not None and type(loss) is not _f:

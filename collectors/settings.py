@@ -32,7 +32,9 @@ class CollectorConfig:
 
     heartbeat_interval: float = setting(1.0, "seconds between a rank's heartbeats",
                                         minimum=0.01)
-    report_every: int = setting(1, "send every n-th step", minimum=1)
+    report_every: int = setting(1, "read and send the reported values (loss, grad norm, ...) "
+                                   "every n-th step; timings and plain-int token counts on "
+                                   "every step", minimum=1)
     flush_timeout: float = setting(3.0, "seconds to flush at exit")
     max_queue_events: int = setting(10000, "events queued while Kafka is away; then the "
                                            "oldest are dropped")

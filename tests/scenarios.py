@@ -111,6 +111,8 @@ class Scenario:
     grad_noise: float = 0.08
     faults: tuple = ()
     seed: int = 0
+    report_every: int = 1              # the collectors' report_every: values (loss, grad norm,
+                                       # lr) on every n-th step only, timings, tokens on all
 
     @property
     def world(self) -> int:
@@ -354,10 +356,11 @@ class _Run:
                 loss = float("nan")
             if nan_ranks or nan_grad:
                 grad = float("nan")
+            values = {"loss": loss, "grad_norm": grad, "tokens": 4096, "lr": 3e-4} \
+                if s % sc.report_every == 0 else {"tokens": 4096}
             self.emit(ev.Step(job=sc.job, ts=end + step_gap * r + rng.random() * 0.002,
                               node=sc.node_of(r), rank=r, step=s, step_time=duration,
-                              compute_time=compute[r], loss=loss, grad_norm=grad,
-                              tokens=4096, lr=3e-4))
+                              compute_time=compute[r], **values))
         self._fault_truths(s, faults, start, end)
 
     def _fault_truths(self, s, faults, start, end):

@@ -242,6 +242,21 @@ def test_report_every_reads_tensors_only_on_report_steps():
     assert [e.loss for e in events] == [1.0, None, None, 4.0, None, None, 7.0]
 
 
+def test_report_every_keeps_plain_token_counts_on_every_step():
+    """A count given as an int costs no device read: throughput is judged per token on
+    every step; a tensor count is read on report steps only."""
+    c = collector(report_every=4)
+    FakeTensor.reads = 0
+    for n in range(5):
+        with c.step(n) as s:
+            s.report(loss=FakeTensor(2.0), tokens=4096 + n)
+            s.report(tokens=FakeTensor(7))
+    assert FakeTensor.reads == 4          # steps 0 and 4: the loss and the tensor count
+    events = decoded(c)
+    assert [e.tokens for e in events] == [7, 4097, 4098, 4099, 7]
+    assert [e.loss for e in events] == [2.0, None, None, None, 2.0]
+
+
 def test_real_zero_dim_tensors():
     torch = pytest.importorskip("torch")
     c = collector()
