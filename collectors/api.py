@@ -249,11 +249,28 @@ class Collector:
         self.explicit = False  # the script called tg.step itself
         self.implicit = False  # started by trainguard.integrations, not by the script
         self.before_close: list[Callable[[], None]] = []
+        self._said_back = False   # step numbers went back (_went_back)
 
     # -- the training loop ------------------------------------------------------------------
     def step(self, step: int) -> StepContext:
         """Context manager around one training step; yields the object with ``report``."""
-        return StepContext(self, step)
+        context = StepContext(self, step)
+        last = self.last_step
+        if last is not None and context.step < last and not self._said_back:
+            self._went_back(last, context.step)
+        return context
+
+    def _went_back(self, last: int, step: int) -> None:
+        """Said once per process: step numbers that start again from a lower one (a loop
+        over ``enumerate(loader)`` per epoch) leave most of the job's checks blind."""
+        self._said_back = True
+        s = self.settings
+        log.warning("trainguard: rank %s of job %s: the step number went back from %d to %d "
+                    "in the same process. trainguard matches the ranks' steps by number and "
+                    "takes a step it has seen already as a late record, so stragglers, loss "
+                    "spikes and slowdowns go unseen until the numbers pass %d again: give "
+                    "tg.step a number that counts up across epochs (the global step)",
+                    s.rank, s.job, last, step, last)
 
     def phase(self, name: str) -> PhaseContext:
         """Context manager marking what the loop is doing (shown by heartbeats)."""
@@ -293,6 +310,9 @@ class Collector:
             values = None
         else:
             values = (loss, grad_norm, tokens, loss_scale, lr, None)
+        last = self.last_step
+        if last is not None and step < last and not self._said_back:
+            self._went_back(last, step)
         self.last_step = step
         self.producer.produce((_STEP, self.clock() if ts is None else ts, step, step_time,
                                compute_time, values), self._key)

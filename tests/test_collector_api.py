@@ -242,6 +242,20 @@ def test_report_every_reads_tensors_only_on_report_steps():
     assert [e.loss for e in events] == [1.0, None, None, 4.0, None, None, 7.0]
 
 
+def test_step_numbers_that_start_again_each_epoch_are_said_once(caplog):
+    c = collector()
+    for epoch in range(3):
+        for i in range(3):
+            with c.step(i):
+                pass
+    said = [r.getMessage() for r in caplog.records if "went back" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert said[0].startswith("trainguard: rank 1 of job j1: the step number went back from 2 "
+                              "to 0 in the same process.")
+    assert "(the global step)" in said[0]
+    assert [e.step for e in decoded(c)] == [0, 1, 2] * 3      # sent as given
+
+
 def test_report_every_keeps_plain_token_counts_on_every_step():
     """A count given as an int costs no device read: throughput is judged per token on
     every step; a tensor count is read on report steps only."""
