@@ -181,9 +181,22 @@ class StepContext:
         if c._ddp_timers or c._collectives != self._marked0 or c._single:
             compute = step_time - (c._blocked() - self._blocked0)
             compute = compute if compute > 0.0 else 0.0
+        elif c._uncomputed < _SAY_UNCOMPUTED_AFTER:
+            c._uncomputed += 1
+            if c._uncomputed == _SAY_UNCOMPUTED_AFTER and c.settings.rank == 0:
+                log.warning(_UNCOMPUTED, c.settings.job, _SAY_UNCOMPUTED_AFTER)
         c.last_step = self.step
         c.producer.produce((_STEP, now, self.step, step_time, compute, self._values), c._key)
         return False
+
+
+#: steps without a compute time before rank 0 says what that blinds (watch_ddp may come
+#: after the first step)
+_SAY_UNCOMPUTED_AFTER = 3
+_UNCOMPUTED = ("trainguard: job %s: %d steps without a compute time (time in collectives is "
+               "measured by tg.watch_ddp(model), or by tg.phase(\"collective\") around them): "
+               "a slow rank cannot be told from its peers, whose steps wait for it in the "
+               "all-reduce, so stragglers go unnamed")
 
 
 class PhaseContext:
@@ -250,6 +263,7 @@ class Collector:
         self.implicit = False  # started by trainguard.integrations, not by the script
         self.before_close: list[Callable[[], None]] = []
         self._said_back = False   # step numbers went back (_went_back)
+        self._uncomputed = 0      # steps without a compute time, up to _SAY_UNCOMPUTED_AFTER
 
     # -- the training loop ------------------------------------------------------------------
     def step(self, step: int) -> StepContext:

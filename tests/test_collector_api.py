@@ -256,6 +256,27 @@ def test_step_numbers_that_start_again_each_epoch_are_said_once(caplog):
     assert [e.step for e in decoded(c)] == [0, 1, 2] * 3      # sent as given
 
 
+def test_a_job_without_compute_times_is_told_once_by_rank_0(caplog):
+    for rank in (0, 1):
+        settings = CollectorSettings(job="j1", rank=rank, world_size=4, node="n1")
+        c = Collector(settings, Sink(), handle_signals=False)
+        for i in range(5):
+            with c.step(i):
+                pass
+    said = [r.getMessage() for r in caplog.records if "without a compute time" in r.getMessage()]
+    assert said == [said[0]] and said[0].startswith("trainguard: job j1: 3 steps without"), \
+        caplog.text
+    assert "tg.watch_ddp(model)" in said[0] and "stragglers go unnamed" in said[0]
+    caplog.clear()
+    c = Collector(CollectorSettings(job="j1", rank=0, world_size=4, node="n1"), Sink(),
+                  handle_signals=False)
+    for i in range(5):
+        with c.step(i):
+            with c.phase("collective"):
+                pass
+    assert "without a compute time" not in caplog.text
+
+
 def test_report_every_keeps_plain_token_counts_on_every_step():
     """A count given as an int costs no device read: throughput is judged per token on
     every step; a tensor count is read on report steps only."""
