@@ -3,7 +3,9 @@ the watcher, the hooks on a real one-process training loop, explicit calls winni
 never raising, and the ``--instrument`` environment in a fresh interpreter."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -225,6 +227,49 @@ def test_hooks_send_one_step_per_optimizer_step_with_values(watched):
     assert len(hooks._grad_handles) == 1   # the last-gradient hook alone is left
     assert hooks._discovery == [] and hooks._root_handles
     assert collector.phase_now[0] == "eval"  # the no-grad pass after the last step
+
+
+def test_mixed_precision_reports_the_loss_unscaled_and_its_scale(watched):
+    """A GradScaler: backward gets loss x scale, and an overflow's grad norm is not finite
+    while the scaler skips the step. The step reports the loss itself and the scale it was
+    scaled by, so the NaN detector takes the overflows for the scaler's skips (a framework
+    ends the steps, as Hugging Face's and Lightning's callbacks do)."""
+    torch, hooks, collector, sink = watched
+    from trainguard import events as ev
+    from trainguard.detectors.offline import analyze_events
+
+    hooks.end_steps_on_optimizer = False
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)   # overflows at first
+    losses = []
+    for i in range(10):
+        x, y = torch.randn(2, 4), torch.randn(2, 1)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        hooks.end_step(step=i)
+    steps = steps_of(sink)
+    assert [r[2] for r in steps] == list(range(10))
+    reported = [r[5][0] for r in steps]
+    assert reported == pytest.approx(losses)                  # not loss x scale
+    scales = [r[5][3] for r in steps]
+    grads = [r[5][1] for r in steps]
+    assert scales[0] == 2.0 ** 127 and scales[1] == 2.0 ** 126   # halved by the overflow
+    assert not math.isfinite(grads[0]) and math.isfinite(grads[-1])
+    events = [ev.Step(job="unit", ts=100.0 + r[2], node="n1", rank=0, step=r[2],
+                      step_time=r[3], loss=r[5][0], grad_norm=r[5][1], loss_scale=r[5][3])
+              for r in steps]
+    engine, _ = analyze_events(events)
+    assert engine.incidents() == []      # reported without the scale: a critical "nan"
+    engine, _ = analyze_events([dataclasses.replace(e, loss_scale=None) for e in events])
+    assert [i["kind"] for i in engine.incidents()] == ["nan"]
 
 
 def test_explicit_api_wins_and_nothing_is_counted_twice(watched):

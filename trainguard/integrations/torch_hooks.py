@@ -20,6 +20,10 @@ functional collectives' ``wait_tensor(s)``     the same for DTensor / tensor par
                                                from the first optimizer step on)
 ``torch.nn.utils.clip_grad_norm_``,           the grad norm (its return value, or the norm
 ``clip_grads_with_norm_``                      clipped with)
+``torch.amp.GradScaler.scale``                 the loss before scaling and the loss scale
+                                               (mixed precision: backward gets their product,
+                                               and an overflow's non-finite grad norm is the
+                                               scaler's skip, not a loss gone bad)
 ``DataLoader`` iterators' ``__next__``         phase ``data``, the start of a step
 ``torch.save``; DCP's ``save``,                phase ``checkpoint``
 ``async_save``; ``safetensors.torch``'s        (:mod:`.checkpoint_writers`)
@@ -114,6 +118,12 @@ class TorchHooks:
         if hasattr(nn_utils, "clip_grads_with_norm_"):  # norm computed apart (accelerate)
             self._patch(nn_utils, "clip_grads_with_norm_", self._wrap_clip_with_norm)
         self._patch(loader_mod._BaseDataLoaderIter, "__next__", self._wrap_next)
+        try:
+            from torch.amp.grad_scaler import GradScaler
+
+            self._patch(GradScaler, "scale", self._wrap_scale)
+        except (ImportError, AttributeError):
+            pass
         self._patch(torch, "save", self._checkpoint_phase)
         self._writers.install()
         try:
@@ -317,6 +327,19 @@ class TorchHooks:
             return norm
         clip_grad_norm_.__wrapped__ = original
         return clip_grad_norm_
+
+    def _wrap_scale(self, original):
+        hooks = self
+
+        def scale(scaler, outputs):
+            result = original(scaler, outputs)
+            if result is not outputs and type(outputs) is _Tensor and outputs.ndim == 0 \
+                    and hooks._on_training_thread():
+                _quiet(hooks.watcher.note_scaled, result, outputs,
+                       getattr(scaler, "_scale", None))
+            return result
+        scale.__wrapped__ = original
+        return scale
 
     def _wrap_clip_with_norm(self, original):
         hooks = self

@@ -180,6 +180,8 @@ class StepWatcher:
         self._t0 = 0.0
         self._waiting_ready = False
         self._loss = self._grad_norm = self._lr = None
+        self._loss_scale = None
+        self._scaled = None      # (scaled loss, loss, scale) of a GradScaler (note_scaled)
         self._tokens: int | None = None
         self._pending: deque = deque()
 
@@ -248,7 +250,7 @@ class StepWatcher:
         self.in_step = True
         self.saw_backward = False
         self._waiting_ready = False
-        self._loss = self._grad_norm = None
+        self._loss = self._grad_norm = self._loss_scale = None
         self._tokens = None
         if not self.clocked:
             self._start_clock(self.clock())
@@ -328,6 +330,9 @@ class StepWatcher:
         if not self.in_step:
             self._start()
         self.saw_backward = True
+        scaled, self._scaled = self._scaled, None
+        if scaled is not None and loss is scaled[0]:    # a GradScaler's product
+            loss, self._loss_scale = scaled[1], scaled[2]
         if loss is not None:
             self._loss = loss
         c._phase_state = ("backward", c.clock())
@@ -364,6 +369,12 @@ class StepWatcher:
         if self.in_step:
             self._grad_norm = value
 
+    def note_scaled(self, scaled, loss, scale) -> None:
+        """A GradScaler made ``scaled`` = ``loss`` x ``scale`` for backward: the step's loss
+        is ``loss`` and its loss scale ``scale`` (read now, as it was when used: the scaler
+        updates it in place after the optimizer step)."""
+        self._scaled = (scaled, loss, _host_value(scale))
+
     def note_loss(self, value) -> None:
         if self.in_step and value is not None:
             self._loss = value
@@ -393,11 +404,11 @@ class StepWatcher:
         wall = c.clock()
         record = (step, wall, now - self._t0, _host_value(loss), _host_value(grad_norm),
                   self._tokens if tokens is None else tokens,
-                  lr if type(lr) is float else _host_value(lr))
+                  lr if type(lr) is float else _host_value(lr), self._loss_scale)
         reading = self.timer.end(now)
         self.in_step = False
         self._start_clock(now)  # the next step's time runs from here
-        self._loss = self._grad_norm = None
+        self._loss = self._grad_norm = self._loss_scale = None
         pending = self._pending
         if not pending and reading.ready():  # the host timer's case: nothing to queue
             self._emit(c, record, reading)
@@ -419,7 +430,7 @@ class StepWatcher:
             self._emit(c, record, reading)
 
     def _emit(self, c, record, reading) -> None:
-        step, ts, step_time, loss, grad_norm, tokens, lr = record
+        step, ts, step_time, loss, grad_norm, tokens, lr, loss_scale = record
         compute = reading.value()
         if c.settings.world_size == 1:  # nobody to wait for, as in the explicit API
             compute = step_time
@@ -431,8 +442,10 @@ class StepWatcher:
             grad_norm = grad_norm.get()
         if type(lr) is _Deferred:
             lr = lr.get()
+        if type(loss_scale) is _Deferred:
+            loss_scale = loss_scale.get()
         c.emit_step(step, step_time, compute, loss=loss, grad_norm=grad_norm, tokens=tokens,
-                    lr=lr, ts=ts)
+                    loss_scale=loss_scale, lr=lr, ts=ts)
 
     def flush(self) -> None:
         """Send what is pending, waiting for the device if need be (at close)."""
