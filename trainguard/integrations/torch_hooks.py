@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 _INSTALLED: "TorchHooks | None" = None
 _Tensor = None  # torch.Tensor, set by install
 _FUNCOL = "torch.distributed._functional_collectives"
+#: the loss scalers whose ``scale`` is hooked, where their module is imported
+_SCALERS = (("torch.amp.grad_scaler", "GradScaler"),
+            ("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler"))
 
 
 def installed() -> "TorchHooks | None":
@@ -93,6 +96,7 @@ class TorchHooks:
         self._grad_discovering = False
         self._backward_depth = 0
         self._funcol_patched = False
+        self._scalers: set = set()        # loss scaler classes hooked (_patch_scalers)
         self._writers = WriterPatches(self._set, self._checkpoint_phase)
 
     # ------------------------------------------------------------------ install
@@ -118,12 +122,7 @@ class TorchHooks:
         if hasattr(nn_utils, "clip_grads_with_norm_"):  # norm computed apart (accelerate)
             self._patch(nn_utils, "clip_grads_with_norm_", self._wrap_clip_with_norm)
         self._patch(loader_mod._BaseDataLoaderIter, "__next__", self._wrap_next)
-        try:
-            from torch.amp.grad_scaler import GradScaler
-
-            self._patch(GradScaler, "scale", self._wrap_scale)
-        except (ImportError, AttributeError):
-            pass
+        self._patch_scalers()
         self._patch(torch, "save", self._checkpoint_phase)
         self._writers.install()
         try:
@@ -183,6 +182,7 @@ class TorchHooks:
                 self._optimizers.add(optimizer)
                 _quiet(self._watch_gradients, optimizer)
                 _quiet(self._patch_functional_waits)
+                _quiet(self._patch_scalers)
                 _quiet(self._writers.patch_imported)  # one that was mid-import at install
         c = w.collector
         if w.in_step and c is not None and not c.explicit:
@@ -367,6 +367,16 @@ class TorchHooks:
                 _quiet(w.restore, previous)
         wait.__wrapped__ = original
         return wait
+
+    def _patch_scalers(self) -> None:
+        """``scale`` of ``torch.amp.GradScaler`` and of the subclasses that replace it
+        (FSDP's ``ShardedGradScaler``), once their module is imported (at install, else at
+        the first step of each new optimizer: the first step's loss is then the scaled one)."""
+        for module, name in _SCALERS:
+            cls = getattr(sys.modules.get(module), name, None)
+            if cls is not None and "scale" in vars(cls) and cls not in self._scalers:
+                self._scalers.add(cls)
+                self._patch(cls, "scale", self._wrap_scale)
 
     def _patch_functional_waits(self) -> None:
         """DTensor (tensor parallel, FSDP2's DTensor ops) waits for its collectives in
