@@ -334,6 +334,35 @@ def test_the_hf_callback_puts_the_trainers_checkpoint_save_in_that_phase(tmp_pat
     assert getattr(trainer.train, "_trainguard", False)
 
 
+def test_the_hf_callback_reports_the_loss_given_to_backward_not_the_scaled_one(watched,
+                                                                              monkeypatch,
+                                                                              tmp_path):
+    """DeepSpeed's fp16 loss scaler multiplies the loss inside accelerate's backward: the
+    step reports the loss backward was given (a random GPT-2 of 16 tokens: about ln 16)."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    torch, hooks, collector, sink = watched
+    from trainguard.integrations.hf import TrainguardCallback
+
+    def scaled_backward(self, loss, **kwargs):      # as DeepSpeed's engine.backward does
+        (loss * 1024.0).backward()
+    monkeypatch.setattr(accelerate.Accelerator, "backward", scaled_backward)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+    data = [{"input_ids": torch.randint(0, 16, (8,)), "labels": torch.randint(0, 16, (8,))}
+            for _ in range(8)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                          max_steps=3, per_device_train_batch_size=2,
+                                          save_strategy="no", logging_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[TrainguardCallback(resume=False)])
+    assert getattr(trainer.accelerator.backward, "_trainguard", False)
+    trainer.train()
+    losses = [r[5][0] for r in steps_of(sink)]
+    assert len(losses) == 3 and all(1.0 < loss < 5.0 for loss in losses), losses
+
+
 BOUND_AT_IMPORT = r'''
 import json, torch
 from trainguard.integrations.torch_hooks import TorchHooks

@@ -2,7 +2,7 @@
 
 One line gives every rank's steps (numbered by ``state.global_step``, so a resumed run goes on
 where its checkpoint was), phases (``data``, ``forward``, ``backward``, ``optimizer``,
-``checkpoint``, ``eval``), the loss backward was called on, the grad norm of the Trainer's
+``checkpoint``, ``eval``), the loss given to accelerate's backward, the grad norm of the Trainer's
 clipping (``max_grad_norm``), the learning rate and the tokens (``input_ids``). The job id is
 ``TRAINGUARD_JOB`` (``trainguard run``), else ``TRAINGUARD_JOB_ID``, else ``args.run_name``.
 
@@ -100,6 +100,10 @@ class TrainguardCallback(TrainerCallback):
                 loader = getattr(trainer, name, None)
                 if callable(loader) and not getattr(loader, "_trainguard", False):
                     setattr(trainer, name, self._loading(trainer, name, loader))
+        accelerator = getattr(trainer, "accelerator", None)
+        backward = getattr(accelerator, "backward", None)
+        if callable(backward) and not getattr(backward, "_trainguard", False):
+            accelerator.backward = given_loss(self.watch, backward)
         save = getattr(trainer, "_save_checkpoint", None)  # weights go through safetensors,
         if callable(save) and not getattr(save, "_trainguard", False):  # bound at its import
             trainer._save_checkpoint = in_phase(self.watch, "checkpoint", save)
@@ -213,6 +217,19 @@ def _learning_rate(kwargs):
         return float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
     except Exception:
         return None
+
+
+def given_loss(watch: CallbackWatch, original):
+    """``Accelerator.backward`` telling the watcher the loss it was given: the step's loss,
+    not the tensor backward is called on, which accelerate divides by the gradient
+    accumulation steps and scales for fp16 (a GradScaler, DeepSpeed's loss scaler: x 65536
+    at first, doubling every thousand steps or so, halved at each overflow)."""
+    @functools.wraps(original)
+    def backward(loss, *args, **kwargs):
+        watch.call("note_given_loss", loss)
+        return original(loss, *args, **kwargs)
+    backward._trainguard = True
+    return backward
 
 
 def _calling_trainer():

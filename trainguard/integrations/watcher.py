@@ -182,6 +182,7 @@ class StepWatcher:
         self._loss = self._grad_norm = self._lr = None
         self._loss_scale = None
         self._scaled = None      # (scaled loss, loss, scale) of a GradScaler (note_scaled)
+        self._given = None       # the loss a framework's backward was given (note_given_loss)
         self._tokens: int | None = None
         self._pending: deque = deque()
 
@@ -333,6 +334,9 @@ class StepWatcher:
         scaled, self._scaled = self._scaled, None
         if scaled is not None and loss is scaled[0]:    # a GradScaler's product
             loss, self._loss_scale = scaled[1], scaled[2]
+        given, self._given = self._given, None
+        if given is not None:
+            loss = given
         if loss is not None:
             self._loss = loss
         c._phase_state = ("backward", c.clock())
@@ -374,6 +378,11 @@ class StepWatcher:
         is ``loss`` and its loss scale ``scale`` (read now, as it was when used: the scaler
         updates it in place after the optimizer step)."""
         self._scaled = (scaled, loss, _host_value(scale))
+
+    def note_given_loss(self, loss) -> None:
+        """A framework's backward (accelerate's) was given ``loss``: the next backward's loss,
+        whatever that backward is called on."""
+        self._given = loss
 
     def note_loss(self, value) -> None:
         if self.in_step and value is not None:
