@@ -75,6 +75,7 @@ def test_bad_job_id_is_a_clear_value_error(job):
     ({"topology": {"tp": 0}}, "topology tp"),
     ({"topology": [2, 2]}, "topology must be a dict"),
     ({"heartbeat_interval": 0}, "heartbeat_interval"),
+    ({"heartbeat_interval": 30.0}, r"heartbeat_interval must be in \(0, 10\] seconds, got 30.0"),
 ])
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(CollectorError, match=match):
