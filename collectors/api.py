@@ -181,6 +181,8 @@ class StepContext:
         if c._ddp_timers or c._collectives != self._marked0 or c._single:
             compute = step_time - (c._blocked() - self._blocked0)
             compute = compute if compute > 0.0 else 0.0
+            if c._uncomputed and c._uncomputed < _SAY_UNCOMPUTED_AFTER:
+                c._uncomputed = 0         # steps in a row
         elif c._uncomputed < _SAY_UNCOMPUTED_AFTER:
             c._uncomputed += 1
             if c._uncomputed == _SAY_UNCOMPUTED_AFTER and c.settings.rank == 0:
@@ -270,13 +272,15 @@ class Collector:
         """Context manager around one training step; yields the object with ``report``."""
         context = StepContext(self, step)
         last = self.last_step
-        if last is not None and context.step < last and not self._said_back:
+        if last is not None and context.step < last and not self._said_back \
+                and self.settings.rank == 0:
             self._went_back(last, context.step)
         return context
 
     def _went_back(self, last: int, step: int) -> None:
-        """Said once per process: step numbers that start again from a lower one (a loop
-        over ``enumerate(loader)`` per epoch) leave most of the job's checks blind."""
+        """Said once, by rank 0 (its peers count alike): step numbers given to ``tg.step``
+        that start again from a lower one (a loop over ``enumerate(loader)`` per epoch) leave
+        most of the job's checks blind."""
         self._said_back = True
         s = self.settings
         log.warning("trainguard: rank %s of job %s: the step number went back from %d to %d "
@@ -324,9 +328,6 @@ class Collector:
             values = None
         else:
             values = (loss, grad_norm, tokens, loss_scale, lr, None)
-        last = self.last_step
-        if last is not None and step < last and not self._said_back:
-            self._went_back(last, step)
         self.last_step = step
         self.producer.produce((_STEP, self.clock() if ts is None else ts, step, step_time,
                                compute_time, values), self._key)

@@ -243,15 +243,17 @@ def test_report_every_reads_tensors_only_on_report_steps():
     assert [e.loss for e in events] == [1.0, None, None, 4.0, None, None, 7.0]
 
 
-def test_step_numbers_that_start_again_each_epoch_are_said_once(caplog):
-    c = collector()
-    for epoch in range(3):
-        for i in range(3):
-            with c.step(i):
-                pass
+def test_step_numbers_that_start_again_each_epoch_are_said_once_by_rank_0(caplog):
+    for rank in (1, 0):
+        c = Collector(CollectorSettings(job="j1", rank=rank, world_size=4, node="n1"), Sink(),
+                      handle_signals=False)
+        for epoch in range(3):
+            for i in range(3):
+                with c.step(i):
+                    pass
     said = [r.getMessage() for r in caplog.records if "went back" in r.getMessage()]
     assert len(said) == 1, caplog.text
-    assert said[0].startswith("trainguard: rank 1 of job j1: the step number went back from 2 "
+    assert said[0].startswith("trainguard: rank 0 of job j1: the step number went back from 2 "
                               "to 0 in the same process.")
     assert "(the global step)" in said[0]
     assert [e.step for e in decoded(c)] == [0, 1, 2] * 3      # sent as given
@@ -275,6 +277,12 @@ def test_a_job_without_compute_times_is_told_once_by_rank_0(caplog):
         with c.step(i):
             with c.phase("collective"):
                 pass
+    assert "without a compute time" not in caplog.text
+    for i in range(5, 12):                 # marked now and then: never 3 in a row without
+        with c.step(i):
+            if i % 2:
+                with c.phase("collective"):
+                    pass
     assert "without a compute time" not in caplog.text
 
 

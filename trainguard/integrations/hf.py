@@ -220,9 +220,9 @@ def _learning_rate(kwargs):
 
 
 def given_loss(watch: CallbackWatch, original):
-    """``Accelerator.backward`` telling the watcher the loss it was given: the step's loss,
-    not the tensor backward is called on, which accelerate divides by the gradient
-    accumulation steps and scales for fp16 (a GradScaler, DeepSpeed's loss scaler: x 65536
+    """``Accelerator.backward`` telling the watcher the loss it was given, summed over the
+    step's micro-batches (the Trainer gives each its share): the step's loss, not the tensor
+    backward is called on, which fp16 scales (a GradScaler, DeepSpeed's loss scaler: x 65536
     at first, doubling every thousand steps or so, halved at each overflow)."""
     @functools.wraps(original)
     def backward(loss, *args, **kwargs):

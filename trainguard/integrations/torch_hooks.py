@@ -147,6 +147,7 @@ class TorchHooks:
         for owner, name, original in reversed(self._patched):
             setattr(owner, name, original)
         self._patched.clear()
+        self._scalers.clear()
         for handle in (*self._handles, *self._discovery, *self._root_handles,
                        *self._grad_handles):
             _quiet(handle.remove)

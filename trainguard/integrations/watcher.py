@@ -182,7 +182,7 @@ class StepWatcher:
         self._loss = self._grad_norm = self._lr = None
         self._loss_scale = None
         self._scaled = None      # (scaled loss, loss, scale) of a GradScaler (note_scaled)
-        self._given = None       # the loss a framework's backward was given (note_given_loss)
+        self._given = None       # the losses a framework's backward was given this step, summed
         self._tokens: int | None = None
         self._pending: deque = deque()
 
@@ -334,9 +334,8 @@ class StepWatcher:
         scaled, self._scaled = self._scaled, None
         if scaled is not None and loss is scaled[0]:    # a GradScaler's product
             loss, self._loss_scale = scaled[1], scaled[2]
-        given, self._given = self._given, None
-        if given is not None:
-            loss = given
+        if self._given is not None:       # the step's loss so far (note_given_loss)
+            loss = self._given
         if loss is not None:
             self._loss = loss
         c._phase_state = ("backward", c.clock())
@@ -380,9 +379,13 @@ class StepWatcher:
         self._scaled = (scaled, loss, _host_value(scale))
 
     def note_given_loss(self, loss) -> None:
-        """A framework's backward (accelerate's) was given ``loss``: the next backward's loss,
-        whatever that backward is called on."""
-        self._given = loss
+        """A framework's backward (accelerate's) was given ``loss``, whatever the backward it
+        makes is called on. Summed over the step's backward calls: the Hugging Face Trainer
+        gives each micro-batch of a gradient accumulation its share of the step's loss."""
+        if type(loss) is not _Tensor or threading.get_ident() != self.thread_id:
+            return
+        loss = loss.detach()              # a device add, no read: the sum keeps no graph
+        self._given = loss if self._given is None else self._given + loss
 
     def note_loss(self, value) -> None:
         if self.in_step and value is not None:
@@ -418,6 +421,7 @@ class StepWatcher:
         self.in_step = False
         self._start_clock(now)  # the next step's time runs from here
         self._loss = self._grad_norm = self._loss_scale = None
+        self._scaled = self._given = None
         pending = self._pending
         if not pending and reading.ready():  # the host timer's case: nothing to queue
             self._emit(c, record, reading)
