@@ -261,7 +261,9 @@ class HangDetector(UsesView, Detector):
         if self._paused_since_progress and self._progress_ts is not None:
             self._paused_steps = (self._paused_steps + [step])[-4:]
         self._max_step = step
-        self._progress_ts = ts
+        if self._progress_ts is None or ts > self._progress_ts:
+            self._progress_ts = ts   # never back: a new step's first record may come from a
+                                     # machine whose clock was stepped back (not learned yet)
         self._moved_ts = None
         self._paused_since_progress = False
         self._hung = False
