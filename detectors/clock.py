@@ -20,8 +20,29 @@ as its offset (starts of one launch come within seconds), so a clock a minute ah
 move the job's "now" during start-up either; its steps then outvote it. A machine that stops
 (hung, dead) keeps its last offset. An offset beyond ``max_offset_s`` is not applied (the
 event-time filter refuses stamps further off anyway), so telemetry forged for made-up machines
-can shift a job's clock by ten minutes at most. Memory: per machine its samples (at most
-``max_nodes`` machines), per open step one stamp per machine.
+can shift a job's clock by ten minutes at most.
+
+A machine's clock stepped mid-job (an NTP step, a migrated VM) is applied at once, not after
+the steps that learning takes, since one record stamped half a minute ahead moves the job's
+"now" (its peers look silent), and one stamped behind makes that machine the reference of
+its steps. Each rank's RankStage says when the rank's stamps moved more than ``jump_s``
+since its last record (``jump`` in the item; not across a process's start):
+
+- back, and now more than ``jump_s`` behind the job's newest time: the step is applied to the
+  records of each rank of the machine that went back, from then on (a rank's records keep
+  their order; its RankStage moves a phase begun before with it);
+- forward, and now more than ``jump_s`` past the job's newest time: it is applied to every
+  stamp of the machine past its newest before the step, unless machines that are at least
+  half of those heard lately lead as far (the whole job was quiet: it goes on, and its time
+  with it).
+
+A step stands until a settled step's sample from a moved stamp confirms it (its offset is
+learned from there on) or ``STEP_MISSES`` samples contradict it; a step's reference is taken
+on the job's clock as it stands, so a machine just stepped is not taken for it. A machine's
+GPU sample more than ``jump_s`` past the job's newest time (its ranks have not told of the
+step yet) is given as that far past and moves nothing; its NodeStage's findings are
+restamped like its records. Memory: per machine its samples, its ranks' newest stamp and a
+step not learned yet (at most ``max_nodes`` machines), per open step one stamp per machine.
 
 >>> c = JobClock()
 >>> for s in range(6):
@@ -34,9 +55,31 @@ can shift a job's clock by ten minutes at most. Memory: per machine its samples 
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from .base import median
 
-__all__ = ["JobClock"]
+__all__ = ["JobClock", "JUMP_S"]
+
+#: a rank's stamps that move more than this between two of its records, or a machine's
+#: stamps this far off the job's newest time, are a step of its clock (or the whole job quiet)
+JUMP_S = 5.0
+#: machines heard within this of the job's newest time count for :meth:`JobClock._confirmed`
+LATELY_S = 30.0
+#: step-learned samples that contradict a step of a machine's clock before it is let go
+STEP_MISSES = 3
+
+
+@dataclass
+class _Step:
+    """A step of one machine's clock, applied at once, until its offset is learned."""
+    before: float          # the machine's newest stamp before the step
+    delta: float           # how far its clock moved (forward > 0)
+    base: float            # its offset learned before the step
+    crossed: set           # back: the ranks that went back (each rank's records keep order)
+    level: float = -math.inf    # forward: its first time without the step (_confirmed)
+    misses: int = 0        # step-learned samples that did not confirm it
 
 
 class JobClock:
@@ -44,7 +87,7 @@ class JobClock:
 
     def __init__(self, settle: int = 2, samples: int = 9, min_offset_s: float = 1.0,
                  start_min_s: float = 10.0, max_offset_s: float = 600.0, max_steps: int = 16,
-                 max_nodes: int = 100_000):
+                 max_nodes: int = 100_000, jump_s: float = JUMP_S):
         self.settle = settle
         self.samples = samples
         self.min_offset_s = min_offset_s
@@ -52,6 +95,7 @@ class JobClock:
         self.max_offset_s = max_offset_s
         self.max_steps = max_steps
         self.max_nodes = max_nodes
+        self.jump_s = jump_s
         self._starts: dict = {}        # node -> its first start of this launch
         self._stamps: dict = {}        # step -> {node: first stamp}
         self._diffs: dict = {}         # node -> its last differences from the references
@@ -59,15 +103,19 @@ class JobClock:
         self._top = None               # the highest step seen
         self._refs: dict = {}          # settled step -> [its reference, machines counted]
         self._runs: dict = {}          # node -> its ranks' latest start (its own clock)
+        self._now = None               # the job's newest time given out
+        self._high: dict = {}          # node -> [its ranks' newest stamp, on the job's clock]
+        self._steps: dict = {}         # node -> _Step of its clock, applied, not learned yet
 
     def offset(self, node) -> float:
         diffs = self._diffs.get(node)
         return median(diffs) if diffs else 0.0
 
     def time(self, node, ts: float) -> float:
-        """``ts`` of machine ``node`` on the job's clock."""
-        offset = self._offsets.get(node)
-        return ts - offset if offset else ts
+        """``ts`` of machine ``node`` (its GPU sample, say) on the job's clock, at most
+        ``jump_s`` past the job's newest time: a machine's sample may come before its ranks'
+        records tell that its clock stepped forward."""
+        return self._given(self._shifted(node, ts, None))
 
     def correct(self, item: dict) -> dict:
         """``item`` restamped by its machine's offset (in place), after learning from it."""
@@ -75,29 +123,167 @@ class JobClock:
         if node is None:
             return item
         k = item.get("k")
-        if k == "step":
-            self._starts.clear()
-            self._learn(node, item.get("step"), item.get("ts"))
-        elif k == "life" and item.get("event") == "start":
-            self._refs.clear()           # a new run: its steps are not the last run's
-            self._run_start(node, item.get("ts"))
-            self._learn_start(node, item.get("ts"))
+        if k == "finding":
+            return self._found(node, item)
+        ts = item.get("ts")
+        rank = item.get("rank")
+        if type(ts) is not float and type(ts) is not int:
+            self._learn_from(k, item, node, rank, ts)
+            return item
+        jump = item.get("jump")
+        if jump is not None:
+            if type(jump) in (int, float) and abs(jump) > self.jump_s:
+                self._jumped(node, rank, ts, jump)
+            else:
+                jump = None
         offset = self._offsets.get(node)
-        if offset is not None:
-            ts = item.get("ts")
-            if type(ts) in (int, float):
-                item["ts"] = ts - offset
+        t = ts - offset if offset else ts
+        if self._steps and node in self._steps:
+            t = self._shifted(node, ts, rank)
+        now = self._now
+        high = self._high.get(node)
+        if now is not None and t > now + self.jump_s:
+            if jump is not None:
+                t = self._lead(node, t, high)
+            elif k == "gpu" and self._high:
+                # a machine's sample before its ranks tell that its clock stepped
+                item["ts"] = now + self.jump_s
+                return item
+        if k == "step" or k == "life":
+            self._learn_from(k, item, node, rank, ts)
+        if rank is None:
+            pass                         # a machine's own: _high tells of its ranks
+        elif high is None:
+            if len(self._high) < self.max_nodes:
+                self._high[node] = [ts, t]
+        elif ts > high[0]:
+            high[0] = ts
+            high[1] = t
+        if now is None or t > now:
+            self._now = t
+        if t != ts:
+            item["ts"] = t
             since = item.get("phase_since")
             if type(since) in (int, float):
-                item["phase_since"] = since - offset
+                item["phase_since"] = self._shifted(node, since, rank)
         return item
+
+    def _learn_from(self, k, item: dict, node, rank, ts) -> None:
+        if k == "step":
+            self._starts.clear()
+            self._learn(node, rank, item.get("step"), ts)
+        elif k == "life" and item.get("event") == "start":
+            self._refs.clear()           # a new run: its steps are not the last run's
+            self._run_start(node, ts)
+            self._learn_start(node, ts)
+
+    def _found(self, node, item: dict) -> dict:
+        """A machine's finding (its NodeStage's) with its times on the job's clock."""
+        for where, key in ((item, "ts"), (item.get("finding"), "onset_ts"),
+                           (item.get("finding"), "detected_ts")):
+            if type(where) is dict and type(where.get(key)) in (int, float):
+                where[key] = self._shifted(node, where[key], None)
+        return item
+
+    def _shifted(self, node, ts: float, rank) -> float:
+        """``ts`` less the machine's offset and, after a step of its clock not learned yet,
+        that step: forward, to every stamp past the machine's newest before it (a rank's
+        record of before the step, read after another's of after it, is not moved); back, to
+        the stamps of the ranks that went back (``rank``; without one, such as a machine's
+        GPU sample, to stamps well before its newest)."""
+        offset = self._offsets.get(node)
+        t = ts - offset if offset else ts
+        step = self._steps.get(node)
+        if step is None:
+            return t
+        if step.delta > 0.0:
+            after = ts > step.before + self.jump_s / 2
+        elif rank is not None:
+            after = rank in step.crossed
+        else:
+            after = ts < step.before - self.jump_s / 2
+        return t - step.delta if after else t
+
+    def _given(self, t: float) -> float:
+        """``t``, and the job's newest time moved on to it; a ``t`` more than ``jump_s``
+        past that is given as that far past, and moves nothing."""
+        now = self._now
+        if now is None or t > now:
+            if now is not None and t > now + self.jump_s and self._high:
+                return now + self.jump_s
+            self._now = t
+        return t
+
+    def _jumped(self, node, rank, ts: float, jump: float) -> None:
+        """A rank of ``node`` whose stamps went back by ``-jump`` since its last record (its
+        RankStage says so: ``jump`` in the item): a step of the machine's clock back when its
+        time, on the job's clock, is now more than ``jump_s`` behind the job's newest time.
+        (A step forward is found by its lead, :meth:`_lead`.)"""
+        step = self._steps.get(node)
+        if step is not None:
+            if (step.delta > 0.0) == (jump > 0.0):
+                if jump < 0.0:
+                    step.crossed.add(rank)
+            elif abs(jump + step.delta) <= self.jump_s:
+                del self._steps[node]          # set right again before it was learned
+            return
+        now = self._now
+        if now is None or jump > 0.0:
+            return
+        lag = self._shifted(node, ts, rank) - now
+        if -self.max_offset_s < lag < -self.jump_s:
+            self._steps[node] = _Step(before=self._newest(node, ts - jump), delta=lag,
+                                      base=self._offsets.get(node, 0.0), crossed={rank})
+
+    def _lead(self, node, t: float, high) -> float:
+        """``t`` of a record of ``node`` more than ``jump_s`` past the job's newest time, its
+        rank's stamps having jumped forward: its clock stepped forward, unless other machines
+        lead as far (:meth:`_confirmed`)."""
+        if self._steps.get(node) is not None:
+            return t
+        if self._confirmed(node, t):
+            self._now = t
+            return t
+        lead = t - self._now
+        if lead >= self.max_offset_s:
+            return t
+        self._steps[node] = _Step(before=high[0] if high is not None else -math.inf,
+                                  delta=lead, base=self._offsets.get(node, 0.0),
+                                  crossed=set(), level=t)
+        return t - lead
+
+    def _moved(self, node, ts: float, rank, t: float | None = None) -> bool:
+        """Whether ``ts`` (on the job's clock: ``t``) was moved by a step of its clock."""
+        if t is None:
+            t = self._shifted(node, ts, rank)
+        return abs(ts - self._offsets.get(node, 0.0) - t) > self.jump_s / 2
+
+    def _newest(self, node, before: float) -> float:
+        high = self._high.get(node)
+        return high[0] if high is not None and high[0] > before else before
+
+    def _confirmed(self, node, t: float) -> bool:
+        """Whether enough other machines lead as far as ``node`` at ``t`` (the whole job was
+        quiet, and goes on): at least one, and half the machines heard lately, whose first
+        record past the job's newest time was within ``jump_s`` of ``t``. Their steps held
+        are then let go."""
+        steps, near = self._steps, self.jump_s
+        peers = [n for n, step in steps.items()
+                 if step.delta > 0.0 and n != node and abs(step.level - t) <= near]
+        lately = self._now - LATELY_S
+        heard = sum(1 for n, high in self._high.items() if high[1] >= lately or n == node)
+        if len(peers) + 1 < max(2, (heard + 1) // 2):
+            return False
+        for n in peers:
+            del steps[n]
+        return True
 
     def _run_start(self, node, ts) -> None:
         if type(ts) in (int, float) and ts > self._runs.get(node, ts - 1):
             if node in self._runs or len(self._runs) < self.max_nodes:
                 self._runs[node] = ts
 
-    def _learn(self, node, step, ts) -> None:
+    def _learn(self, node, rank, step, ts) -> None:
         if type(step) is not int or type(ts) not in (int, float):
             return
         if ts < self._runs.get(node, ts):
@@ -112,14 +298,16 @@ class JobClock:
         if settled is not None:          # a machine read late (its partition lags)
             if node not in settled[1]:
                 settled[1].add(node)
-                self._add(node, ts - settled[0])
+                self._add(node, ts - settled[0], self._moved(node, ts, rank))
             return
         stamps = self._stamps.get(step)
         if stamps is None:
             stamps = self._stamps[step] = {}
-        if stamps.get(node, ts) < self._runs.get(node, ts):
+        first = stamps.get(node)
+        if first is not None and first[0] < self._runs.get(node, ts):
             del stamps[node]             # the run before the node's restart: this one counts
-        stamps.setdefault(node, ts)
+        if node not in stamps:           # its stamp, and that on the job's clock
+            stamps[node] = (ts, self._shifted(node, ts, rank))
         if top is None or step > top:
             self._top = step
             self._settle(step - self.settle)
@@ -134,7 +322,21 @@ class JobClock:
         if abs(diff) >= self.start_min_s:
             self._add(node, diff)
 
-    def _add(self, node, diff) -> None:
+    def _add(self, node, diff, moved: bool = True) -> None:
+        """One sample of ``node``'s offset; ``moved``: from a stamp that a step of its clock,
+        not learned yet, moved (one from before the step is no word on it)."""
+        step = self._steps.get(node)
+        if step is not None:             # a step of its clock applied: does this confirm it?
+            if not moved:
+                return
+            if abs(diff - (step.base + step.delta)) <= 2 * self.jump_s:
+                del self._steps[node]
+                self._diffs.pop(node, None)      # learned from here on
+            else:
+                step.misses += 1
+                if step.misses < STEP_MISSES:
+                    return
+                del self._steps[node]
         diffs = self._diffs.get(node)
         if diffs is None:
             if len(self._diffs) >= self.max_nodes:
@@ -152,14 +354,17 @@ class JobClock:
     def _settle(self, upto: int) -> None:
         for step in sorted(s for s in self._stamps if s <= upto):
             runs = self._runs
-            stamps = {node: ts for node, ts in self._stamps.pop(step).items()
-                      if ts >= runs.get(node, ts)}   # not the run before a node's restart
+            stamps = {node: pair for node, pair in self._stamps.pop(step).items()
+                      if pair[0] >= runs.get(node, pair[0])}   # not the run before a restart
             if len(stamps) < 2:
                 continue
-            reference = _lower_median(list(stamps.values()))
+            # the job's clock as it stands, of the machines whose clock did not just step
+            # (that step is known within the seconds between two of its records)
+            steady = [t for node, (_, t) in stamps.items() if node not in self._steps]
+            reference = _lower_median(steady or [t for _, t in stamps.values()])
             self._refs[step] = [reference, set(stamps)]
-            for node, ts in stamps.items():
-                self._add(node, ts - reference)
+            for node, (ts, t) in stamps.items():
+                self._add(node, ts - reference, self._moved(node, ts, None, t))
         refs = self._refs
         if len(refs) > self.max_steps:
             for step in sorted(refs)[:len(refs) - self.max_steps]:

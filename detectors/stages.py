@@ -30,7 +30,7 @@ from dataclasses import asdict
 from trainguard import events as ev
 
 from .base import INPUTS, Detector, Finding, json_number, to_anomaly
-from .clock import JobClock
+from .clock import JUMP_S, JobClock
 from .config import DETECTORS, DetectorsConfig
 from .correlate import Correlator
 from .gpu import Placement
@@ -88,7 +88,10 @@ class RankStage:
     ``eval``, ``init`` or user-declared phase (they pause the hang clock), else once every
     ``config.heartbeat_summary_s``: enough for liveness and for naming a hang's odd ranks,
     while step progress travels in the step summaries. A lifecycle summary carries the rank's
-    last step.
+    last step. A step or heartbeat summary after the rank's stamps moved more than
+    ``JUMP_S`` since its last event carries ``jump``, how far (a step of its machine's clock,
+    which :class:`JobClock` applies at once; a heartbeat is forwarded then, and one of a
+    phase begun before a step back keeps the phase's age).
 
     >>> from trainguard import events as ev
     >>> rs = RankStage()
@@ -111,9 +114,30 @@ class RankStage:
         self._last_step = None
         self._hb_key = 0
         self._hb_ts = None
+        self._ts = None           # the stamp of its last event
+        self._since = None        # the phase_since of its last heartbeat
+        self._moved = None        # [that phase's since, how far its clock went back since]
+
+    def _jumped(self, gap: float) -> float:
+        """``gap``, how far the rank's stamps moved since its last event, more than
+        ``JUMP_S`` (the job side's :class:`JobClock` tells a step of a machine's clock by
+        it); a heartbeat's ``phase_since`` of a phase begun before a step back is moved with
+        it."""
+        if gap < 0.0 and self._since is not None:
+            moved = self._moved
+            self._moved = [self._since, gap + (moved[1] if moved and moved[0] == self._since
+                                               else 0.0)]
+        return gap
 
     def update(self, event) -> list[dict]:
         kind = event.TYPE
+        ts, last = event.ts, self._ts
+        self._ts = ts
+        jump = None
+        if last is not None and kind != "lifecycle":   # a process starts or ends: no step
+            gap = ts - last
+            if gap > JUMP_S or gap < -JUMP_S:
+                jump = self._jumped(gap)
         if kind == "step":
             self._last_step = event.step
             loss, grad_norm, loss_scale = event.loss, event.grad_norm, event.loss_scale
@@ -125,27 +149,41 @@ class RankStage:
                 grad_norm = json_number(grad_norm)
             if loss_scale is not None and loss_scale - loss_scale != 0:
                 loss_scale = json_number(loss_scale)
-            return [{"k": "step", "job": event.job, "rank": event.rank, "node": event.node,
-                     "ts": event.ts, "step": event.step, "step_time": event.step_time,
-                     "compute_time": event.compute_time, "loss": loss,
-                     "grad_norm": grad_norm, "loss_scale": loss_scale, "tokens": event.tokens,
-                     "samples": extra.get("samples") if extra else None}]
+            out = {"k": "step", "job": event.job, "rank": event.rank, "node": event.node,
+                   "ts": event.ts, "step": event.step, "step_time": event.step_time,
+                   "compute_time": event.compute_time, "loss": loss,
+                   "grad_norm": grad_norm, "loss_scale": loss_scale, "tokens": event.tokens,
+                   "samples": extra.get("samples") if extra else None}
+            if jump is not None:
+                out["jump"] = jump
+            return [out]
         if kind == "heartbeat":
-            phase = event.phase
+            phase, since = event.phase, event.phase_since
+            self._since = since
+            moved = self._moved
+            if moved is not None:
+                if since == moved[0] and since is not None:
+                    since = since + moved[1]
+                else:
+                    self._moved = None
             allowed = type(phase) is str and phase not in STEP_PHASES   # is_allowed_phase
-            key = (phase, event.phase_since) if allowed else None
-            if key == self._hb_key and event.ts - self._hb_ts < self._every:
+            key = (phase, since) if allowed else None
+            if jump is None and key == self._hb_key and \
+                    0.0 <= event.ts - self._hb_ts < self._every:
                 return []
             self._hb_key = key
             self._hb_ts = event.ts
-            return [{"k": "hb", "job": event.job, "rank": event.rank, "node": event.node,
-                     "ts": event.ts, "step": event.step, "phase": event.phase,
-                     "phase_since": event.phase_since, "pid": event.pid,
-                     "dropped": event.dropped}]
+            out = {"k": "hb", "job": event.job, "rank": event.rank, "node": event.node,
+                   "ts": event.ts, "step": event.step, "phase": phase,
+                   "phase_since": since, "pid": event.pid, "dropped": event.dropped}
+            if jump is not None:
+                out["jump"] = jump
+            return [out]
         if kind == "lifecycle":
             if event.event == "start":
                 self._last_step = None
                 self._hb_key = 0
+                self._moved = None
             return [{"k": "life", "job": event.job, "rank": event.rank, "node": event.node,
                      "ts": event.ts, "event": event.event, "exit_code": event.exit_code,
                      "signal": event.signal, "pid": event.pid, "world_size": event.world_size,
@@ -269,7 +307,7 @@ class JobStage:
         restamps what it holds to order it, :meth:`JobClock.correct`)."""
         if type(item) is dict:
             k = item.get("k")
-            if k != "finding" and not clocked:
+            if not clocked:
                 self.clock.correct(item)        # one job clock, whatever a machine's says
             if k == "step":                     # the commonest item first
                 if self.job is None:

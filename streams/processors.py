@@ -342,7 +342,7 @@ class JobProcessor(_SlotsProcessor):
             # the item's time on the job's clock (the stage restamps a machine whose clock
             # is off), so no machine's clock moves the job's "now"
             if type(item) is dict:
-                if clock is not None and item.get("k") != "finding":
+                if clock is not None:
                     clock.correct(item)       # learns, and restamps it in place
                 ts = item.get("ts")
                 rank = item.get("rank")

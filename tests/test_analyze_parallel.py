@@ -75,6 +75,22 @@ def test_a_clock_a_minute_off_is_split_and_gives_the_same(tmp_path):
     assert split_is_used(path)
 
 
+@pytest.mark.parametrize("by", [30.0, -30.0])
+def test_a_clock_stepped_mid_job_is_split_and_gives_the_same(by, tmp_path):
+    """A machine's clock stepped halfway, a slow rank on it after the step: the rank side's
+    word of the step (``jump``) reaches the job side alike, split or not."""
+    from test_clock_skew import stepped
+
+    sc = Scenario(name="stepped", dp=8, per_node=2, step_time=0.5, steps=200,
+                  checkpoint_every=0, seed=7,
+                  faults=(Fault(kind="straggler", step=130, ranks=(0,), factor=2.0),))
+    events, _ = generate(sc)
+    path = write(tmp_path / "stepped.jsonl", stepped(events, "n1", by))
+    result = same(path)
+    assert [(i["kind"], i["ranks"]) for i in result["incidents"]] == [("straggler", [0])]
+    assert split_is_used(path)
+
+
 def test_two_jobs_in_one_recording(tmp_path):
     """Jobs share the recording's "now": their events interleave in the file's order."""
     one, _ = generate(BY_NAME["hang-0.5s"])
