@@ -69,6 +69,8 @@ JUMP_S = 5.0
 LATELY_S = 30.0
 #: step-learned samples that contradict a step of a machine's clock before it is let go
 STEP_MISSES = 3
+#: ranks of one machine counted as gone back (a machine runs a few; forged ranks are more)
+MAX_CROSSED = 1024
 
 
 @dataclass
@@ -79,6 +81,7 @@ class _Step:
     base: float            # its offset learned before the step
     crossed: set           # back: the ranks that went back (each rank's records keep order)
     level: float = -math.inf    # forward: its first time without the step (_confirmed)
+    reach: float = -math.inf    # back: the newest stamp of a rank that went back
     misses: int = 0        # step-learned samples that did not confirm it
 
 
@@ -106,6 +109,7 @@ class JobClock:
         self._now = None               # the job's newest time given out
         self._high: dict = {}          # node -> [its ranks' newest stamp, on the job's clock]
         self._steps: dict = {}         # node -> _Step of its clock, applied, not learned yet
+        self._quiet: dict = {}         # node -> [its ranks' newest stamp, GPU samples ahead]
 
     def offset(self, node) -> float:
         diffs = self._diffs.get(node)
@@ -132,7 +136,8 @@ class JobClock:
             return item
         jump = item.get("jump")
         if jump is not None:
-            if type(jump) in (int, float) and abs(jump) > self.jump_s:
+            if type(jump) in (int, float) and self.jump_s < abs(jump) < self.max_offset_s \
+                    and type(rank) is int:
                 self._jumped(node, rank, ts, jump)
             else:
                 jump = None
@@ -145,9 +150,13 @@ class JobClock:
         if now is not None and t > now + self.jump_s:
             if jump is not None:
                 t = self._lead(node, t, high)
-            elif k == "gpu" and self._high:
-                # a machine's sample before its ranks tell that its clock stepped
+            elif (k == "step" or k == "gpu") and self._high and self._ahead(node, k, high):
+                # a step's record or a machine's sample before its ranks' heartbeats tell
+                # that its clock stepped: as far ahead as the job allows, moving nothing
                 item["ts"] = now + self.jump_s
+                if k == "step":
+                    self._quiet.pop(node, None)     # its ranks are heard
+                    self._learn_from(k, item, node, rank, ts)
                 return item
         if k == "step" or k == "life":
             self._learn_from(k, item, node, rank, ts)
@@ -200,19 +209,35 @@ class JobClock:
             after = ts > step.before + self.jump_s / 2
         elif rank is not None:
             after = rank in step.crossed
-        else:
-            after = ts < step.before - self.jump_s / 2
+            if after and ts > step.reach:
+                step.reach = ts
+        else:                  # a GPU sample: well before its newest, or its ranks' time now
+            after = ts < step.before - self.jump_s / 2 or ts <= step.reach or \
+                step.reach >= step.before
         return t - step.delta if after else t
 
     def _given(self, t: float) -> float:
-        """``t``, and the job's newest time moved on to it; a ``t`` more than ``jump_s``
-        past that is given as that far past, and moves nothing."""
+        """``t``, at most ``jump_s`` past the job's newest time (moving nothing: only the
+        items :meth:`correct` learns from do, alike in ``analyze`` and the worker)."""
         now = self._now
-        if now is None or t > now:
-            if now is not None and t > now + self.jump_s and self._high:
-                return now + self.jump_s
-            self._now = t
+        if now is not None and t > now + self.jump_s and self._high:
+            return now + self.jump_s
         return t
+
+    def _ahead(self, node, k, high) -> bool:
+        """Whether a step's record or a GPU sample of ``node`` that leads the job is held
+        back: not the second GPU sample in a row with no record of its ranks between (its
+        ranks are quiet, the job's time goes on with its samples)."""
+        if k != "gpu":
+            return True
+        mark = high[0] if high is not None else None
+        quiet = self._quiet.get(node)
+        if quiet is None or quiet[0] != mark:
+            if node in self._quiet or len(self._quiet) < self.max_nodes:
+                self._quiet[node] = [mark, 1]
+            return True
+        quiet[1] += 1
+        return False
 
     def _jumped(self, node, rank, ts: float, jump: float) -> None:
         """A rank of ``node`` whose stamps went back by ``-jump`` since its last record (its
@@ -222,9 +247,10 @@ class JobClock:
         step = self._steps.get(node)
         if step is not None:
             if (step.delta > 0.0) == (jump > 0.0):
-                if jump < 0.0:
+                if jump < 0.0 and len(step.crossed) < MAX_CROSSED:
                     step.crossed.add(rank)
-            elif abs(jump + step.delta) <= self.jump_s:
+            elif abs(jump + step.delta) <= 2 * self.jump_s and self._now is not None and \
+                    abs(self._shifted(node, ts, rank) - self._now) > self.jump_s:
                 del self._steps[node]          # set right again before it was learned
             return
         now = self._now
@@ -244,7 +270,7 @@ class JobClock:
         if self._confirmed(node, t):
             self._now = t
             return t
-        lead = t - self._now
+        lead = t - self._now - self.jump_s      # held as far ahead as the job allows
         if lead >= self.max_offset_s:
             return t
         self._steps[node] = _Step(before=high[0] if high is not None else -math.inf,
@@ -276,7 +302,16 @@ class JobClock:
             return False
         for n in peers:
             del steps[n]
+            self._unmoved(n)
         return True
+
+    def _unmoved(self, node) -> None:
+        """The stamps kept of ``node``'s open steps, once its step is let go: unmoved."""
+        offset = self._offsets.get(node, 0.0)
+        for stamps in self._stamps.values():
+            pair = stamps.get(node)
+            if pair is not None:
+                stamps[node] = (pair[0], pair[0] - offset)
 
     def _run_start(self, node, ts) -> None:
         if type(ts) in (int, float) and ts > self._runs.get(node, ts - 1):

@@ -88,10 +88,13 @@ class RankStage:
     ``eval``, ``init`` or user-declared phase (they pause the hang clock), else once every
     ``config.heartbeat_summary_s``: enough for liveness and for naming a hang's odd ranks,
     while step progress travels in the step summaries. A lifecycle summary carries the rank's
-    last step. A step or heartbeat summary after the rank's stamps moved more than
-    ``JUMP_S`` since its last event carries ``jump``, how far (a step of its machine's clock,
-    which :class:`JobClock` applies at once; a heartbeat is forwarded then, and one of a
-    phase begun before a step back keeps the phase's age).
+    last step. A heartbeat stamped more than ``JUMP_S`` before the rank's last one, or
+    that much more after it than the one before, is forwarded with ``jump``, how far (a step
+    of its machine's clock, which :class:`JobClock` applies at once; one of a phase begun
+    before a step back keeps the phase's age); so is a step's record against the rank's last
+    step. The two are measured apart: heartbeats are stamped as they are sent, by one
+    thread, a step's record at the step's end, and it may be sent a step later, once its
+    GPU timing is ready. Both are measured from a process's start or end.
 
     >>> from trainguard import events as ev
     >>> rs = RankStage()
@@ -114,15 +117,16 @@ class RankStage:
         self._last_step = None
         self._hb_key = 0
         self._hb_ts = None
-        self._ts = None           # the stamp of its last event
+        self._ts = None           # the stamp of its last heartbeat
+        self._gap = math.inf      # the time between its last two heartbeats
+        self._step_ts = None      # the same of its step records
+        self._step_gap = math.inf
         self._since = None        # the phase_since of its last heartbeat
         self._moved = None        # [that phase's since, how far its clock went back since]
 
     def _jumped(self, gap: float) -> float:
-        """``gap``, how far the rank's stamps moved since its last event, more than
-        ``JUMP_S`` (the job side's :class:`JobClock` tells a step of a machine's clock by
-        it); a heartbeat's ``phase_since`` of a phase begun before a step back is moved with
-        it."""
+        """``gap``, how far the rank's heartbeats' stamps moved (see the class); a
+        heartbeat's ``phase_since`` of a phase begun before a step back is moved with it."""
         if gap < 0.0 and self._since is not None:
             moved = self._moved
             self._moved = [self._since, gap + (moved[1] if moved and moved[0] == self._since
@@ -131,13 +135,31 @@ class RankStage:
 
     def update(self, event) -> list[dict]:
         kind = event.TYPE
-        ts, last = event.ts, self._ts
-        self._ts = ts
         jump = None
-        if last is not None and kind != "lifecycle":   # a process starts or ends: no step
-            gap = ts - last
-            if gap > JUMP_S or gap < -JUMP_S:
-                jump = self._jumped(gap)
+        if kind == "heartbeat":
+            # stamped as sent, by one thread (a step's record may wait for its GPU timing)
+            ts, last = event.ts, self._ts
+            self._ts = ts
+            if last is not None:
+                gap = ts - last
+                # forward: more than its last gap (heartbeats 10 s apart in an eval are none)
+                if gap > JUMP_S + self._gap or gap < -JUMP_S:
+                    jump = self._jumped(gap)
+                self._gap = gap if gap > 0.0 else 0.0
+        elif kind == "step":           # stamped at its end, in order (maybe sent later)
+            ts, last, beat = event.ts, self._step_ts, self._ts
+            self._step_ts = ts
+            # before its last heartbeat by more than the step it may have waited
+            if beat is not None and ts < beat - JUMP_S - (event.step_time or 0.0):
+                jump = self._jumped(ts - beat)
+            if last is not None:
+                gap = ts - last
+                if jump is None and (gap > JUMP_S + self._step_gap or gap < -JUMP_S):
+                    jump = self._jumped(gap)
+                self._step_gap = gap if gap > 0.0 else 0.0
+        elif kind == "lifecycle":      # a process starts or ends: measured from here
+            self._ts, self._gap = event.ts, 0.0
+            self._step_ts, self._step_gap = event.ts, math.inf
         if kind == "step":
             self._last_step = event.step
             loss, grad_norm, loss_scale = event.loss, event.grad_norm, event.loss_scale

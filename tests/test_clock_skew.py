@@ -181,7 +181,7 @@ def test_a_whole_job_quiet_then_on_moves_the_jobs_time_with_its_machines():
     for t in range(10):
         for n in range(4):
             hb(f"n{n}", n, 100.0 + t)
-    assert hb("n0", 0, 150.0, jump=41.0) == 109.0          # held: one machine's lead
+    assert hb("n0", 0, 150.0, jump=41.0) == 114.0          # held: one machine's lead
     assert hb("n1", 1, 150.2, jump=41.2) == 150.2          # a peer as far: it goes on
     assert hb("n0", 0, 151.0) == 151.0 and clock.time("n2", 150.5) == 150.5
 
@@ -196,8 +196,21 @@ def test_a_machines_gpu_sample_before_its_ranks_tell_of_its_step_moves_nothing()
     assert clock.time("n1", 140.0) == 114.0                 # at most jump_s past the job
     assert clock.correct({"k": "gpu", "node": "n1", "ts": 140.5})["ts"] == 114.0
     assert clock.correct({"k": "hb", "node": "n1", "rank": 1, "ts": 141.0,
-                          "jump": 32.0})["ts"] == 109.0
-    assert clock.time("n1", 142.0) == 110.0                 # now on the job's clock
+                          "jump": 32.0})["ts"] == 114.0     # held as far as the job allows
+    assert clock.time("n1", 142.0) == 115.0                 # on the job's clock from here
+
+
+def test_gpu_samples_of_a_job_whose_ranks_all_froze_move_its_time_on():
+    """Every rank frozen (no exit), the machines' agents sampling every 10 s: from the
+    second sample in a row with no record of its ranks, a machine's samples move the job's
+    time on (a hang is found), as they did before."""
+    from trainguard.detectors.clock import JobClock
+
+    clock = JobClock()
+    for t in range(10):
+        clock.correct({"k": "hb", "node": "n0", "rank": 0, "ts": 100.0 + t})
+    gpu = lambda ts: clock.correct({"k": "gpu", "node": "n0", "ts": ts})["ts"]
+    assert [gpu(119.0), gpu(129.0), gpu(139.0)] == [114.0, 129.0, 139.0]
 
 
 def test_a_rank_stage_says_when_its_stamps_jump_and_keeps_a_phases_age():
@@ -217,3 +230,65 @@ def test_a_rank_stage_says_when_its_stamps_jump_and_keeps_a_phases_age():
     assert rs.update(hb.replace(ts=72.0)) == []                   # thinned as before
     assert rs.update(hb.replace(ts=73.0, phase="forward", phase_since=72.5))[0][
         "phase_since"] == 72.5                                    # a phase begun after it
+
+
+def test_heartbeats_far_apart_are_no_step_but_a_step_on_top_is():
+    from trainguard import events as ev
+    from trainguard.detectors import RankStage
+
+    rs = RankStage()
+    hb = ev.Heartbeat(job="j", ts=100.0, node="n1", rank=0, pid=1, step=4,
+                      phase="eval", phase_since=99.0)
+    jumps = [[s.get("jump") for s in rs.update(hb.replace(ts=t))]
+             for t in (100.0, 110.0, 120.0, 160.0, 170.0)]
+    assert jumps == [[None], [None], [None], [40.0], [None]]
+
+
+def _job(steps: int, step_s: float, gpu_every: float, gpu_after: float = 0.0,
+         step_late: bool = False) -> list:
+    """Two machines of two ranks: heartbeats every second, a step's record at its end (or,
+    ``step_late``, sent at the next step's end, as `trainguard run` does while the GPU timing
+    is not ready), GPU samples every ``gpu_every`` s, ``gpu_after`` s of them after the ranks
+    stop sending (frozen: no exit), in the order they arrive."""
+    from trainguard import events as ev
+
+    t0, ranks, out = 1_764_680_000.0, [(f"n{r // 2}", r) for r in range(4)], []
+    for node, rank in ranks:
+        out.append((t0, ev.Lifecycle(job="j", ts=t0, node=node, rank=rank, event="start",
+                                     pid=100 + rank, world_size=4, local_rank=rank % 2)))
+        for s in range(1, steps + 1):
+            ts = t0 + s * step_s + 0.01 * rank
+            out.append((ts + (step_s if step_late else 0.0), ev.Step(
+                job="j", ts=ts, node=node, rank=rank, step=s, step_time=step_s,
+                compute_time=step_s * 0.9, loss=2.0)))
+        for i in range(int(steps * step_s)):
+            ts = t0 + 0.5 + i + 0.001 * rank
+            out.append((ts, ev.Heartbeat(job="j", ts=ts, node=node, rank=rank, pid=100 + rank,
+                                         step=int((ts - t0) / step_s), phase="forward",
+                                         phase_since=t0 + int((ts - t0) / step_s) * step_s)))
+    g = t0 + 0.3
+    while g < t0 + steps * step_s + gpu_after:
+        for n in ("n0", "n1"):
+            out.append((g, ev.Gpu(job="j", ts=g, node=n, gpus=[
+                {"index": 0, "uuid": f"{n}-0", "util": 97.0, "mem_used": 1 << 30,
+                 "mem_total": 80 << 30, "temp": 60.0, "power": 300.0}])))
+        g += gpu_every
+    out.sort(key=lambda p: p[0])
+    return [e for _, e in out]
+
+
+@pytest.mark.parametrize("step_s", [8.0, 20.0])
+def test_step_records_sent_a_step_late_are_no_step_of_a_clock(step_s):
+    """A step's record sent at the next step's end (its GPU timing not ready), stamped at
+    its own end, is older than the heartbeats sent meanwhile: no step of the clock, nothing
+    moved (a review found 20 s steps raising a false silent when that was taken for one)."""
+    engine, summary = analyze_events(_job(40, step_s, 1.0, step_late=True))
+    assert [(i["kind"], i["ranks"]) for i in engine.incidents()] == []
+    clock = next(iter(engine._jobs.values())).clock
+    assert (clock._steps, clock._offsets) == ({}, {})
+    assert summary["last_ts"] == _job(40, step_s, 1.0)[-1].ts
+
+
+def test_a_job_whose_ranks_all_froze_is_found_hung_with_gpu_samples_10_s_apart():
+    engine, _ = analyze_events(_job(60, 1.0, 10.0, gpu_after=300.0))
+    assert [(i["kind"], i["ranks"]) for i in engine.incidents()] == [("hang", [0, 1, 2, 3])]
