@@ -107,7 +107,7 @@ class JobClock:
         self._refs: dict = {}          # settled step -> [its reference, machines counted]
         self._runs: dict = {}          # node -> its ranks' latest start (its own clock)
         self._now = None               # the job's newest time given out
-        self._high: dict = {}          # node -> [its ranks' newest stamp, on the job's clock]
+        self._high: dict = {}          # node -> its ranks' newest stamp
         self._steps: dict = {}         # node -> _Step of its clock, applied, not learned yet
         self._quiet: dict = {}         # node -> [its ranks' newest stamp, GPU samples ahead]
 
@@ -119,7 +119,15 @@ class JobClock:
         """``ts`` of machine ``node`` (its GPU sample, say) on the job's clock, at most
         ``jump_s`` past the job's newest time: a machine's sample may come before its ranks'
         records tell that its clock stepped forward."""
-        return self._given(self._shifted(node, ts, None))
+        if self._steps:
+            t = self._shifted(node, ts, None)
+        else:
+            offset = self._offsets.get(node)
+            t = ts - offset if offset else ts
+        now = self._now
+        if now is not None and t > now + self.jump_s and self._high:
+            return now + self.jump_s
+        return t
 
     def correct(self, item: dict) -> dict:
         """``item`` restamped by its machine's offset (in place), after learning from it."""
@@ -136,8 +144,8 @@ class JobClock:
             return item
         jump = item.get("jump")
         if jump is not None:
-            if type(jump) in (int, float) and self.jump_s < abs(jump) < self.max_offset_s \
-                    and type(rank) is int:
+            if type(jump) in (int, float) and self.jump_s < abs(jump) < math.inf \
+                    and type(rank) is int:       # (how far it is off the job: _jumped, _lead)
                 self._jumped(node, rank, ts, jump)
             else:
                 jump = None
@@ -150,24 +158,19 @@ class JobClock:
         if now is not None and t > now + self.jump_s:
             if jump is not None:
                 t = self._lead(node, t, high)
-            elif (k == "step" or k == "gpu") and self._high and self._ahead(node, k, high):
-                # a step's record or a machine's sample before its ranks' heartbeats tell
-                # that its clock stepped: as far ahead as the job allows, moving nothing
+            elif k == "gpu" and self._high and self._ahead(node, high):
+                # a machine's sample before its ranks tell that its clock stepped: as far
+                # ahead as the job allows, moving nothing
                 item["ts"] = now + self.jump_s
-                if k == "step":
-                    self._quiet.pop(node, None)     # its ranks are heard
-                    self._learn_from(k, item, node, rank, ts)
                 return item
-        if k == "step" or k == "life":
+        if k == "step":
+            self._starts.clear()
+            self._learn(node, rank, item.get("step"), ts)
+        elif k == "life":
             self._learn_from(k, item, node, rank, ts)
-        if rank is None:
-            pass                         # a machine's own: _high tells of its ranks
-        elif high is None:
-            if len(self._high) < self.max_nodes:
-                self._high[node] = [ts, t]
-        elif ts > high[0]:
-            high[0] = ts
-            high[1] = t
+        if rank is not None and (high is None or ts > high):   # its ranks' (not a sample)
+            if high is not None or len(self._high) < self.max_nodes:
+                self._high[node] = ts
         if now is None or t > now:
             self._now = t
         if t != ts:
@@ -216,21 +219,11 @@ class JobClock:
                 step.reach >= step.before
         return t - step.delta if after else t
 
-    def _given(self, t: float) -> float:
-        """``t``, at most ``jump_s`` past the job's newest time (moving nothing: only the
-        items :meth:`correct` learns from do, alike in ``analyze`` and the worker)."""
-        now = self._now
-        if now is not None and t > now + self.jump_s and self._high:
-            return now + self.jump_s
-        return t
-
-    def _ahead(self, node, k, high) -> bool:
-        """Whether a step's record or a GPU sample of ``node`` that leads the job is held
-        back: not the second GPU sample in a row with no record of its ranks between (its
-        ranks are quiet, the job's time goes on with its samples)."""
-        if k != "gpu":
-            return True
-        mark = high[0] if high is not None else None
+    def _ahead(self, node, high) -> bool:
+        """Whether a GPU sample of ``node`` that leads the job is held back: not the second
+        in a row with no record of its ranks between (its ranks are quiet, the job's time
+        goes on with its samples)."""
+        mark = high
         quiet = self._quiet.get(node)
         if quiet is None or quiet[0] != mark:
             if node in self._quiet or len(self._quiet) < self.max_nodes:
@@ -273,7 +266,9 @@ class JobClock:
         lead = t - self._now - self.jump_s      # held as far ahead as the job allows
         if lead >= self.max_offset_s:
             return t
-        self._steps[node] = _Step(before=high[0] if high is not None else -math.inf,
+        if lead < self.jump_s / 2:               # too small to tell from its stamps
+            return t - lead
+        self._steps[node] = _Step(before=high if high is not None else -math.inf,
                                   delta=lead, base=self._offsets.get(node, 0.0),
                                   crossed=set(), level=t)
         return t - lead
@@ -286,7 +281,7 @@ class JobClock:
 
     def _newest(self, node, before: float) -> float:
         high = self._high.get(node)
-        return high[0] if high is not None and high[0] > before else before
+        return high if high is not None and high > before else before
 
     def _confirmed(self, node, t: float) -> bool:
         """Whether enough other machines lead as far as ``node`` at ``t`` (the whole job was
@@ -297,7 +292,9 @@ class JobClock:
         peers = [n for n, step in steps.items()
                  if step.delta > 0.0 and n != node and abs(step.level - t) <= near]
         lately = self._now - LATELY_S
-        heard = sum(1 for n, high in self._high.items() if high[1] >= lately or n == node)
+        offsets = self._offsets
+        heard = sum(1 for n, high in self._high.items()
+                    if high - offsets.get(n, 0.0) >= lately or n == node)
         if len(peers) + 1 < max(2, (heard + 1) // 2):
             return False
         for n in peers:

@@ -91,10 +91,11 @@ class RankStage:
     last step. A heartbeat stamped more than ``JUMP_S`` before the rank's last one, or
     that much more after it than the one before, is forwarded with ``jump``, how far (a step
     of its machine's clock, which :class:`JobClock` applies at once; one of a phase begun
-    before a step back keeps the phase's age); so is a step's record against the rank's last
-    step. The two are measured apart: heartbeats are stamped as they are sent, by one
+    before a step back keeps the phase's age); so is a step's record stamped that much
+    before the rank's last, or after it beyond the step's time. The two are measured apart: heartbeats are stamped as they are sent, by one
     thread, a step's record at the step's end, and it may be sent a step later, once its
-    GPU timing is ready. Both are measured from a process's start or end.
+    GPU timing is ready (after heartbeats of an eval between). Both are measured from a
+    process's start or end; a jump back told by one moves the other's reference with it.
 
     >>> from trainguard import events as ev
     >>> rs = RankStage()
@@ -119,8 +120,7 @@ class RankStage:
         self._hb_ts = None
         self._ts = None           # the stamp of its last heartbeat
         self._gap = math.inf      # the time between its last two heartbeats
-        self._step_ts = None      # the same of its step records
-        self._step_gap = math.inf
+        self._step_ts = None      # the stamp of its last step record
         self._since = None        # the phase_since of its last heartbeat
         self._moved = None        # [that phase's since, how far its clock went back since]
 
@@ -145,21 +145,21 @@ class RankStage:
                 # forward: more than its last gap (heartbeats 10 s apart in an eval are none)
                 if gap > JUMP_S + self._gap or gap < -JUMP_S:
                     jump = self._jumped(gap)
+                    if gap < 0.0 and self._step_ts is not None:
+                        self._step_ts += gap   # its next step's record is on the new clock
                 self._gap = gap if gap > 0.0 else 0.0
         elif kind == "step":           # stamped at its end, in order (maybe sent later)
-            ts, last, beat = event.ts, self._step_ts, self._ts
+            ts, last = event.ts, self._step_ts
             self._step_ts = ts
-            # before its last heartbeat by more than the step it may have waited
-            if beat is not None and ts < beat - JUMP_S - (event.step_time or 0.0):
-                jump = self._jumped(ts - beat)
             if last is not None:
-                gap = ts - last
-                if jump is None and (gap > JUMP_S + self._step_gap or gap < -JUMP_S):
+                gap = ts - last      # forward: more than the step took (a pause between)
+                if gap > JUMP_S + (event.step_time or 0.0) or gap < -JUMP_S:
                     jump = self._jumped(gap)
-                self._step_gap = gap if gap > 0.0 else 0.0
+                    if gap < 0.0 and self._ts is not None:
+                        self._ts += gap    # its next heartbeat is on the new clock
         elif kind == "lifecycle":      # a process starts or ends: measured from here
-            self._ts, self._gap = event.ts, 0.0
-            self._step_ts, self._step_gap = event.ts, math.inf
+            self._ts, self._gap = event.ts, math.inf
+            self._step_ts = event.ts
         if kind == "step":
             self._last_step = event.step
             loss, grad_norm, loss_scale = event.loss, event.grad_norm, event.loss_scale

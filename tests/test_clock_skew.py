@@ -292,3 +292,21 @@ def test_step_records_sent_a_step_late_are_no_step_of_a_clock(step_s):
 def test_a_job_whose_ranks_all_froze_is_found_hung_with_gpu_samples_10_s_apart():
     engine, _ = analyze_events(_job(60, 1.0, 10.0, gpu_after=300.0))
     assert [(i["kind"], i["ranks"]) for i in engine.incidents()] == [("hang", [0, 1, 2, 3])]
+
+
+def test_a_step_back_told_by_a_step_record_moves_a_phase_once():
+    """A user phase that wraps the steps: the step's record tells the step back first; the
+    heartbeat after is measured on the new clock, so the phase is moved once (a review found
+    it moved twice: 58 s for a 29 s step)."""
+    from trainguard import events as ev
+    from trainguard.detectors import RankStage
+
+    rs = RankStage()
+    hb = ev.Heartbeat(job="j", ts=100.0, node="n1", rank=0, pid=1, step=5,
+                      phase="reshard", phase_since=90.0)
+    step = ev.Step(job="j", ts=100.5, node="n1", rank=0, step=5, step_time=0.5)
+    rs.update(hb)
+    rs.update(step)
+    assert rs.update(step.replace(ts=71.0, step=6))[0]["jump"] == -29.5
+    after = rs.update(hb.replace(ts=71.2, step=6))[0]
+    assert ("jump" not in after, after["phase_since"]) == (True, 60.5)
