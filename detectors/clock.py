@@ -25,24 +25,26 @@ can shift a job's clock by ten minutes at most.
 A machine's clock stepped mid-job (an NTP step, a migrated VM) is applied at once, not after
 the steps that learning takes, since one record stamped half a minute ahead moves the job's
 "now" (its peers look silent), and one stamped behind makes that machine the reference of
-its steps. Each rank's RankStage says when the rank's stamps moved more than ``jump_s``
-since its last record (``jump`` in the item; not across a process's start):
+its steps. Each rank's RankStage says when the rank's own heartbeats, or its own step
+records, jumped by more than ``jump_s`` (``jump`` in the item; see ``RankStage``):
 
 - back, and now more than ``jump_s`` behind the job's newest time: the step is applied to the
   records of each rank of the machine that went back, from then on (a rank's records keep
   their order; its RankStage moves a phase begun before with it);
-- forward, and now more than ``jump_s`` past the job's newest time: it is applied to every
-  stamp of the machine past its newest before the step, unless machines that are at least
-  half of those heard lately lead as far (the whole job was quiet: it goes on, and its time
-  with it).
+- forward, and now more than ``jump_s`` past the job's newest time: the machine's stamps
+  past its newest before the step are held ``jump_s`` ahead of the job, unless machines
+  that are at least half of those heard lately lead as far (the whole job was quiet: it
+  goes on, and its time with it).
 
 A step stands until a settled step's sample from a moved stamp confirms it (its offset is
 learned from there on) or ``STEP_MISSES`` samples contradict it; a step's reference is taken
-on the job's clock as it stands, so a machine just stepped is not taken for it. A machine's
-GPU sample more than ``jump_s`` past the job's newest time (its ranks have not told of the
-step yet) is given as that far past and moves nothing; its NodeStage's findings are
-restamped like its records. Memory: per machine its samples, its ranks' newest stamp and a
-step not learned yet (at most ``max_nodes`` machines), per open step one stamp per machine.
+on the job's clock as it stands, of the machines not just stepped. A machine's GPU sample
+more than ``jump_s`` past the job's newest time (its ranks have not told of the step yet) is
+given as that far past and moves nothing, save its second in a row with no record of its
+ranks between (they are quiet, and the job's time goes on with its samples); its
+NodeStage's findings are restamped like its records. :meth:`JobClock.time` changes nothing.
+Memory: per machine its samples, its ranks' newest stamp and a step not learned yet (at
+most ``max_nodes`` machines), per open step one stamp per machine.
 
 >>> c = JobClock()
 >>> for s in range(6):
