@@ -288,8 +288,9 @@ class JobClock:
     def _confirmed(self, node, t: float) -> bool:
         """Whether enough other machines lead as far as ``node`` at ``t`` (the whole job was
         quiet, and goes on): at least one, and half the machines heard lately, whose first
-        record past the job's newest time was within ``jump_s`` of ``t``. Their steps held
-        are then let go."""
+        record past the job's newest time was within ``jump_s`` of ``t``; or none was heard
+        lately (a machine alone whose heartbeats stalled under load must not hold its time
+        back: its hang would be found late). Their steps held are then let go."""
         steps, near = self._steps, self.jump_s
         peers = [n for n, step in steps.items()
                  if step.delta > 0.0 and n != node and abs(step.level - t) <= near]
@@ -297,8 +298,8 @@ class JobClock:
         offsets = self._offsets
         heard = sum(1 for n, high in self._high.items()
                     if high - offsets.get(n, 0.0) >= lately or n == node)
-        if len(peers) + 1 < max(2, (heard + 1) // 2):
-            return False
+        if heard > 1 and len(peers) + 1 < max(2, (heard + 1) // 2):
+            return False         # (alone in its job: no peer to tell a step from a stall)
         for n in peers:
             del steps[n]
             self._unmoved(n)
