@@ -92,10 +92,11 @@ class RankStage:
     that much more after it than the one before, is forwarded with ``jump``, how far (a step
     of its machine's clock, which :class:`JobClock` applies at once; one of a phase begun
     before a step back keeps the phase's age); so is a step's record stamped that much
-    before the rank's last, or after it beyond the step's time. The two are measured apart: heartbeats are stamped as they are sent, by one
-    thread, a step's record at the step's end, and it may be sent a step later, once its
-    GPU timing is ready (after heartbeats of an eval between). Both are measured from a
-    process's start or end; a jump back told by one moves the other's reference with it.
+    before the rank's last, or after it beyond the step's time. The two are measured apart:
+    heartbeats are stamped as they are sent, by one thread, a step's record at the step's
+    end, and it may be sent a step later, once its GPU timing is ready (after heartbeats of
+    an eval between). Both are measured from a process's start or end; a jump back told by
+    one moves the other's reference with it.
 
     >>> from trainguard import events as ev
     >>> rs = RankStage()
@@ -125,8 +126,9 @@ class RankStage:
         self._moved = None        # [that phase's since, how far its clock went back since]
 
     def _jumped(self, gap: float) -> float:
-        """``gap``, how far the rank's heartbeats' stamps moved (see the class); a
-        heartbeat's ``phase_since`` of a phase begun before a step back is moved with it."""
+        """``gap``, how far the rank's heartbeats' or step records' stamps moved (see the
+        class); a heartbeat's ``phase_since`` of a phase begun before a step back is moved
+        with it."""
         if gap < 0.0 and self._since is not None:
             moved = self._moved
             self._moved = [self._since, gap + (moved[1] if moved and moved[0] == self._since
