@@ -46,7 +46,7 @@ from river import stats
 from trainguard.setting import setting
 
 from .base import Detector, Finding
-from .hang import STEP_PHASES
+from .phases import STEP_PHASES
 from .view import UsesView
 from .registry import register_detector
 

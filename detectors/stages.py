@@ -34,7 +34,7 @@ from .clock import JUMP_S, JobClock
 from .config import DETECTORS, DetectorsConfig
 from .correlate import Correlator
 from .gpu import Placement
-from .hang import STEP_PHASES
+from .phases import STEP_PHASES
 from .view import LEARNS_FROM, JobView
 from .lessons import Lessons
 from .machine_outlier import MachineVector
@@ -95,8 +95,11 @@ class RankStage:
     before the rank's last, or after it beyond the step's time. The two are measured apart:
     heartbeats are stamped as they are sent, by one thread, a step's record at the step's
     end, and it may be sent a step later, once its GPU timing is ready (after heartbeats of
-    an eval between). Both are measured from a process's start or end; a jump back told by
-    one moves the other's reference with it.
+    an eval between). A step's record two steps past the one the rank's last heartbeat told
+    ended after that heartbeat was sent, so stamped more than ``JUMP_S`` before it, its
+    clock went back (heartbeats 5 s apart hide a step back of 8 s, and an eval's a step of
+    28 s, until the next one). Both are measured from a process's start or end; a jump back
+    told by one moves the other's reference with it.
 
     >>> from trainguard import events as ev
     >>> rs = RankStage()
@@ -122,6 +125,7 @@ class RankStage:
         self._ts = None           # the stamp of its last heartbeat
         self._gap = math.inf      # the time between its last two heartbeats
         self._step_ts = None      # the stamp of its last step record
+        self._hb_step = None      # the last completed step its last heartbeat told
         self._since = None        # the phase_since of its last heartbeat
         self._moved = None        # [that phase's since, how far its clock went back since]
 
@@ -142,6 +146,7 @@ class RankStage:
             # stamped as sent, by one thread (a step's record may wait for its GPU timing)
             ts, last = event.ts, self._ts
             self._ts = ts
+            self._hb_step = event.step
             if last is not None:
                 gap = ts - last
                 # forward: more than its last gap (heartbeats 10 s apart in an eval are none)
@@ -153,14 +158,22 @@ class RankStage:
         elif kind == "step":           # stamped at its end, in order (maybe sent later)
             ts, last = event.ts, self._step_ts
             self._step_ts = ts
+            gap = None
             if last is not None:
                 gap = ts - last      # forward: more than the step took (a pause between)
-                if gap > JUMP_S + (event.step_time or 0.0) or gap < -JUMP_S:
-                    jump = self._jumped(gap)
-                    if gap < 0.0 and self._ts is not None:
-                        self._ts += gap    # its next heartbeat is on the new clock
+                if not (gap > JUMP_S + (event.step_time or 0.0) or gap < -JUMP_S):
+                    gap = None
+            hb_step = self._hb_step
+            if (gap is None or gap > 0.0) and hb_step is not None and \
+                    type(event.step) is int and event.step >= hb_step + 2 and \
+                    ts < self._ts - JUMP_S:
+                gap = ts - self._ts  # it ended after that heartbeat: the clock went back
+            if gap is not None:
+                jump = self._jumped(gap)
+                if gap < 0.0 and self._ts is not None:
+                    self._ts += gap        # its next heartbeat is on the new clock
         elif kind == "lifecycle":      # a process starts or ends: measured from here
-            self._ts, self._gap = event.ts, math.inf
+            self._ts, self._gap, self._hb_step = event.ts, math.inf, None
             self._step_ts = event.ts
         if kind == "step":
             self._last_step = event.step

@@ -172,6 +172,77 @@ def test_a_clock_stepped_mid_job_online_raises_nothing(by):
     assert online(moved, lambda e, happened: -shift[id(e)])[0] == []
 
 
+#: healthy shapes (name, step of n1's clock, ranks a machine) that raised a false incident
+#: before 2026-12-07, through the worker's job side and in analyze:
+#: - the clock stepped while the whole job was down for a restart (no record of the machine
+#:   tells of it; its ranks start 30 s apart from the others'): a hang of the whole job,
+#:   the machine named silent, a hang naming it in analyze;
+#: - stepped back inside a 30-minute eval: its first steps after it look 28 s old (a hang);
+#: - stepped back 8 s, hidden under heartbeats 5 s apart: its peers' clock "learned" from
+#:   it, their held records went out of order, and every later checkpoint or user phase was
+#:   taken for one that wraps steps (a hang in each);
+#: - stepped forward while down: ranks named silent in analyze.
+#: (``test_unseen_healthy_shapes`` and ``bench`` measure the whole library.)
+AROUND_RESTARTS_AND_PAUSES = [
+    ("resume-0.5s", -30.0, 4), ("resume-0.5s", -30.0, 2), ("resume-6.0s", -30.0, 4),
+    ("mixed-2", -30.0, 2), ("evals-30min-0.2s", -30.0, 4), ("checkpoints-0.2s", -8.0, 4),
+    ("user-phase-0.5s", -8.0, 4), ("own-restart-0.5s", 30.0, 4),
+    ("own-restart-0.5s", 30.0, 2)]
+
+
+@pytest.mark.parametrize("name,by,per_node", AROUND_RESTARTS_AND_PAUSES)
+def test_a_clock_stepped_around_a_restart_or_in_a_pause_raises_nothing(name, by, per_node):
+    from scenario_library import HEALTHY
+    from test_steps_by_number import online
+
+    sc = dataclasses.replace(next(s for s in HEALTHY if s.name == name), per_node=per_node)
+    events = recording(sc)["events"]
+    moved = stepped(events, "n1", by)
+    shift = {id(after): after.ts - before.ts for before, after in zip(events, moved)}
+    assert online(moved, lambda e, happened: -shift[id(e)])[0] == []
+    engine, summary = analyze_events(moved)
+    assert summary["rejected"] == 0
+    assert [(i["kind"], i["ranks"]) for i in engine.incidents()] == []
+
+
+def test_a_step_record_two_steps_past_a_heartbeat_and_stamped_before_it_is_a_step_back():
+    """A heartbeat tells the rank's last step: a record of a step two past it ended after
+    the heartbeat was sent (one past may have been sent late, its GPU timing not ready), so
+    stamped well before it, the rank's clock went back (an eval's heartbeats 5 s apart hide
+    a step of 28 s from the next one's, which comes after these records)."""
+    from trainguard import events as ev
+    from trainguard.detectors import RankStage
+
+    rs = RankStage()
+    rs.update(ev.Heartbeat(job="j", ts=100.0, node="n1", rank=0, pid=1, step=12,
+                           phase="eval", phase_since=10.0))
+    step = ev.Step(job="j", ts=72.0, node="n1", rank=0, step=13, step_time=0.2, loss=2.0)
+    assert "jump" not in rs.update(step)[0]
+    assert rs.update(step.replace(ts=72.2, step=14))[0]["jump"] == pytest.approx(-27.8)
+    after = rs.update(ev.Heartbeat(job="j", ts=75.0, node="n1", rank=0, pid=1, step=14,
+                                   phase="forward", phase_since=74.9))
+    assert "jump" not in after[0]                                 # measured from there
+
+
+def test_a_leap_of_the_jobs_time_counts_toward_nobodys_silence():
+    """The first records after a restart: one machine's ranks stamped 30 s before the
+    others' (its clock stepped while the job was down). Nobody was heard in between: no one
+    is silent for it; a silence after it is still found."""
+    from trainguard.detectors import SilentDetector
+
+    d = SilentDetector(timeout_s=15.0)
+    for rank, node, ts in ((0, "n1", 530.0), (1, "n1", 530.0), (2, "n2", 560.0),
+                           (3, "n2", 560.0)):
+        d.update({"k": "life", "event": "start", "rank": rank, "node": node, "ts": ts})
+    assert d.advance(560.0) == []
+    found = []
+    for t in range(561, 590):
+        for rank in (2, 3):
+            d.update({"k": "hb", "rank": rank, "node": "n2", "ts": float(t)})
+        found += [(f.ranks, f.detected_ts) for f in d.advance(float(t))]
+    assert found == [([0, 1], 575.0)]
+
+
 def test_a_whole_job_quiet_then_on_moves_the_jobs_time_with_its_machines():
     """Every machine's stamps jump by the same 40 s (the whole job stopped, and went on):
     the first machine's step is held until its peers confirm it, then the job's time moves
