@@ -16,8 +16,7 @@ phase to phase; a hung job does not), or a later record of the newest step (its 
 come from a machine whose clock is behind, not learned yet). It is judged up to the time
 every source of the job was heard (:meth:`JobView.judged`: on the worker's job side, a
 machine whose records are stamped behind, or let go early, is not taken for stalled by
-its peers' newer stamps). A heartbeat that tells an earlier step than the rank's last is
-stale (reordered) and taken for nothing. Until ``min_intervals`` intervals are learned, the
+its peers' newer stamps). Until ``min_intervals`` intervals are learned, the
 warm-up steps are judged on what is known: the longest interval and the longest step time the
 ranks reported (step 0's holds its compile), times a margin that shrinks as intervals come in,
 ``max_margin + factor x early_margin / sqrt(n)`` after ``n >= 1`` intervals (13 after one, 7
@@ -157,7 +156,8 @@ class HangDetector(PeersEvidence, UsesView, Detector):
         self._phase_end_ts = None      # end of the latest allowed phase
         self._moved_ts = None          # latest start of a step phase on any rank
         self._paused_since_progress = False
-        self._hb: dict = {}            # rank -> [ts, phase, phase_since, step, first step in it]
+        self._hb: dict = {}            # rank -> [ts, phase, phase_since, step, first step in it
+                                       # (an allowed phase), or the step whose record ended it]
         self._latest = None            # the rank whose entry was put last (left_behind)
         self._pausing: set = set()     # the ranks whose _hb phase is an allowed one
         self._ended: dict = {}         # rank -> [phase, since, end, step] of its last allowed phase
@@ -190,7 +190,7 @@ class HangDetector(PeersEvidence, UsesView, Detector):
                 if prev is not None and prev[1] not in STEP_PHASES and prev[2] < ts and \
                         type(prev[1]) is str and (prev[3] is None or step > prev[3]):
                     self._end_phase(rank, prev, ts)    # a later step proves it is over
-                    self._put_hb(rank, [ts, "step", ts, step, None])
+                    self._put_hb(rank, [ts, "step", ts, step, step])   # (a record's)
                 if self._max_step is None or step > self._max_step:
                     self._step(step, ts)
                 elif step == self._max_step and ts > self._progress_ts and (
@@ -277,13 +277,14 @@ class HangDetector(PeersEvidence, UsesView, Detector):
         step = item.get("step")
         prev = self._hb.get(rank)
         if prev is not None and (ts < prev[0] or (
-                step is not None and prev[3] is not None and step < prev[3])):
+                prev[4] is not None and prev[1] == "step" and type(step) is int
+                and step < prev[4])):
             # older than what the rank told since: delivered twice or reordered in transit
-            # (at-least-once delivery), or on the worker's job side, held and let go after
-            # the rank's later records once its machine's clock offset was learned (a
-            # process's steps only go on). Taken, it would end the rank's phase before it
-            # began, and the phase's next heartbeat would make it "one that wraps steps" for
-            # good
+            # (at-least-once delivery), or sent before the step's record that ended its
+            # phase (a rank's heartbeat tells its last step sent; on the worker's job side
+            # the two are held and let go apart once its machine's clock offset is learned).
+            # Taken, it would end the rank's phase before it began, or make the phase "one
+            # that wraps steps" for good
             return
         if prev is not None and prev[1] != phase and is_allowed_phase(prev[1]):
             self._end_phase(rank, prev, since if since >= prev[2] else ts)

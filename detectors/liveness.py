@@ -41,11 +41,13 @@ class SilentDetector(UsesView, Detector):
     was heard within ``timeout_s``. "Heard" is on the job's clock (the newest event time of any
     rank or machine) when its summary came, not the rank's own time stamp: a machine whose
     clock runs seconds behind the others', or whose collector sends in bursts, is not quiet
-    for that. Time in which nobody was heard at all (a gap of two thirds of ``timeout_s``
-    between the job's records: it was down, or its first records after a restart are those
-    of a machine whose clock stepped back meanwhile) counts toward nobody's silence. When
-    every known rank of a machine is silent and that machine's GPU samples stopped too (or it never sent any), the machine is named. Ranks that
-    exited are not silent. A rank is reported again only after it was heard from again.
+    for that. Time in which nobody was heard at all (a gap between the job's records of
+    ``timeout_s`` and of 20 s, twice the longest between a collector's heartbeats, or more:
+    the job was down, or its first records after a restart are those of a machine whose
+    clock stepped back meanwhile) counts toward nobody's silence. When every known rank of a
+    machine is silent and that machine's GPU samples stopped too (or it never sent any), the
+    machine is named. Ranks that exited are not silent. A rank is reported again only after
+    it was heard from again.
 
     >>> d = SilentDetector(timeout_s=10.0)
     >>> for t in range(30):
@@ -63,9 +65,10 @@ class SilentDetector(UsesView, Detector):
     #: whose partitions' last records a worker applied a moment apart): the rest does not
     #: go on, and none of them is silent
     TOGETHER_S = 2.0
-    #: a gap in the job's records of this share of ``timeout_s`` is the whole job quiet (its
-    #: ranks forward a heartbeat at least every ``stages.heartbeat_summary_s``, 5 s)
-    QUIET_SHARE = 2 / 3
+    #: a rank's collector sends a heartbeat at least this often (``collectors.settings.
+    #: MAX_HEARTBEAT_INTERVAL_S``): a gap in the job's records of twice that is the whole
+    #: job quiet, and counts toward nobody's silence
+    CADENCE_S = 10.0
     CONSUMES = ("step", "hb", "life", "gpu", "tick")
 
     @dataclass(kw_only=True)
@@ -117,14 +120,16 @@ class SilentDetector(UsesView, Detector):
         return min(1.0, self.timeout_s / 10)
 
     def _tick(self, ts: float) -> float:
-        """The job's clock, moved on to ``ts`` when that is newer. A leap of
-        :attr:`QUIET_SHARE` of ``timeout_s`` or more, in which nobody was heard at all (the
+        """The job's clock, moved on to ``ts`` when that is newer. A leap of twice
+        :attr:`CADENCE_S` and ``timeout_s`` or more, in which nobody was heard at all (the
         job was down, or the first records after it are a machine's whose clock stepped
         meanwhile), counts toward nobody's silence: what was heard before it is heard that
-        much later."""
+        much later. (A shorter one makes nobody silent at once; a rank's summaries come at
+        least every ``stages.heartbeat_summary_s``, which must be below ``timeout_s``.)"""
         clock = self._clock
         if clock is None or ts > clock:
-            if clock is not None and ts - clock >= self.QUIET_SHARE * self.timeout_s:
+            if clock is not None and ts - clock >= self.CADENCE_S * 2.0 and \
+                    ts - clock >= self.timeout_s:
                 gap = ts - clock
                 heard = self._heard
                 for rank in heard:

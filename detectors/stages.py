@@ -95,10 +95,11 @@ class RankStage:
     before the rank's last, or after it beyond the step's time. The two are measured apart:
     heartbeats are stamped as they are sent, by one thread, a step's record at the step's
     end, and it may be sent a step later, once its GPU timing is ready (after heartbeats of
-    an eval between). A step's record two steps past the one the rank's last heartbeat told
-    ended after that heartbeat was sent, so stamped more than ``JUMP_S`` before it, its
-    clock went back (heartbeats 5 s apart hide a step back of 8 s, and an eval's a step of
-    28 s, until the next one). Both are measured from a process's start or end; a jump back
+    an eval between). The first step's record after a pause (not the process's first: its
+    first step may be long) ended after the pause's heartbeats (save one sent a step late):
+    stamped ``JUMP_S`` and twice its step's time before the last of them, its clock went
+    back (an eval's heartbeats 5 s apart hid a step back of 28 s until after the first
+    steps that followed it). Both are measured from a process's start or end; a jump back
     told by one moves the other's reference with it.
 
     >>> from trainguard import events as ev
@@ -125,7 +126,7 @@ class RankStage:
         self._ts = None           # the stamp of its last heartbeat
         self._gap = math.inf      # the time between its last two heartbeats
         self._step_ts = None      # the stamp of its last step record
-        self._hb_step = None      # the last completed step its last heartbeat told
+        self._stepped = False     # a step record came since the process started
         self._since = None        # the phase_since of its last heartbeat
         self._moved = None        # [that phase's since, how far its clock went back since]
 
@@ -146,7 +147,6 @@ class RankStage:
             # stamped as sent, by one thread (a step's record may wait for its GPU timing)
             ts, last = event.ts, self._ts
             self._ts = ts
-            self._hb_step = event.step
             if last is not None:
                 gap = ts - last
                 # forward: more than its last gap (heartbeats 10 s apart in an eval are none)
@@ -161,20 +161,22 @@ class RankStage:
             gap = None
             if last is not None:
                 gap = ts - last      # forward: more than the step took (a pause between)
-                if not (gap > JUMP_S + (event.step_time or 0.0) or gap < -JUMP_S):
+                took = event.step_time or 0.0
+                if gap > JUMP_S + took:
+                    if self._stepped and self._ts is not None and \
+                            ts < self._ts - JUMP_S - 2.0 * took:
+                        gap = ts - self._ts    # the first after a pause ended after its
+                                               # heartbeats (or a step, if sent late)
+                elif gap >= -JUMP_S:
                     gap = None
-            hb_step = self._hb_step
-            if (gap is None or gap > 0.0) and hb_step is not None and \
-                    type(event.step) is int and event.step >= hb_step + 2 and \
-                    ts < self._ts - JUMP_S:
-                gap = ts - self._ts  # it ended after that heartbeat: the clock went back
+            self._stepped = True
             if gap is not None:
                 jump = self._jumped(gap)
                 if gap < 0.0 and self._ts is not None:
                     self._ts += gap        # its next heartbeat is on the new clock
         elif kind == "lifecycle":      # a process starts or ends: measured from here
-            self._ts, self._gap, self._hb_step = event.ts, math.inf, None
-            self._step_ts = event.ts
+            self._ts, self._gap = event.ts, math.inf
+            self._step_ts, self._stepped = event.ts, False
         if kind == "step":
             self._last_step = event.step
             loss, grad_norm, loss_scale = event.loss, event.grad_norm, event.loss_scale

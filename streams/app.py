@@ -273,6 +273,7 @@ class JobRuntime:
         m.set_gauge("held_records", sum(len(slot.held)
                                       for slot in self.processor.state.slots.values()))
         m.set_gauge("released_early_records", self.processor.released_early)
+        m.set_gauge("superseded_records", self.processor.superseded)
         wall = self.clock()
         m.set_gauge("behind_partitions", sum(
             1 for at in self.processor.watch.behind.values()

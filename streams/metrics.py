@@ -11,6 +11,7 @@ Gauges: ``trainguard_consumer_lag_messages{topic}`` messages not yet read (high 
 minus position, summed over this worker's partitions), ``trainguard_assigned_partitions{topic}``,
 ``trainguard_rank_stages``, ``trainguard_job_stages``, ``trainguard_late_step_records``,
 ``trainguard_held_records``, ``trainguard_released_early_records``,
+``trainguard_superseded_records``,
 ``trainguard_behind_partitions``, ``trainguard_unread_partitions``,
 ``trainguard_unseen_ranks``.
 Histogram: ``trainguard_event_lag_seconds``, wall time at which a job stage got an item

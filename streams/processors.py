@@ -237,6 +237,7 @@ class JobProcessor(_SlotsProcessor):
         #: partition said to be behind or that nobody reads)
         self.hold_idle_s = hold_idle_s
         self.released_early = 0
+        self.superseded = 0            # heartbeats let go after a later one of their rank
         #: a telemetry partition that sent nothing this long no longer holds the job's
         #: clock back (:meth:`JobSlot.heard`)
         self.source_idle_s = source_idle_s
@@ -393,7 +394,7 @@ class JobProcessor(_SlotsProcessor):
 
     def _release(self, job: str, slot, now: float, upto: float) -> list[ev.Anomaly]:
         """Apply the held items of ``slot`` up to the job's time ``upto``, in time order."""
-        held = slot.held
+        held, released = slot.held, slot.released
         stage, observe = slot.stage, self.observe_lag
         clocked = getattr(stage, "clock", None) is not None    # restamped when held
         watermark, limit = slot.watermark, now + FUTURE_SLACK_S
@@ -408,7 +409,18 @@ class JobProcessor(_SlotsProcessor):
                         or held[0][3] < wait):
             if held[0][0] > upto:
                 self.released_early += 1
-            item = heapq.heappop(held)[2]
+            _, seq, item, _ = heapq.heappop(held)
+            if type(item) is dict and item.get("k") in _IN_ORDER:
+                rank = item.get("rank")
+                if type(rank) is int:
+                    if released.get(rank, -1) < seq:
+                        released[rank] = seq
+                    elif item["k"] == "hb":
+                        # let go after a later heartbeat or start of its rank (its machine's
+                        # clock offset, learned meanwhile, moved them apart): what it tells
+                        # is over; taken, it would end a phase that had begun since
+                        self.superseded += 1
+                        continue
             applied = True
             self.applied += 1
             try:
@@ -439,6 +451,8 @@ class JobProcessor(_SlotsProcessor):
                                   extra={"job": job})
         if applied:
             slot.watermark, slot.applied_at = watermark, now
+        if not held and released:
+            released.clear()           # what comes next came after all that went
         return self._with_incidents(stage, out) if out else out
 
     def _with_incidents(self, stage, anomalies: list) -> list:
@@ -509,6 +523,11 @@ class JobProcessor(_SlotsProcessor):
                 self._tuned(key.decode("utf-8", "replace"), slot)
                 loaded += 1
         return loaded
+
+
+#: a rank's items sent in the order they were stamped (one thread stamps its heartbeats; a
+#: start is a new process); its step records may be sent after later heartbeats
+_IN_ORDER = frozenset(("hb", "life"))
 
 
 def _advance(stage, now: float, steps_now: float, unseen: frozenset) -> list:

@@ -45,7 +45,7 @@ COMPRESS_ABOVE = 128
 MAX_STATE_BYTES = 256 * 1024 * 1024
 #: the stages' layout; raise it when what a stage keeps changes meaning without changing
 #: its attribute names (a new attribute changes the layout digest by itself)
-STATE_VERSION = 19
+STATE_VERSION = 20
 
 
 # -- the slots: a stage and where its input came from (what a snapshot holds) --------------
@@ -72,6 +72,8 @@ class JobSlot:
     low: float = -math.inf         # the newest time every partition heard from has reached
     held: list = field(default_factory=list)   # heap of [time, seq, item, wall] not applied
     held_seq: int = 0
+    released: dict = field(default_factory=dict)  # rank -> arrival of its last heartbeat or
+                                                  # start let go
 
     def heard_again(self, wall: float) -> None:
         """Loaded from a snapshot at wall time ``wall``: every partition it had heard from
@@ -106,9 +108,11 @@ class JobSlot:
         steps by their age (:meth:`clocks`): one partition read ahead of the others (a
         backlog, a rank worker that lags, a collector sending a burst) does not close a step
         before the records on their way; a partition silent that long (its machines gone)
-        no longer holds it back. (The detectors' "now" stays the newest time: a partition
-        whose ranks are hung forwards a heartbeat only every few seconds, and would hold a
-        hang's detection back by as much.)
+        no longer holds it back. The detectors that judge an absence (a silent rank, a hang's
+        lack of progress) judge up to it (``JobView.judged``): a partition whose ranks are
+        hung forwards a heartbeat only every few seconds, which holds a hang's detection
+        back by as much (0.5 to 1 s on the library's faults), where a machine stamped
+        behind its peers, or one whose peers' records were let go early, looked stalled.
 
         ``unread_since(partition, heard, wall)``: whether no rank worker said, since wall
         time ``heard`` (when the partition last sent) and lately at ``wall``, that it read

@@ -186,7 +186,7 @@ def test_a_clock_stepped_mid_job_online_raises_nothing(by):
 AROUND_RESTARTS_AND_PAUSES = [
     ("resume-0.5s", -30.0, 4), ("resume-0.5s", -30.0, 2), ("resume-6.0s", -30.0, 4),
     ("mixed-2", -30.0, 2), ("evals-30min-0.2s", -30.0, 4), ("checkpoints-0.2s", -8.0, 4),
-    ("user-phase-0.5s", -8.0, 4), ("own-restart-0.5s", 30.0, 4),
+    ("user-phase-0.5s", -8.0, 4), ("user-phase-0.05s", -8.0, 4), ("own-restart-0.5s", 30.0, 4),
     ("own-restart-0.5s", 30.0, 2)]
 
 
@@ -205,31 +205,141 @@ def test_a_clock_stepped_around_a_restart_or_in_a_pause_raises_nothing(name, by,
     assert [(i["kind"], i["ranks"]) for i in engine.incidents()] == []
 
 
-def test_a_step_record_two_steps_past_a_heartbeat_and_stamped_before_it_is_a_step_back():
-    """A heartbeat tells the rank's last step: a record of a step two past it ended after
-    the heartbeat was sent (one past may have been sent late, its GPU timing not ready), so
-    stamped well before it, the rank's clock went back (an eval's heartbeats 5 s apart hide
-    a step of 28 s from the next one's, which comes after these records)."""
+def test_heartbeats_let_go_after_a_later_item_of_their_rank_are_not_applied():
+    """A step back of 8 s under heartbeats 5 s apart: the job side learns a machine's offset
+    while items of it are held, and what it held before and after leave out of order. The
+    heartbeats overtaken so are counted and not applied (one ended a checkpoint begun since;
+    the next made checkpoints "phases that wrap steps", a hang in each after)."""
+    from scenario_library import HEALTHY
+    from test_steps_by_number import online
+
+    sc = next(s for s in HEALTHY if s.name == "checkpoints-0.2s")
+    events = recording(sc)["events"]
+    moved = stepped(events, "n1", -8.0)
+    shift = {id(after): after.ts - before.ts for before, after in zip(events, moved)}
+    found, jobs = online(moved, lambda e, happened: -shift[id(e)])
+    assert found == [] and jobs.superseded > 0
+    found, jobs = online(events, lambda e, happened: 0.0)
+    assert found == [] and jobs.superseded == 0
+
+
+def test_a_step_record_sent_after_later_heartbeats_overtakes_none_of_them():
+    """A rank's step record is sent after heartbeats stamped later than it (its GPU timing
+    waits for the next step's end, or a pause). Held with them and let go first, it makes
+    none of them stale: only a rank's heartbeats and starts go out in their order (a review
+    found a backlog's checkpoint heartbeats skipped and a false silent)."""
+    from trainguard.detectors import DetectorsConfig, JobStage
+    from trainguard.streams.logic import Reading, encode_summaries
+    from trainguard.streams.processors import JobProcessor
+
+    config = DetectorsConfig()
+    jobs = JobProcessor(lambda: JobStage(config))
+    hb = {"k": "hb", "job": "j", "rank": 0, "node": "n0", "step": 4, "phase": "checkpoint",
+          "phase_since": 100.0, "pid": 1, "dropped": 0}
+    other = {**hb, "rank": 1, "node": "n1", "phase": "forward"}
+    items = [(1, {**other, "ts": 95.0}), (0, {**hb, "ts": 100.5}), (0, {**hb, "ts": 101.5}),
+             (0, {"k": "step", "job": "j", "rank": 0, "node": "n0", "ts": 99.9, "step": 5,
+                  "step_time": 1.0}), (0, {**hb, "ts": 102.5}),
+             (1, {**other, "ts": 103.0})]        # partition 1 read that far: all go on
+    for i, (p, item) in enumerate(items):
+        for value in encode_summaries("j", [(p, i + 1, 0, item)],
+                                      reading=Reading(parts=(p,), behind=(), of=2)):
+            jobs.apply(value, 0, 50.0 + 0.01 * i)
+    assert jobs.applied == 6 and jobs.superseded == 0
+
+
+def test_the_first_step_record_after_a_pause_stamped_before_its_heartbeats_is_a_step_back():
+    """The first step's record after a pause ended after the pause's heartbeats: stamped
+    well before the last of them, the rank's clock went back (an eval's heartbeats 5 s
+    apart hid a step of 28 s until after the first steps that followed it)."""
     from trainguard import events as ev
     from trainguard.detectors import RankStage
 
     rs = RankStage()
+    step = ev.Step(job="j", ts=10.0, node="n1", rank=0, step=12, step_time=0.2, loss=2.0)
+    rs.update(step)
     rs.update(ev.Heartbeat(job="j", ts=100.0, node="n1", rank=0, pid=1, step=12,
                            phase="eval", phase_since=10.0))
-    step = ev.Step(job="j", ts=72.0, node="n1", rank=0, step=13, step_time=0.2, loss=2.0)
-    assert "jump" not in rs.update(step)[0]
-    assert rs.update(step.replace(ts=72.2, step=14))[0]["jump"] == pytest.approx(-27.8)
+    assert rs.update(step.replace(ts=72.0, step=13))[0]["jump"] == pytest.approx(-28.0)
+    assert "jump" not in rs.update(step.replace(ts=72.2, step=14))[0]
     after = rs.update(ev.Heartbeat(job="j", ts=75.0, node="n1", rank=0, pid=1, step=14,
                                    phase="forward", phase_since=74.9))
     assert "jump" not in after[0]                                 # measured from there
 
 
+def test_a_processs_first_step_record_sent_after_a_long_second_step_is_no_step_back():
+    """A process's first step's record may be sent at its second step's end (its GPU
+    timing): after a long start-up and a long second step, it is older than the heartbeats
+    between, and no step of the clock (a review's case)."""
+    from trainguard import events as ev
+    from trainguard.detectors import RankStage
+
+    rs = RankStage()
+    out = rs.update(ev.Lifecycle(job="j", ts=0.0, node="n1", rank=0, event="start", pid=1,
+                                 world_size=1, local_rank=0))
+    for t in range(1, 26):
+        out += rs.update(ev.Heartbeat(job="j", ts=float(t), node="n1", rank=0, pid=1,
+                                      step=None, phase="forward", phase_since=7.0))
+    out += rs.update(ev.Step(job="j", ts=10.0, node="n1", rank=0, step=0, step_time=3.0,
+                             loss=2.0))
+    assert [o["jump"] for o in out if o.get("jump", 0.0) < 0.0] == []
+
+
+def test_step_records_drained_after_a_pause_are_no_step_of_a_clock():
+    """A rank whose GPU ran behind its CPU: its heartbeats in a checkpoint tell step 8 while
+    steps 9 and 10 ended before it, and their records are sent after it (the collector's
+    step watcher). Records in step with the ones before are no jump; the first after the
+    pause is stamped after it (a review's case)."""
+    from trainguard import events as ev
+    from trainguard.detectors import RankStage
+
+    rs = RankStage()
+    step = ev.Step(job="j", ts=94.0, node="n1", rank=0, step=8, step_time=3.0, loss=1.0)
+    out = rs.update(step)
+    for t in range(100, 132):
+        out += rs.update(ev.Heartbeat(job="j", ts=float(t), node="n1", rank=0, pid=1, step=8,
+                                      phase="checkpoint", phase_since=100.0))
+    for ts, s in ((97.0, 9), (100.0, 10), (134.0, 11)):
+        out += rs.update(step.replace(ts=ts, step=s))
+    assert [o.get("jump") for o in out if o["k"] == "step"] == [None, None, None, 34.0]
+
+
+def test_step_numbers_that_start_again_each_epoch_raise_no_hang():
+    """``tg.step(i)`` over ``enumerate(loader)``: a process's step numbers start again each
+    epoch (the collector warns of it). Its heartbeats tell the lower steps of its own step
+    records, and are no stale ones (a review found a false hang of the whole job)."""
+    from trainguard import events as ev
+
+    t0, out = 1_764_680_000.0, []
+    for rank in range(4):
+        node = f"n{rank // 2}"
+        out.append((t0, ev.Lifecycle(job="j", ts=t0, node=node, rank=rank, event="start",
+                                     pid=100 + rank, world_size=4, local_rank=rank % 2)))
+        t, last, hb = t0 + 2.0, None, t0 + 0.5 + 0.01 * rank
+        for s in [s for _ in range(3) for s in range(120)]:
+            while hb < t + 1.0:
+                out.append((hb, ev.Heartbeat(job="j", ts=hb, node=node, rank=rank,
+                                             pid=100 + rank, step=last, phase="step",
+                                             phase_since=t)))
+                hb += 1.0
+            out.append((t + 1.0 + 0.001 * rank, ev.Step(
+                job="j", ts=t + 1.0 + 0.001 * rank, node=node, rank=rank, step=s,
+                step_time=1.0, compute_time=0.9, loss=2.0)))
+            t, last = t + 1.0, s
+    out.sort(key=lambda p: p[0])
+    engine, _ = analyze_events([e for _, e in out])
+    assert [i["kind"] for i in engine.incidents() if i["kind"] == "hang"] == []
+
+
 def test_a_leap_of_the_jobs_time_counts_toward_nobodys_silence():
     """The first records after a restart: one machine's ranks stamped 30 s before the
-    others' (its clock stepped while the job was down). Nobody was heard in between: no one
-    is silent for it; a silence after it is still found."""
+    others' (its clock stepped while the job was down). Nobody was heard in between (20 s
+    or more: twice the longest between a collector's heartbeats): no one is silent for it;
+    a silence after it is still found."""
+    from trainguard.collectors.settings import MAX_HEARTBEAT_INTERVAL_S
     from trainguard.detectors import SilentDetector
 
+    assert SilentDetector.CADENCE_S == MAX_HEARTBEAT_INTERVAL_S
     d = SilentDetector(timeout_s=15.0)
     for rank, node, ts in ((0, "n1", 530.0), (1, "n1", 530.0), (2, "n2", 560.0),
                            (3, "n2", 560.0)):
@@ -241,6 +351,26 @@ def test_a_leap_of_the_jobs_time_counts_toward_nobodys_silence():
             d.update({"k": "hb", "rank": rank, "node": "n2", "ts": float(t)})
         found += [(f.ranks, f.detected_ts) for f in d.advance(float(t))]
     assert found == [([0, 1], 575.0)]
+
+
+@pytest.mark.parametrize("timeout_s,every_s", [(15.0, 10.05), (7.0, 5.0), (15.0, 5.0), (60.0, 20.2)])
+def test_a_machine_lost_while_the_rest_only_heartbeat_is_still_found(timeout_s, every_s):
+    """The survivor in a checkpoint sends a heartbeat every ``every_s`` (a collector sends
+    one every 10 s at least, the job side may forward one every ``heartbeat_summary_s``;
+    the timeout may be tuned below 10 s): no gap counts as the whole job quiet (a review's
+    cases: the dead machine was never found)."""
+    from trainguard.detectors import SilentDetector
+
+    d = SilentDetector(timeout_s=timeout_s)
+    for rank, node in ((0, "n0"), (1, "n1")):
+        d.update({"k": "life", "event": "start", "rank": rank, "node": node, "ts": 100.0})
+    found, t = [], 100.0
+    while t < 400.0 and not found:
+        t += every_s
+        d.update({"k": "hb", "rank": 1, "node": "n1", "ts": t, "phase": "checkpoint"})
+        for x in range(int(every_s * 2)):
+            found += [f.ranks for f in d.advance(t + x * 0.5)]
+    assert found == [[0]]
 
 
 def test_a_whole_job_quiet_then_on_moves_the_jobs_time_with_its_machines():

@@ -113,6 +113,9 @@ WORKER_GAUGES = {
                             "more than max_held were held for one job, or one waited "
                             "source_idle_s (unread_partition_s for a partition said to be "
                             "behind or that nobody reads).",
+    "superseded_records": "Heartbeats of a rank let go from the hold after a later "
+                          "heartbeat or start of the rank (its machine's clock offset was "
+                          "learned meanwhile): what they tell is over; not applied.",
     "unread_partitions": "Telemetry partitions silent for more than source_idle_s that no "
                          "rank worker says it reads (killed, stalled, moving in a "
                          "rebalance): their jobs wait for them (judged, and the other "
