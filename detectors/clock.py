@@ -121,11 +121,7 @@ class JobClock:
         """``ts`` of machine ``node`` (its GPU sample, say) on the job's clock, at most
         ``jump_s`` past the job's newest time: a machine's sample may come before its ranks'
         records tell that its clock stepped forward."""
-        if self._steps:
-            t = self._shifted(node, ts, None)
-        else:
-            offset = self._offsets.get(node)
-            t = ts - offset if offset else ts
+        t = self._shifted(node, ts, None)
         now = self._now
         if now is not None and t > now + self.jump_s and self._high:
             return now + self.jump_s
@@ -165,10 +161,7 @@ class JobClock:
                 # ahead as the job allows, moving nothing
                 item["ts"] = now + self.jump_s
                 return item
-        if k == "step":
-            self._starts.clear()
-            self._learn(node, rank, item.get("step"), ts)
-        elif k == "life":
+        if k == "step" or k == "life":
             self._learn_from(k, item, node, rank, ts)
         if rank is not None and (high is None or ts > high):   # its ranks' (not a sample)
             if high is not None or len(self._high) < self.max_nodes:
@@ -225,11 +218,10 @@ class JobClock:
         """Whether a GPU sample of ``node`` that leads the job is held back: not the second
         in a row with no record of its ranks between (its ranks are quiet, the job's time
         goes on with its samples)."""
-        mark = high
         quiet = self._quiet.get(node)
-        if quiet is None or quiet[0] != mark:
+        if quiet is None or quiet[0] != high:
             if node in self._quiet or len(self._quiet) < self.max_nodes:
-                self._quiet[node] = [mark, 1]
+                self._quiet[node] = [high, 1]
             return True
         quiet[1] += 1
         return False
@@ -307,11 +299,10 @@ class JobClock:
 
     def _unmoved(self, node) -> None:
         """The stamps kept of ``node``'s open steps, once its step is let go: unmoved."""
-        offset = self._offsets.get(node, 0.0)
         for stamps in self._stamps.values():
             pair = stamps.get(node)
             if pair is not None:
-                stamps[node] = (pair[0], pair[0] - offset)
+                stamps[node] = (pair[0], self._shifted(node, pair[0], None))
 
     def _run_start(self, node, ts) -> None:
         if type(ts) in (int, float) and ts > self._runs.get(node, ts - 1):

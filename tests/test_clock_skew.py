@@ -107,6 +107,16 @@ def stepped(events, node: str, by: float, at: float = 0.5) -> list:
     return out
 
 
+def online_stepped(events, node: str, by: float) -> tuple:
+    """:func:`test_steps_by_number.online` of ``events`` with ``node``'s clock stepped by
+    ``by`` (:func:`stepped`), each record arriving when it happened."""
+    from test_steps_by_number import online
+
+    moved = stepped(events, node, by)
+    shift = {id(after): after.ts - before.ts for before, after in zip(events, moved)}
+    return online(moved, lambda e, happened: -shift[id(e)])
+
+
 STEPPED_SHAPES = ("plain-0.05s", "plain-0.5s", "checkpoints-2.0s", "evals-30min-6.0s",
                   "user-phase-30.0s", "gc-steps-0.2s", "loader-stalls-120.0s",
                   "shared-cpu-noise-0.5s", "pp4-last-stage-slower-6.0s", "mixed-1")
@@ -163,13 +173,9 @@ def test_a_machine_lost_after_a_peers_clock_stepped_is_found(by):
 def test_a_clock_stepped_mid_job_online_raises_nothing(by):
     """The same through the worker's job side, records arriving when they happened."""
     from scenario_library import HEALTHY
-    from test_steps_by_number import online
 
     sc = dataclasses.replace(next(s for s in HEALTHY if s.name == "plain-0.5s"), per_node=2)
-    events = recording(sc)["events"]
-    moved = stepped(events, "n1", by)
-    shift = {id(after): after.ts - before.ts for before, after in zip(events, moved)}
-    assert online(moved, lambda e, happened: -shift[id(e)])[0] == []
+    assert online_stepped(recording(sc)["events"], "n1", by)[0] == []
 
 
 #: healthy shapes (name, step of n1's clock, ranks a machine) that raised a false incident
@@ -193,14 +199,11 @@ AROUND_RESTARTS_AND_PAUSES = [
 @pytest.mark.parametrize("name,by,per_node", AROUND_RESTARTS_AND_PAUSES)
 def test_a_clock_stepped_around_a_restart_or_in_a_pause_raises_nothing(name, by, per_node):
     from scenario_library import HEALTHY
-    from test_steps_by_number import online
 
     sc = dataclasses.replace(next(s for s in HEALTHY if s.name == name), per_node=per_node)
     events = recording(sc)["events"]
-    moved = stepped(events, "n1", by)
-    shift = {id(after): after.ts - before.ts for before, after in zip(events, moved)}
-    assert online(moved, lambda e, happened: -shift[id(e)])[0] == []
-    engine, summary = analyze_events(moved)
+    assert online_stepped(events, "n1", by)[0] == []
+    engine, summary = analyze_events(stepped(events, "n1", by))
     assert summary["rejected"] == 0
     assert [(i["kind"], i["ranks"]) for i in engine.incidents()] == []
 
@@ -215,9 +218,7 @@ def test_heartbeats_let_go_after_a_later_item_of_their_rank_are_not_applied():
 
     sc = next(s for s in HEALTHY if s.name == "checkpoints-0.2s")
     events = recording(sc)["events"]
-    moved = stepped(events, "n1", -8.0)
-    shift = {id(after): after.ts - before.ts for before, after in zip(events, moved)}
-    found, jobs = online(moved, lambda e, happened: -shift[id(e)])
+    found, jobs = online_stepped(events, "n1", -8.0)
     assert found == [] and jobs.superseded > 0
     found, jobs = online(events, lambda e, happened: 0.0)
     assert found == [] and jobs.superseded == 0
