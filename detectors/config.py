@@ -15,12 +15,17 @@ without a line written. :meth:`DetectorsConfig.params_for` gives a detector clas
 Traceback (most recent call last):
 ...
 trainguard.config.ConfigError: detectors.straggler.k (12) must be between 1 and detectors.straggler.n (10)
+>>> with_values(DetectorsConfig(), {"stages.heartbeat_summary_s": 20.0})
+Traceback (most recent call last):
+...
+trainguard.config.ConfigError: detectors.stages.heartbeat_summary_s (20) must be below detectors.silent.timeout_s (15)
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+from trainguard.config import ConfigError
 from trainguard.setting import setting, validate
 
 from .correlate import Correlator
@@ -38,7 +43,8 @@ class StagesConfig:
     """How the stages feed the detectors (:mod:`trainguard.detectors.stages`)."""
 
     heartbeat_summary_s: float = setting(5.0, "RankStage forwards an unchanged heartbeat "
-                                              "this often")
+                                              "this often (0: every one); below "
+                                              "detectors.silent.timeout_s", maximum=3600.0)
     step_window: int = setting(32, "a rank's record counts toward its step while the job is "
                                    "fewer than this many steps further (steps by number: a "
                                    "rank that lags or a clock that is off still counts)",
@@ -56,6 +62,12 @@ class _Sections:
 
     def __post_init__(self):
         validate(self, "detectors.")
+        silent = getattr(self, "silent", None)
+        every = self.stages.heartbeat_summary_s
+        if silent is not None and every >= silent.timeout_s:
+            # a rank in a long phase is heard on the job side only this often
+            raise ConfigError(f"detectors.stages.heartbeat_summary_s ({every:g}) must be "
+                              f"below detectors.silent.timeout_s ({silent.timeout_s:g})")
 
     def params_for(self, cls) -> dict:
         """Constructor arguments of detector class ``cls``: its section's values (none for a

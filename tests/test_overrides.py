@@ -49,6 +49,11 @@ def test_cross_checks_use_the_workers_own_configuration():
     check_values({"detectors.straggler.k": 12}, with_values(DetectorConfig(), {"straggler.n": 20}))
     with pytest.raises(ConfigError, match="detectors.straggler.k"):
         check_values({"detectors.straggler.k": 12}, DetectorConfig())
+    # a silence shorter than the rank side's heartbeat summaries would page healthy ranks
+    with pytest.raises(ConfigError, match="heartbeat_summary_s"):
+        check_values({"detectors.silent.timeout_s": 4.0}, DetectorConfig())
+    check_values({"detectors.silent.timeout_s": 4.0},
+                 with_values(DetectorConfig(), {"stages.heartbeat_summary_s": 2.0}))
 
 
 def test_every_live_key_is_a_detector_attribute_of_a_job_stage():
