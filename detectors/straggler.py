@@ -47,8 +47,9 @@ class StragglerDetector(UsesView, Detector):
     """Ranks persistently slower than their peers of the same role, and than their own past.
 
     Peers: with a known topology (lifecycle ``topology``, Megatron layout: TP fastest, then
-    DP, then PP) the ranks of the same pipeline stage, when the stage has ``min_ranks``;
-    otherwise the whole job. Each rank has its own *usual share*: the log of its
+    DP, then PP) the ranks of the same pipeline stage, when a stage has ``min_ranks`` (a
+    stage with fewer of them in a step, its other ranks' records late, is not judged in
+    it); otherwise the whole job. Each rank has its own *usual share*: the log of its
     ``compute_time`` over its peers' (the mean of its first ``warmup`` steps, then moved by
     ``baseline_step`` towards each step within its own noise: a running median, which a
     noisy rank's slow half does not drag), and its own *spread* (the mean absolute deviation
@@ -252,16 +253,18 @@ class PaceDicts:
             b = base.get(rank)
             scaled[rank] = t / b[2] if b is not None else t
         size = d.view.stage_size
-        if size:
-            stages: dict = {}
-            for rank, t in scaled.items():
-                stages.setdefault(rank // size, {})[rank] = t
-            if all(len(group) >= d.min_ranks for group in stages.values()):
-                ratios = {}
-                for group in stages.values():
-                    ratios.update(peer_ratios(group))
-                return ratios
-        return peer_ratios(scaled)
+        if size < d.min_ranks:
+            return peer_ratios(scaled)
+        stages: dict = {}
+        for rank, t in scaled.items():
+            stages.setdefault(rank // size, {})[rank] = t
+        ratios = {}
+        for group in stages.values():
+            # a stage short of peers in this step (records late, the job restarting) is
+            # not judged: against the other stages, one slower by design would stand out
+            ratios.update(peer_ratios(group) if len(group) >= d.min_ranks
+                          else dict.fromkeys(group, 0.0))
+        return ratios
 
     def _slow_from_the_start(self, d, learned_now) -> None:
         """A rank that learned a usual share of at least ``ratio`` x its peers' while at most a
@@ -445,17 +448,16 @@ class PaceArrays:
     def _ratios(self, d, rows, scaled) -> np.ndarray:
         """As :meth:`PaceDicts._ratios`, over arrays."""
         size = d.view.stage_size
-        if size:
-            gid = self.rows.group_ids(size)[rows]
-            counts = np.bincount(gid)
-            if counts[counts > 0].min() >= d.min_ranks:
-                ratios = np.empty(len(scaled))
-                order = np.argsort(gid, kind="stable")
-                bounds = np.flatnonzero(np.diff(gid[order])) + 1
-                for part in np.split(order, bounds):
-                    ratios[part] = peer_ratio_array(scaled[part])
-                return ratios
-        return peer_ratio_array(scaled)
+        if size < d.min_ranks:
+            return peer_ratio_array(scaled)
+        gid = self.rows.group_ids(size)[rows]
+        ratios = np.zeros(len(scaled))          # 0: a stage short of peers, not judged
+        order = np.argsort(gid, kind="stable")
+        bounds = np.flatnonzero(np.diff(gid[order])) + 1
+        for part in np.split(order, bounds):
+            if len(part) >= d.min_ranks:
+                ratios[part] = peer_ratio_array(scaled[part])
+        return ratios
 
     def _slow_from_the_start(self, d, learned_now) -> None:
         """As :meth:`PaceDicts._slow_from_the_start`, over arrays."""

@@ -81,3 +81,36 @@ def test_ranks_falling_behind_a_few_steps_apart_are_named_together():
     found = run(times, 160)
     assert [f.ranks for f in found] == [[6, 7, 8, 9]]
     assert found[0].evidence["detected_step"] <= 100 + 30
+
+
+@pytest.mark.parametrize("arrays", [False, True])
+def test_a_stage_short_of_peers_in_some_steps_is_not_judged_against_the_other_stage(
+        arrays, monkeypatch):
+    """Two pipeline stages, the second 1.3x slower by design. After a restart whose clock
+    offsets are not learned yet, steps close with the first stage whole and one rank of the
+    second (mixed-2 with a machine's clock stepped while the job was down): that rank is
+    not compared with the faster stage, as if it were a straggler."""
+    from trainguard.detectors import straggler
+
+    if arrays:
+        monkeypatch.setattr(straggler, "ARRAYS_FROM", 0)
+    d = StragglerDetector()
+    d.update({"k": "life", "job": "j", "rank": 0, "node": "n0", "ts": 1.0, "event": "start",
+              "world_size": 8, "topology": {"tp": 2, "pp": 2, "dp": 2}})
+    rng = random.Random(3)
+    out = []
+    for s in range(80):
+        times = [noisy(rng, 1.0 if r < 4 else 1.3, 0.02) for r in range(8)]
+        js = make_jobstep(s, 100.0 + 2 * s, compute_time=times)
+        if s >= 40:
+            for r in (5, 6, 7):
+                del js["ranks"][r]
+        out += d.update(js)
+    assert out == []
+    # the whole stage slowing down relative to its usual pace is still a straggler: rank 4
+    # slower than its own stage, once the stage is whole again
+    for s in range(80, 110):
+        times = [noisy(rng, 1.0 if r < 4 else 1.3, 0.02) for r in range(8)]
+        times[4] *= 1.6
+        out += d.update(make_jobstep(s, 100.0 + 2 * s, compute_time=times))
+    assert [f.ranks for f in out] == [[4]]
