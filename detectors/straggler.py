@@ -119,7 +119,8 @@ class StragglerDetector(UsesView, Detector):
         if len(st) >= ARRAYS_FROM and type(self._paces) is PaceDicts:
             self._paces = PaceArrays.of(self._paces, self)
         step, ts = item["step"], item["ts"]
-        qualifying = self._paces.judge(self, st, step, ts)
+        size = self._stage_size(item)
+        qualifying = self._paces.judge(self, st, step, ts, size)
         if not qualifying and self._pending is None:
             return []
         if self._pending is None:
@@ -137,9 +138,18 @@ class StragglerDetector(UsesView, Detector):
         if not qualifying:
             return []
         self._paces.mark_named(qualifying)
-        return [self._finding(qualifying, step, ts)]
+        return [self._finding(qualifying, step, ts, size)]
 
-    def _finding(self, qualifying, step, ts) -> Finding:
+    def _stage_size(self, jobstep) -> int:
+        """Ranks per pipeline stage to compare within, 0: across the job. Not when a stage
+        holds fewer than ``min_ranks``, nor when the step's world is not whole stages of it
+        (a resize whose starts told no topology left the one before)."""
+        size, world = self.view.stage_size, jobstep.get("world")
+        if size < self.min_ranks or (type(world) is int and world % size):
+            return 0
+        return size
+
+    def _finding(self, qualifying, step, ts, size: int) -> Finding:
         history = {r: self._paces.history(r) for r in qualifying}
         first = min((h for r in qualifying for h in history[r] if h[0]),
                     key=lambda h: (h[1], h[2]))
@@ -148,8 +158,7 @@ class StragglerDetector(UsesView, Detector):
         nodes = whole_nodes(qualifying, self.view.where)
         where = f" (all of machine{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
         worst = max(float(v) for v in mean_ratio.values())
-        staged = self.view.stage_size >= self.min_ranks  # else compared across the job
-        peers = "the peers of their pipeline stage" if staged else "their peers"
+        peers = "the peers of their pipeline stage" if size else "their peers"
         return Finding(
             kind="straggler", severity="warning", ranks=sorted(qualifying), nodes=nodes,
             step=first[1], onset_ts=first[2], detected_ts=ts, detector=self.PREFIX,
@@ -172,10 +181,11 @@ class PaceDicts:
         self.slow_steps: dict = {}  # rank -> how many of its steps were slow
         self.named_ranks: set = set()  # named, not recovered since
 
-    def judge(self, d: StragglerDetector, st, step, ts) -> list:
-        """Learn one step; returns the ranks that qualify now (not named yet)."""
+    def judge(self, d: StragglerDetector, st, step, ts, size: int) -> list:
+        """Learn one step (``size``: ranks per stage compared, 0: the whole job); returns the
+        ranks that qualify now (not named yet)."""
         times = dict(zip(st.ranks, st.values))
-        ratios = self._ratios(d, times)
+        ratios = self._ratios(d, times, size)
         qualifying = []
         base_of, ratio = self.base, d.ratio
         log_ratio, warmup = math.log(ratio), d.warmup
@@ -244,16 +254,15 @@ class PaceDicts:
             self._slow_from_the_start(d, learned_now)
         return qualifying
 
-    def _ratios(self, d, times: dict) -> dict:
+    def _ratios(self, d, times: dict, size: int) -> dict:
         """Each rank's scaled time over the median of its peers' (see the detector); peers
-        within a pipeline stage where the topology is known."""
+        within a pipeline stage of ``size`` ranks (0: the whole job)."""
         base = self.base
         scaled = {}
         for rank, t in times.items():
             b = base.get(rank)
             scaled[rank] = t / b[2] if b is not None else t
-        size = d.view.stage_size
-        if size < d.min_ranks:
+        if not size:
             return peer_ratios(scaled)
         stages: dict = {}
         for rank, t in scaled.items():
@@ -365,11 +374,11 @@ class PaceArrays:
             new[:have] = old
             setattr(self, name, new)
 
-    def judge(self, d: StragglerDetector, st, step, ts) -> list:
-        """Learn one step; returns the ranks that qualify now (not named yet)."""
+    def judge(self, d: StragglerDetector, st, step, ts, size: int) -> list:
+        """Learn one step (see :meth:`PaceDicts.judge`)."""
         rows = self.rows.rows(st.ranks, self._grow)
         times = st.times
-        ratios = self._ratios(d, rows, times / self.share[rows])
+        ratios = self._ratios(d, rows, times / self.share[rows], size)
         log_ratio = float(np.log(d.ratio))
         # the typical ratio of the step's ranks that are not slow (see PaceDicts.judge)
         usual = ratios[(ratios > 0) & (ratios < d.ratio)]
@@ -445,10 +454,9 @@ class PaceArrays:
         self.slow[rows] = count
         return count
 
-    def _ratios(self, d, rows, scaled) -> np.ndarray:
+    def _ratios(self, d, rows, scaled, size: int) -> np.ndarray:
         """As :meth:`PaceDicts._ratios`, over arrays."""
-        size = d.view.stage_size
-        if size < d.min_ranks:
+        if not size:
             return peer_ratio_array(scaled)
         gid = self.rows.group_ids(size)[rows]
         ratios = np.zeros(len(scaled))          # 0: a stage short of peers, not judged

@@ -251,6 +251,21 @@ def test_an_overrides_file_for_analyze(tmp_path):
         read_overrides_file(path)
 
 
+def test_records_and_files_are_checked_against_the_configuration_in_use(tmp_path):
+    """A deployment whose file lowers the heartbeat summaries may shorten the silence: its
+    record is read back (``config set`` of another key keeps it), and analyze takes it,
+    with that file; with the defaults it is refused."""
+    base = with_values(DetectorConfig(), {"stages.heartbeat_summary_s": 2.0})
+    value = record({"detectors.silent.timeout_s": 4.0})
+    assert isinstance(check(value, base=base), Accepted)
+    assert check(value).code == "malformed"
+    path = tmp_path / "o.toml"
+    path.write_text('[jobs.j1.detectors.silent]\ntimeout_s = 4.0\n')
+    assert read_overrides_file(path, base) == {"j1": {"detectors.silent.timeout_s": 4.0}}
+    with pytest.raises(ConfigError, match="heartbeat_summary_s"):
+        read_overrides_file(path)
+
+
 # -- the command line, before it reaches Kafka -----------------------------------------------
 
 def test_config_set_refuses_a_bad_value_with_one_line(capsys):

@@ -114,3 +114,31 @@ def test_a_stage_short_of_peers_in_some_steps_is_not_judged_against_the_other_st
         times[4] *= 1.6
         out += d.update(make_jobstep(s, 100.0 + 2 * s, compute_time=times))
     assert [f.ranks for f in out] == [[4]]
+
+
+@pytest.mark.parametrize("arrays", [False, True])
+def test_after_a_resize_that_told_no_topology_the_old_stages_are_not_used(arrays, monkeypatch):
+    """16 ranks in two stages of 8, then a restart on 9 ranks whose starts tell no topology:
+    the old stage size leaves rank 8 alone in its stage; it is compared across the job, and
+    found when it falls behind."""
+    from trainguard.detectors import straggler
+
+    if arrays:
+        monkeypatch.setattr(straggler, "ARRAYS_FROM", 0)
+    d = StragglerDetector()
+    start = {"k": "life", "job": "j", "rank": 0, "node": "n0", "ts": 1.0, "event": "start",
+             "world_size": 16, "topology": {"tp": 1, "pp": 2, "dp": 8}}
+    d.update(start)
+    rng = random.Random(5)
+    out = []
+    for s in range(30):
+        out += d.update(make_jobstep(s, 100.0 + s, compute_time=[
+            noisy(rng, 1.0, 0.02) for _ in range(16)]))
+    d.update({**start, "ts": 200.0, "world_size": 9, "topology": None})
+    for s in range(30, 90):
+        times = [noisy(rng, 1.0, 0.02) for _ in range(9)]
+        if s >= 60:
+            times[8] *= 1.6
+        out += d.update(make_jobstep(s, 200.0 + s, compute_time=times))
+    assert [f.ranks for f in out] == [[8]]
+    assert "their peers" in out[0].summary

@@ -105,7 +105,7 @@ def cmd_analyze(args) -> int:
     if getattr(args, "overrides", None):
         from .overrides import read_overrides_file
 
-        overrides = read_overrides_file(args.overrides)
+        overrides = read_overrides_file(args.overrides, getattr(args, "detector_config", None))
     from .progress import reading, wanted
 
     if getattr(args, "detector_module", None):

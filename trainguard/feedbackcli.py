@@ -166,10 +166,11 @@ def read_learned(config, job: str, keys, timeout_s: float = 15.0) -> dict | None
 
 def show_job(args, config) -> int:
     """``trainguard config show --job J``: the job's per-job overrides and its lessons."""
+    from .configsections import detector_config
     from .overridecli import _keys, read_current
 
     keys = _keys(args)
-    current, _ = read_current(config, keys)
+    current, _ = read_current(config, keys, base=detector_config(args.tree))
     overrides = current[args.job].values if args.job in current else {}
     learned = read_learned(config, args.job, keys)
     if args.json:

@@ -48,8 +48,10 @@ def _keys(args):
     return SigningKeys.parse(text) if text else None
 
 
-def read_current(config, keys, timeout_s: float = 15.0) -> tuple[dict, int]:
-    """``({job: Accepted}, refused)``: the latest accepted record of each job on the topic."""
+def read_current(config, keys, timeout_s: float = 15.0, base=None) -> tuple[dict, int]:
+    """``({job: Accepted}, refused)``: the latest accepted record of each job on the topic,
+    its values checked together with ``base`` (the DetectorsConfig in use, as the workers
+    check them; None: the defaults)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
     from .signing import Verifier
@@ -80,7 +82,7 @@ def read_current(config, keys, timeout_s: float = 15.0) -> tuple[dict, int]:
                 continue
             job = _job_of(msg.key())
             latest = current.get(job)
-            result = check_record(msg.key(), msg.value(), verifier=verifier,
+            result = check_record(msg.key(), msg.value(), verifier=verifier, base=base,
                                   latest_ts=latest.ts if latest is not None else None)
             if isinstance(result, Accepted):
                 current[result.job] = result
@@ -135,7 +137,7 @@ def cmd_overrides(args, config) -> int:
         wanted = parse_assignments(args.values, base)
     elif args.config_action == "unset":
         removed = check_keys(args.keys)
-    current, refused = read_current(config, keys)
+    current, refused = read_current(config, keys, base=base)
     if args.config_action == "overrides":
         return _list(current, refused, args)
     job = args.job

@@ -344,9 +344,10 @@ def audit_action(*, accepted: Accepted, changes: dict, worker: str, live_stages:
         extra={"source": "worker", "code": "config_override"})
 
 
-def read_overrides_file(path) -> dict:
+def read_overrides_file(path, base=None) -> dict:
     """``{job: {path: value}}`` from a TOML or JSON file (``trainguard analyze
-    --overrides``): ``[jobs.J]`` tables, or ``{"J": {...}}``, keys as in ``config set``."""
+    --overrides``): ``[jobs.J]`` tables, or ``{"J": {...}}``, keys as in ``config set``;
+    checked together with ``base`` (the DetectorsConfig of the analysis)."""
     from pathlib import Path
 
     from .configtree import read_toml
@@ -366,7 +367,7 @@ def read_overrides_file(path) -> dict:
     for job, values in data.items():
         if not _JOB_RE.fullmatch(str(job)):
             raise ConfigError(f"{path}: job id {job!r} must be 1-128 of [A-Za-z0-9._-]")
-        out[job] = check_values(_flatten(values))
+        out[job] = check_values(_flatten(values), base)
     return out
 
 
