@@ -31,9 +31,6 @@ records, jumped by more than ``jump_s`` (``jump`` in the item; see ``RankStage``
 - back, and now more than ``jump_s`` behind the job's newest time: the step is applied to the
   records of each rank of the machine that went back, from then on (a rank's records keep
   their order; its RankStage moves a phase begun before with it);
-- back while the machine was down (its ranks' ``start`` stamped before their records of
-  the run before): as above, and as far as its start is behind the others' of the launch
-  (:meth:`JobClock._learn_start`; they would otherwise be measured against it);
 - forward, and now more than ``jump_s`` past the job's newest time: the machine's stamps
   past its newest before the step are held ``jump_s`` ahead of the job, unless machines
   that are at least half of those heard lately lead as far (the whole job was quiet: it
@@ -342,27 +339,12 @@ class JobClock:
             self._settle(step - self.settle)
 
     def _learn_start(self, node, ts) -> None:
-        """A machine's first ``start`` of a launch against the others'. One whose clock went
-        back while it was down (its ranks' starts stamped before their records of the run
-        before: a step back, :meth:`_jumped`) is left out of the reference, and its step is
-        as far as its start is behind the others' (at least that)."""
         if type(ts) not in (int, float) or node in self._starts:
             return
-        starts = self._starts
-        starts[node] = ts
-        back = [n for n in starts if n in self._steps and self._steps[n].delta < 0.0]
-        steady = [n for n in starts if n not in back]
-        if back and steady:
-            offsets = self._offsets
-            ref = _lower_median([starts[n] - offsets.get(n, 0.0) for n in steady])
-            for n in back:
-                step = self._steps[n]
-                delta = starts[n] - step.base - ref
-                if -self.max_offset_s < delta < step.delta - self.jump_s / 2:
-                    step.delta = delta
-        if node in back or len(steady) < 2:
+        self._starts[node] = ts
+        if len(self._starts) < 2:
             return
-        diff = ts - _lower_median([starts[n] for n in steady])
+        diff = ts - _lower_median(list(self._starts.values()))
         if abs(diff) >= self.start_min_s:
             self._add(node, diff)
 

@@ -100,9 +100,7 @@ class RankStage:
     stamped ``JUMP_S`` and twice its step's time before the last of them, its clock went
     back (an eval's heartbeats 5 s apart hid a step back of 28 s until after the first
     steps that followed it). Both are measured from a process's start or end; a jump back
-    told by one moves the other's reference with it. A process's ``start`` stamped more than
-    ``JUMP_S`` before the rank's last record (of the process before it: the clock went back
-    while the rank was down) carries ``jump`` too, at least how far.
+    told by one moves the other's reference with it.
 
     >>> from trainguard import events as ev
     >>> rs = RankStage()
@@ -177,12 +175,6 @@ class RankStage:
                 if gap < 0.0 and self._ts is not None:
                     self._ts += gap        # its next heartbeat is on the new clock
         elif kind == "lifecycle":      # a process starts or ends: measured from here
-            if event.event == "start":
-                # a process cannot start before its rank's records of the one before it
-                last = self._ts if self._step_ts is None or (
-                    self._ts is not None and self._ts > self._step_ts) else self._step_ts
-                if last is not None and event.ts < last - JUMP_S:
-                    jump = event.ts - last
             self._ts, self._gap = event.ts, math.inf
             self._step_ts, self._stepped = event.ts, False
         if kind == "step":
@@ -231,14 +223,11 @@ class RankStage:
                 self._last_step = None
                 self._hb_key = 0
                 self._moved = None
-            out = {"k": "life", "job": event.job, "rank": event.rank, "node": event.node,
-                   "ts": event.ts, "event": event.event, "exit_code": event.exit_code,
-                   "signal": event.signal, "pid": event.pid, "world_size": event.world_size,
-                   "local_rank": event.local_rank, "step": self._last_step,
-                   "topology": event.topology}
-            if jump is not None:
-                out["jump"] = jump
-            return [out]
+            return [{"k": "life", "job": event.job, "rank": event.rank, "node": event.node,
+                     "ts": event.ts, "event": event.event, "exit_code": event.exit_code,
+                     "signal": event.signal, "pid": event.pid, "world_size": event.world_size,
+                     "local_rank": event.local_rank, "step": self._last_step,
+                     "topology": event.topology}]
         return []
 
 

@@ -188,16 +188,15 @@ def test_a_clock_stepped_mid_job_online_raises_nothing(by):
 #:   it, their held records went out of order, and every later checkpoint or user phase was
 #:   taken for one that wraps steps (a hang in each);
 #: - stepped forward while down: ranks named silent in analyze;
-#: - stepped back 60 s while down for 20 s (its starts stamped before its records of the run
-#:   before): the worker took the other machine's first records as 56 s on, a hang of its
-#:   ranks; with one rank of a stage short, mixed-2's steps made a straggler in analyze.
+#: - stepped back while down, 4 ranks a machine (mixed-2): steps closed with one rank of the
+#:   slower pipeline stage until the offset was learned, a straggler in analyze.
 #: (``test_unseen_healthy_shapes`` and ``bench`` measure the whole library.)
 AROUND_RESTARTS_AND_PAUSES = [
     ("resume-0.5s", -30.0, 4), ("resume-0.5s", -30.0, 2), ("resume-6.0s", -30.0, 4),
     ("mixed-2", -30.0, 2), ("mixed-2", -30.0, 4), ("evals-30min-0.2s", -30.0, 4),
-    ("checkpoints-0.2s", -8.0, 4), ("user-phase-0.5s", -8.0, 4), ("user-phase-0.05s", -8.0, 4),
-    ("own-restart-0.5s", 30.0, 4), ("own-restart-0.5s", 30.0, 2),
-    ("own-restart-0.05s", -60.0, 4)]
+    ("checkpoints-0.2s", -8.0, 4),
+    ("user-phase-0.5s", -8.0, 4), ("user-phase-0.05s", -8.0, 4), ("own-restart-0.5s", 30.0, 4),
+    ("own-restart-0.5s", 30.0, 2)]
 
 
 @pytest.mark.parametrize("name,by,per_node", AROUND_RESTARTS_AND_PAUSES)
@@ -439,24 +438,6 @@ def test_a_rank_stage_says_when_its_stamps_jump_and_keeps_a_phases_age():
     assert rs.update(hb.replace(ts=72.0)) == []                   # thinned as before
     assert rs.update(hb.replace(ts=73.0, phase="forward", phase_since=72.5))[0][
         "phase_since"] == 72.5                                    # a phase begun after it
-
-
-def test_a_start_stamped_before_the_ranks_records_of_the_run_before_is_a_step_back():
-    """A rank down 20 s while its machine's clock went back 60 s: its new process's start is
-    stamped 40 s before its exit, which tells the step (at least that far); a restart whose
-    start comes after the exit, and a rank's first start, tell nothing."""
-    from trainguard import events as ev
-    from trainguard.detectors import RankStage
-
-    start = ev.Lifecycle(job="j", ts=100.0, node="n1", rank=0, event="start", pid=1,
-                         world_size=8)
-    rs = RankStage()
-    assert "jump" not in rs.update(start)[0]
-    rs.update(ev.Step(job="j", ts=150.0, node="n1", rank=0, step=3, step_time=1.0))
-    rs.update(start.replace(ts=151.0, event="exit", exit_code=1))
-    assert rs.update(start.replace(ts=111.0, pid=2))[0]["jump"] == -40.0
-    rs.update(start.replace(ts=140.0, event="exit", exit_code=1))
-    assert "jump" not in rs.update(start.replace(ts=160.0, pid=3))[0]
 
 
 def test_heartbeats_far_apart_are_no_step_but_a_step_on_top_is():
