@@ -146,6 +146,8 @@ class RankStage:
         if kind == "heartbeat":
             # stamped as sent, by one thread (a step's record may wait for its GPU timing)
             ts, last = event.ts, self._ts
+            if last is not None and ts < last and self._stale(event.step, "heartbeat"):
+                return []                  # written again or overtaken: nothing new
             self._ts = ts
             if last is not None:
                 gap = ts - last
@@ -157,6 +159,8 @@ class RankStage:
                 self._gap = gap if gap > 0.0 else 0.0
         elif kind == "step":           # stamped at its end, in order (maybe sent later)
             ts, last = event.ts, self._step_ts
+            if last is not None and ts < last and self._stale(event.step, "step"):
+                return [_step_summary(event, None)]     # its numbers count; no jump
             self._step_ts = ts
             gap = None
             if last is not None:
@@ -179,23 +183,7 @@ class RankStage:
             self._step_ts, self._stepped = event.ts, False
         if kind == "step":
             self._last_step = event.step
-            loss, grad_norm, loss_scale = event.loss, event.grad_norm, event.loss_scale
-            extra = event.extra
-            # json_number's test inline: a finite float or None is the common case
-            if loss is not None and loss - loss != 0:
-                loss = json_number(loss)
-            if grad_norm is not None and grad_norm - grad_norm != 0:
-                grad_norm = json_number(grad_norm)
-            if loss_scale is not None and loss_scale - loss_scale != 0:
-                loss_scale = json_number(loss_scale)
-            out = {"k": "step", "job": event.job, "rank": event.rank, "node": event.node,
-                   "ts": event.ts, "step": event.step, "step_time": event.step_time,
-                   "compute_time": event.compute_time, "loss": loss,
-                   "grad_norm": grad_norm, "loss_scale": loss_scale, "tokens": event.tokens,
-                   "samples": extra.get("samples") if extra else None}
-            if jump is not None:
-                out["jump"] = jump
-            return [out]
+            return [_step_summary(event, jump)]
         if kind == "heartbeat":
             phase, since = event.phase, event.phase_since
             self._since = since
@@ -229,6 +217,44 @@ class RankStage:
                      "local_rank": event.local_rank, "step": self._last_step,
                      "topology": event.topology}]
         return []
+
+    def _stale(self, step, kind: str) -> bool:
+        """Whether a record of ``kind`` stamped before the rank's last one of its kind,
+        telling ``step``, is an old one: the collector's producer may write a record again
+        after a broker's fail-over, or a retried batch after later ones, up to its
+        ``message.timeout.ms`` (15 s) late. A step record is old when the rank's step
+        records had gone up to its step, a heartbeat (its last completed step, None before
+        the process's first) when they had gone past it. A step of the machine's clock back
+        leaves the step numbers going on. (An old heartbeat of the newest step, in a long
+        step or phase, cannot be told from a step back by its numbers: it is taken for
+        one.)"""
+        last = self._last_step
+        if last is None:
+            return False
+        if kind == "step":
+            return step <= last
+        return step is None or type(step) is int and step < last
+
+
+def _step_summary(event, jump) -> dict:
+    """A step record's summary (``jump``: see :class:`RankStage`)."""
+    loss, grad_norm, loss_scale = event.loss, event.grad_norm, event.loss_scale
+    extra = event.extra
+    # json_number's test inline: a finite float or None is the common case
+    if loss is not None and loss - loss != 0:
+        loss = json_number(loss)
+    if grad_norm is not None and grad_norm - grad_norm != 0:
+        grad_norm = json_number(grad_norm)
+    if loss_scale is not None and loss_scale - loss_scale != 0:
+        loss_scale = json_number(loss_scale)
+    out = {"k": "step", "job": event.job, "rank": event.rank, "node": event.node,
+           "ts": event.ts, "step": event.step, "step_time": event.step_time,
+           "compute_time": event.compute_time, "loss": loss,
+           "grad_norm": grad_norm, "loss_scale": loss_scale, "tokens": event.tokens,
+           "samples": extra.get("samples") if extra else None}
+    if jump is not None:
+        out["jump"] = jump
+    return out
 
 
 def on_grid(now: float, every: float) -> float:
