@@ -102,6 +102,15 @@ class RankStage:
     steps that followed it). Both are measured from a process's start or end; a jump back
     told by one moves the other's reference with it.
 
+    A record stamped before the rank's last one of its kind is an old one, written again or
+    overtaken by later ones (a recording whose recorder restarted; a producer's retry), when
+    its step number says so (:meth:`_stale`): such a heartbeat is dropped, such a step
+    record forwarded without ``jump``, and neither moves a reference. A step of the clock
+    back leaves the step numbers going on, so it is told as before. Not told apart: an old
+    heartbeat of the newest step (in a long step or phase), an old record of the run before
+    a restart that resumed from an earlier step, or of the epoch before step numbers began
+    again; each is taken for a step of the clock, as before.
+
     >>> from trainguard import events as ev
     >>> rs = RankStage()
     >>> hb = ev.Heartbeat(job="j", ts=10.0, node="n1", rank=0, pid=1, step=4,
@@ -146,7 +155,7 @@ class RankStage:
         if kind == "heartbeat":
             # stamped as sent, by one thread (a step's record may wait for its GPU timing)
             ts, last = event.ts, self._ts
-            if last is not None and ts < last and self._stale(event.step, "heartbeat"):
+            if last is not None and ts < last and self._stale(event):
                 return []                  # written again or overtaken: nothing new
             self._ts = ts
             if last is not None:
@@ -159,7 +168,7 @@ class RankStage:
                 self._gap = gap if gap > 0.0 else 0.0
         elif kind == "step":           # stamped at its end, in order (maybe sent later)
             ts, last = event.ts, self._step_ts
-            if last is not None and ts < last and self._stale(event.step, "step"):
+            if last is not None and ts < last and self._stale(event):
                 return [_step_summary(event, None)]     # its numbers count; no jump
             self._step_ts = ts
             gap = None
@@ -218,23 +227,20 @@ class RankStage:
                      "topology": event.topology}]
         return []
 
-    def _stale(self, step, kind: str) -> bool:
-        """Whether a record of ``kind`` stamped before the rank's last one of its kind,
-        telling ``step``, is an old one: the collector's producer may write a record again
-        after a broker's fail-over, or a retried batch after later ones, up to its
-        ``message.timeout.ms`` (15 s) late. A step record is old when the rank's step
-        records had gone up to its step, a heartbeat (its last completed step, None before
-        the process's first) when they had gone past it. A step of the machine's clock back
-        leaves the step numbers going on. (An old heartbeat of the newest step, in a long
-        step or phase, cannot be told from a step back by its numbers: it is taken for
-        one.)"""
+    def _stale(self, event) -> bool:
+        """Whether ``event``, a heartbeat or step record stamped before the rank's last one
+        of its kind, is an old one (see the class): a step record of a step the rank's step
+        records had reached, a heartbeat whose last completed step they had gone past, or
+        one without a step in ``init`` or a step's phase once they began."""
         last = self._last_step
         if last is None:
             return False
-        if kind == "step":
+        step = event.step
+        if event.TYPE == "step":
             return step <= last
-        return step is None or type(step) is int and step < last
-
+        if step is None:         # before its first step; in a pause a producer may say none
+            return event.phase == "init" or event.phase in STEP_PHASES
+        return type(step) is int and step < last
 
 def _step_summary(event, jump) -> dict:
     """A step record's summary (``jump``: see :class:`RankStage`)."""

@@ -50,6 +50,17 @@ def test_a_heartbeat_from_before_the_first_step_after_it_is_old():
     assert _run(rs, [_hb(101.0, None, phase="init")]) == [[]]
 
 
+def test_a_heartbeat_without_a_step_outside_init_is_not_taken_for_old():
+    """A producer may send ``step: null`` all along (SPEC: int or null): a step of its clock
+    back in a checkpoint is still told (a review's case: it was dropped as old)."""
+    rs = RankStage()
+    for t in range(100, 110):
+        rs.update(_step(t + 0.9, t - 100))
+    for t in range(110, 130):
+        rs.update(_hb(float(t), None, phase="checkpoint", since=110.0))
+    assert _run(rs, [_hb(100.0, None, phase="checkpoint", since=110.0)]) == [[("hb", -29.0)]]
+
+
 def test_a_real_step_back_still_jumps():
     """Step numbers go on across a step of the clock: its records are new, and say how far."""
     rs = RankStage()

@@ -198,9 +198,9 @@ BY_DESIGN = {
 #: healthy shapes that still raise incidents (see the report; not fixed): the step time
 #: 2.5x in 400 steps with the same tokens per step (a throughput drop by its definition: 30%
 #: slower than 100 steps before), very noisy per-rank compute times (straggler); records
-#: written a second time up to 15 s late in 30 s steps or checkpoints, where an old
-#: heartbeat tells the newest step and is taken for a step of its clock back (silent;
-#: tests/test_stale_records.py has the shapes where step numbers tell them apart)
+#: written a second time up to 15 s late in steps of 15 s or more, checkpoints or evals,
+#: where an old heartbeat tells the newest step and is taken for a step of its clock back
+#: (silent; tests/test_stale_records.py has the shapes where step numbers tell them apart)
 KNOWN = {
     "records-again-15s-late-30s-steps": lambda k: Shape(name="ag30", again=0.3, again_s=15.0,
                                                         steps=15, step_s=30.0, world=8,
