@@ -9,7 +9,8 @@ state had already seen them, ``trainguard_snapshots_total``, ``trainguard_gc_col
 and ``trainguard_gc_seconds_total`` (the worker's scheduled garbage collections).
 Gauges: ``trainguard_consumer_lag_messages{topic}`` messages not yet read (high watermark
 minus position, summed over this worker's partitions), ``trainguard_assigned_partitions{topic}``,
-``trainguard_rank_stages``, ``trainguard_job_stages``, ``trainguard_late_step_records``,
+``trainguard_rank_stages``, ``trainguard_unreadable_partitions``,
+``trainguard_job_stages``, ``trainguard_late_step_records``,
 ``trainguard_held_records``, ``trainguard_released_early_records``,
 ``trainguard_superseded_records``,
 ``trainguard_behind_partitions``, ``trainguard_unread_partitions``,

@@ -30,6 +30,7 @@ import uuid
 from mode import Service
 
 from trainguard.streams.logic import EventTimeAligner, Reading, key_job
+from trainguard.streams.partition_leaders import STATS_INTERVAL_MS, LeaderWatch
 from trainguard.streams.processors import RankOutput, RankProcessor
 from trainguard.streams.snapshots import StateError, snapshot_pause, state_header
 
@@ -71,6 +72,7 @@ class RankService(Service):
         self.clock = clock
         self.consumer = None
         self.producer = None
+        self.leaders = LeaderWatch(topics.telemetry)
         self.assignment: set = set()    # partitions of the telemetry topic we own
         self.positions: dict = {}       # partition -> next offset to apply
         self.fetched: dict = {}         # partition -> next offset to fetch
@@ -120,7 +122,9 @@ class RankService(Service):
             # a short prefetch queue and small per-partition fetches interleave the
             # partitions of a backlog finely, so the event-time aligner holds little back
             "queued.min.messages": 5000, "fetch.queue.backoff.ms": 10,
-            "max.partition.fetch.bytes": 65536})
+            "max.partition.fetch.bytes": 65536,
+            # which partitions have no connected leader (a broker died): not said to be read
+            "statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": self.leaders.on_stats})
         self.consumer.subscribe([self.topics.telemetry], on_assign=self._on_assign,
                                 on_revoke=self._on_revoke, on_lost=self._on_lost)
 
@@ -227,7 +231,8 @@ class RankService(Service):
         behind hears, with no items if need be, once it no longer is."""
         from confluent_kafka import TopicPartition
 
-        parts = sorted(self.assignment)
+        # a partition without a connected leader is not read, whatever was fetched of it
+        parts = sorted(self.assignment - self.leaders.unreadable)
         behind = []
         topic, fetched, aligner = self.topics.telemetry, self.fetched, self.aligner
         for p in parts:

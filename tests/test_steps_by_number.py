@@ -37,7 +37,7 @@ def partition_of(node: str) -> int:
 
 
 def online(events, delay_s, clock_offsets=None, reading=False, partition=None, of=0,
-           down=None, **job_side) -> tuple[list, JobProcessor]:
+           down=None, held_by_producer=False, **job_side) -> tuple[list, JobProcessor]:
     """The anomalies ``(kind, ranks, step)`` of the job side fed the rank side's summaries
     of ``events``, each arriving ``delay_s(event)`` after it happened (``clock_offsets``:
     how far each machine's stamps are off), with the worker's one-second wall-clock timer;
@@ -47,7 +47,9 @@ def online(events, delay_s, clock_offsets=None, reading=False, partition=None, o
     and ``of`` the topic's partition count, told with the reading. With ``reading``, each
     rank worker also says so every second with no items, as the worker's rank side does
     (``RankService``), unless ``down(partition, wall)``: its worker is gone (killed, stalled)
-    then."""
+    then, or cannot read it. ``held_by_producer``: a delayed record was written when it
+    arrived (a producer held it: a partition without a leader), not when it happened (a
+    backlog of the topic's)."""
     offsets = clock_offsets or {}
     config = DetectorsConfig()
     ranks: dict = {}
@@ -62,7 +64,9 @@ def online(events, delay_s, clock_offsets=None, reading=False, partition=None, o
         for item in items:
             happened = e.ts - offsets.get(e.node, 0.0)
             p = partition_of(e.node) if partition is None else partition(e)
-            arrivals.append((happened + delay_s(e, happened), seq, p, item, happened))
+            arrival = happened + delay_s(e, happened)
+            written = arrival - 1e-6 if held_by_producer else happened
+            arrivals.append((arrival, seq, p, item, written))
     arrivals.sort(key=lambda a: (a[0], a[1]))
     jobs = JobProcessor(lambda: JobStage(config), **job_side)
     sent: dict = defaultdict(int)

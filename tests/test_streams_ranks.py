@@ -229,6 +229,35 @@ def test_summaries_say_which_partitions_the_worker_is_behind_on():
     assert svc._told == {}
 
 
+def test_a_partition_without_a_connected_leader_is_not_said_to_be_read():
+    """librdkafka's statistics (the consumer's ``stats_cb``) name the partitions whose leader
+    is unknown or not connected: a broker died. They are left out of what this worker says
+    it reads, so the job side waits for them (``tests/test_unread_partitions.py``)."""
+    import json
+
+    from trainguard.streams.logic import Reading
+    from trainguard.streams.processors import RankOutput
+
+    broker, now = Broker(), [0.0]
+    svc = _service(broker, now)
+    svc.consumer.consume(1, 0)
+    svc.fetched = {0: 0, 1: 0, 2: 0, 3: 0}
+    stats = {"brokers": {"b1:9092/1": {"nodeid": 1, "source": "learned", "state": "UP"},
+                         "b2:9092/2": {"nodeid": 2, "source": "learned", "state": "DOWN"}},
+             "topics": {TOPICS.telemetry: {"partitions": {
+                 str(p): {"partition": p, "leader": 1 + p % 2, "desired": True}
+                 for p in range(4)}}}}
+    svc.consumer.conf["stats_cb"](json.dumps(stats))
+    out = RankOutput(items={"k": [(0, 1, 0, {"k": "hb", "job": "k", "rank": 0})]})
+    svc._tell_reading(out)
+    assert out.reading == Reading(parts=(0, 2), behind=())
+    stats["brokers"]["b2:9092/2"]["state"] = "UP"          # its partitions led again
+    svc.consumer.conf["stats_cb"](json.dumps(stats))
+    again = RankOutput(items={"k": []})
+    svc._tell_reading(again)
+    assert again.reading.parts == (0, 1, 2, 3)
+
+
 def test_a_job_fed_lately_hears_every_second_that_its_partitions_are_read():
     """With nothing to send it, a job this worker fed within ``vouch_for_s`` still hears
     every second which partitions it reads (and that it read them to the end): the job side

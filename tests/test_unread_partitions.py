@@ -365,3 +365,59 @@ def test_a_job_that_stops_at_once_has_no_silent_machine_when_its_partitions_end_
         return [(f.nodes, f.ranks) for f in found]
     assert run(lambda r: 100) == []
     assert run(lambda r: 100 if r < 4 else 200) == [(["n0"], [0, 1, 2, 3])]
+
+
+def _fail_over(events, fail_over_s: float, at: float = 0.5):
+    """A broker that led every third of 24 telemetry partitions (the collectors' keying by
+    rank) dies ``at`` through the job: records of those partitions made in the next
+    ``fail_over_s`` wait in their producers and arrive in order after it, and the batch in
+    flight when it died comes again. ``(events in arrival order, delay, leaderless(p,
+    wall))``."""
+    import dataclasses
+
+    first, last = events[0].ts, events[-1].ts
+    fail = first + (last - first) * at
+    dead = lambda e: by_key(e) % 3 == 0     # noqa: E731
+    out, arrive = [], {}
+    for e in events:
+        copy = dataclasses.replace(e)
+        late = dead(e) and fail <= e.ts < fail + fail_over_s
+        arrive[id(copy)] = fail + fail_over_s + 0.1 + (e.ts - fail) * 1e-3 if late else e.ts
+        out.append(copy)
+        if dead(e) and fail - 0.25 <= e.ts < fail:
+            again = dataclasses.replace(e)
+            arrive[id(again)] = fail + fail_over_s
+            out.append(again)
+    out.sort(key=lambda e: arrive[id(e)])
+
+    def leaderless(p, wall):
+        return p % 3 == 0 and fail <= wall < fail + fail_over_s
+    return out, (lambda e, happened: arrive[id(e)] - happened), leaderless
+
+
+#: healthy shapes in which a 14 s fail-over raised false ``silent``s (their ranks' last
+#: summaries came up to 5 s before it, thinned heartbeats of long steps)
+FAIL_OVER_SHAPES = ("shared-cpu-noise-2.0s", "mixed-1")
+
+
+@pytest.mark.parametrize("name", FAIL_OVER_SHAPES)
+def test_a_broker_fail_over_makes_no_rank_silent(name):
+    """A partition without a connected leader is not said to be read (the rank side's
+    ``LeaderWatch``), so the job waits for it. Said to be read, the job went on without
+    its ranks and named some ``silent`` 15 s after their last summaries."""
+    events, delay, leaderless = _fail_over(generate({sc.name: sc for sc in HEALTHY}[name])[0],
+                                           14.0)
+    said, _ = online(events, delay, reading=True, partition=by_key, of=24,
+                     held_by_producer=True)
+    assert said and {kind for kind, _, _ in said} == {"silent"}
+    assert online(events, delay, reading=True, partition=by_key, of=24, down=leaderless,
+                  held_by_producer=True)[0] == []
+
+
+def test_a_crash_during_a_fail_over_is_still_found():
+    sc = Scenario(name="fo", dp=16, per_node=4, step_time=0.5, steps=200, checkpoint_every=0,
+                  seed=5, faults=(Fault(kind="crash", step=100, ranks=(6,)),))
+    events, delay, leaderless = _fail_over(generate(sc)[0], 14.0)
+    found, _ = online(events, delay, reading=True, partition=by_key, of=24, down=leaderless,
+                      held_by_producer=True)
+    assert [(kind, ranks) for kind, ranks, _ in found] == [("crash", (6,))]
