@@ -252,7 +252,7 @@ class JobRuntime:
             m.set_gauge("assigned_partitions", self.rank_service.assigned(),
                         topic=self.topics.telemetry)
             m.set_gauge("rank_stages", len(self.rank_service.processor))
-            m.set_gauge("unreadable_partitions", len(self.rank_service.leaders.unreadable))
+            m.set_gauge("unreadable_partitions", len(self.rank_service.leaders.current))
         lag, parts = 0, 0
         try:
             consumer = self.app.consumer

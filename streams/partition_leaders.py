@@ -1,5 +1,6 @@
-"""Which telemetry partitions the rank side cannot read now: their leader is unknown, or its
-broker is not connected (librdkafka's statistics, every second).
+"""Which telemetry partitions the rank side cannot read now: the broker it fetches each from
+(its leader, or the replica it was sent to) is unknown or not connected (librdkafka's
+statistics, every second).
 
 A broker that dies takes the partitions it leads with it until the cluster has elected new
 leaders and the clients have learned them (Kafka fences a dead broker after
@@ -12,45 +13,75 @@ PartitionWatch`), as for a partition whose worker is gone. Said to read it, the 
 went on without its ranks, and a fail-over of 11 to 15 s named healthy ranks ``silent``
 (``tests/test_unread_partitions.py``).
 
+A partition is held back :data:`RETURN_GRACE_S` more after it can be read again: the
+producers learn the new leader on their own schedule (a retry waits up to
+``retry.backoff.max.ms``, 1 s), and until their held records land, the partition looks read
+to the end. It is held back :data:`MOST_S` at most in all: by then its producers have
+dropped what they held, waiting longer recovers nothing, and the jobs on it go on (a
+partition with no leader for minutes shows its ranks as silent, as before).
+
 >>> stats = {"brokers": {
 ...     "kafka-1:9092/1": {"nodeid": 1, "source": "learned", "state": "UP"},
 ...     "kafka-2:9092/2": {"nodeid": 2, "source": "learned", "state": "TRY_CONNECT"},
+...     "kafka-3:9092/3": {"nodeid": 3, "source": "learned", "state": "INIT"},
 ...     "GroupCoordinator": {"nodeid": -1, "source": "logical", "state": "UP"}},
 ...   "topics": {"tg.telemetry": {"partitions": {
-...     "0": {"partition": 0, "leader": 1, "desired": True},
-...     "1": {"partition": 1, "leader": 2, "desired": True},
-...     "2": {"partition": 2, "leader": -1, "desired": True},
-...     "3": {"partition": 3, "leader": 2, "desired": False},
+...     "0": {"partition": 0, "leader": 1, "broker": 1, "desired": True},
+...     "1": {"partition": 1, "leader": 2, "broker": 2, "desired": True},
+...     "2": {"partition": 2, "leader": -1, "broker": -1, "desired": True},
+...     "3": {"partition": 3, "leader": 2, "broker": 2, "desired": False},
+...     "4": {"partition": 4, "leader": 3, "broker": 1, "desired": True},
 ...     "-1": {"partition": -1, "leader": -1, "desired": False}}}}}
 >>> sorted(unreadable_partitions(stats, "tg.telemetry"))
 [1, 2]
->>> watch = LeaderWatch("tg.telemetry")
->>> watch.on_stats('{"brokers": {}, "topics": {}}'), watch.unreadable
-(None, frozenset())
->>> watch.on_stats("not json"), watch.unreadable, watch.bad_stats
-(None, frozenset(), 1)
+
+Partition 4 is fetched from a follower (``client.rack``): its leader's connection does not
+matter. Held back after it returns, and not forever:
+
+>>> now = [100.0]
+>>> watch = LeaderWatch("tg.telemetry", clock=lambda: now[0])
+>>> import json
+>>> watch.on_stats(json.dumps(stats)); sorted(watch.unreadable())
+[1, 2]
+>>> stats["brokers"]["kafka-2:9092/2"]["state"] = "UP"
+>>> now[0] = 101.0; watch.on_stats(json.dumps(stats)); sorted(watch.unreadable())
+[1, 2]
+>>> now[0] = 101.0 + RETURN_GRACE_S; sorted(watch.unreadable())
+[2]
+>>> now[0] = 100.0 + MOST_S; sorted(watch.unreadable())
+[]
+>>> watch.on_stats("not json"), watch.bad_stats
+(None, 1)
 """
 from __future__ import annotations
 
 import logging
+import time
 
 import orjson
 
-__all__ = ["LeaderWatch", "STATS_INTERVAL_MS", "unreadable_partitions"]
+__all__ = ["LeaderWatch", "MOST_S", "RETURN_GRACE_S", "STATS_INTERVAL_MS",
+           "unreadable_partitions"]
 
 log = logging.getLogger(__name__)
 
 #: how often librdkafka hands the rank side's consumer its statistics
 STATS_INTERVAL_MS = 1000
+#: a partition that can be read again is held back this much more (wall s)
+RETURN_GRACE_S = 3.0
+#: ... and this long at most in all: the collectors' ``message.timeout.ms`` (15 s) and more
+MOST_S = 30.0
+#: librdkafka's broker states in which requests go out (``rd_kafka_broker_state_is_up``)
+_UP_STATES = frozenset(("UP", "UPDATE", "REAUTH"))
 
 
 def unreadable_partitions(stats: dict, topic: str) -> frozenset:
-    """The partitions of ``topic`` that this consumer wants (``desired``) whose leader is
-    unknown (-1) or not a broker it is connected to (``state`` ``UP``)."""
+    """The partitions of ``topic`` that this consumer wants (``desired``) whose broker (the
+    one it fetches from, ``broker``, else the ``leader``) is unknown (-1) or not connected."""
     brokers = stats.get("brokers")
     up = {b.get("nodeid") for b in brokers.values()
-          if type(b) is dict and b.get("state") == "UP" and b.get("source") != "logical"} \
-        if type(brokers) is dict else set()
+          if type(b) is dict and b.get("state") in _UP_STATES
+          and b.get("source") != "logical"} if type(brokers) is dict else set()
     topics = stats.get("topics")
     info = topics.get(topic) if type(topics) is dict else None
     parts = info.get("partitions") if type(info) is dict else None
@@ -60,33 +91,56 @@ def unreadable_partitions(stats: dict, topic: str) -> frozenset:
     for p in parts.values():
         if type(p) is not dict or not p.get("desired"):
             continue
-        number, leader = p.get("partition"), p.get("leader")
-        if type(number) is int and number >= 0 and (type(leader) is not int or leader < 0
-                                                    or leader not in up):
+        number, source = p.get("partition"), p.get("broker")
+        if type(source) is not int or source < 0:
+            source = p.get("leader")
+        if type(number) is int and number >= 0 and (type(source) is not int or source < 0
+                                                    or source not in up):
             out.add(number)
     return frozenset(out)
 
 
 class LeaderWatch:
-    """The consumer's ``stats_cb``: keeps :attr:`unreadable`, the latest
-    :func:`unreadable_partitions` of ``topic``, and logs when it changes."""
+    """The consumer's ``stats_cb``: which partitions are unreadable (see the module), and
+    since when, on ``clock`` (wall time)."""
 
-    def __init__(self, topic: str):
+    def __init__(self, topic: str, clock=time.time):
         self.topic = topic
-        self.unreadable: frozenset = frozenset()
+        self.clock = clock
+        self.current: frozenset = frozenset()   # unreadable by the latest statistics
+        self.since: dict = {}          # partition -> when it became unreadable
+        self.back: dict = {}           # partition -> when it could be read again
         self.bad_stats = 0
 
     def on_stats(self, text) -> None:
         try:
             stats = orjson.loads(text)
-        except (orjson.JSONDecodeError, TypeError):
+            now = unreadable_partitions(stats, self.topic) if type(stats) is dict \
+                else frozenset()
+        except Exception:              # never let it break the consume() serving it
             self.bad_stats += 1
             return
-        now = unreadable_partitions(stats, self.topic) if type(stats) is dict else frozenset()
-        if now != self.unreadable:
-            if now:
-                log.warning("telemetry partition(s) %s cannot be read now (no connected "
-                            "leader): the jobs on them wait for them", sorted(now))
-            else:
-                log.info("every telemetry partition can be read again")
-            self.unreadable = now
+        wall = self.clock()
+        new = sorted(p for p in now if p not in self.since)
+        for p in now:
+            self.since.setdefault(p, wall)
+            self.back.pop(p, None)     # unreadable again: no return grace running
+        for p in self.since:
+            if p not in now and p not in self.back:
+                self.back[p] = wall
+        if new:
+            log.warning("telemetry partition(s) %s cannot be read now (no connected "
+                        "broker to fetch from): the jobs on them wait for them", new)
+        self.current = now
+        self._forget(wall)
+
+    def unreadable(self) -> frozenset:
+        """The partitions not to say this worker reads now."""
+        wall = self.clock()
+        self._forget(wall)
+        return frozenset(p for p, since in self.since.items() if wall - since < MOST_S)
+
+    def _forget(self, wall: float) -> None:
+        for p, at in list(self.back.items()):
+            if wall - at >= RETURN_GRACE_S:
+                del self.back[p], self.since[p]

@@ -72,7 +72,7 @@ class RankService(Service):
         self.clock = clock
         self.consumer = None
         self.producer = None
-        self.leaders = LeaderWatch(topics.telemetry)
+        self.leaders = LeaderWatch(topics.telemetry, clock=clock)
         self.assignment: set = set()    # partitions of the telemetry topic we own
         self.positions: dict = {}       # partition -> next offset to apply
         self.fetched: dict = {}         # partition -> next offset to fetch
@@ -232,7 +232,7 @@ class RankService(Service):
         from confluent_kafka import TopicPartition
 
         # a partition without a connected leader is not read, whatever was fetched of it
-        parts = sorted(self.assignment - self.leaders.unreadable)
+        parts = sorted(self.assignment - self.leaders.unreadable())
         behind = []
         topic, fetched, aligner = self.topics.telemetry, self.fetched, self.aligner
         for p in parts:

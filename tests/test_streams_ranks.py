@@ -236,6 +236,7 @@ def test_a_partition_without_a_connected_leader_is_not_said_to_be_read():
     import json
 
     from trainguard.streams.logic import Reading
+    from trainguard.streams.partition_leaders import RETURN_GRACE_S
     from trainguard.streams.processors import RankOutput
 
     broker, now = Broker(), [0.0]
@@ -251,8 +252,13 @@ def test_a_partition_without_a_connected_leader_is_not_said_to_be_read():
     out = RankOutput(items={"k": [(0, 1, 0, {"k": "hb", "job": "k", "rank": 0})]})
     svc._tell_reading(out)
     assert out.reading == Reading(parts=(0, 2), behind=())
-    stats["brokers"]["b2:9092/2"]["state"] = "UP"          # its partitions led again
+    stats["brokers"]["b2:9092/2"]["state"] = "UP"          # its partitions led again ...
+    now[0] += 1.0
     svc.consumer.conf["stats_cb"](json.dumps(stats))
+    soon = RankOutput(items={"k": []})
+    svc._tell_reading(soon)
+    assert soon.reading.parts == (0, 2)        # ... while the producers' held records land
+    now[0] += RETURN_GRACE_S
     again = RankOutput(items={"k": []})
     svc._tell_reading(again)
     assert again.reading.parts == (0, 1, 2, 3)

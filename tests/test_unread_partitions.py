@@ -367,31 +367,37 @@ def test_a_job_that_stops_at_once_has_no_silent_machine_when_its_partitions_end_
     assert run(lambda r: 100 if r < 4 else 200) == [(["n0"], [0, 1, 2, 3])]
 
 
-def _fail_over(events, fail_over_s: float, at: float = 0.5):
+def _fail_over(events, fail_over_s: float, at: float = 0.5, gap_s: float = 2.0):
     """A broker that led every third of 24 telemetry partitions (the collectors' keying by
     rank) dies ``at`` through the job: records of those partitions made in the next
-    ``fail_over_s`` wait in their producers and arrive in order after it, and the batch in
-    flight when it died comes again. ``(events in arrival order, delay, leaderless(p,
-    wall))``."""
+    ``fail_over_s`` wait in their producers and arrive in order ``gap_s`` after it (the
+    producers learn the new leader on their own schedule), and the batch in flight when it
+    died comes again. The rank worker does not say it reads them meanwhile, nor for
+    ``RETURN_GRACE_S`` after (``LeaderWatch``). ``(events in arrival order, delay,
+    leaderless(p, wall))``."""
     import dataclasses
+
+    from trainguard.streams.partition_leaders import MOST_S, RETURN_GRACE_S
 
     first, last = events[0].ts, events[-1].ts
     fail = first + (last - first) * at
+    back = fail + fail_over_s + gap_s
     dead = lambda e: by_key(e) % 3 == 0     # noqa: E731
     out, arrive = [], {}
     for e in events:
         copy = dataclasses.replace(e)
-        late = dead(e) and fail <= e.ts < fail + fail_over_s
-        arrive[id(copy)] = fail + fail_over_s + 0.1 + (e.ts - fail) * 1e-3 if late else e.ts
+        late = dead(e) and fail <= e.ts < back
+        arrive[id(copy)] = back + (e.ts - fail) * 1e-3 if late else e.ts
         out.append(copy)
         if dead(e) and fail - 0.25 <= e.ts < fail:
             again = dataclasses.replace(e)
-            arrive[id(again)] = fail + fail_over_s
+            arrive[id(again)] = back
             out.append(again)
     out.sort(key=lambda e: arrive[id(e)])
+    unsaid = min(fail_over_s + RETURN_GRACE_S, MOST_S)
 
     def leaderless(p, wall):
-        return p % 3 == 0 and fail <= wall < fail + fail_over_s
+        return p % 3 == 0 and fail <= wall < fail + unsaid
     return out, (lambda e, happened: arrive[id(e)] - happened), leaderless
 
 
@@ -414,10 +420,17 @@ def test_a_broker_fail_over_makes_no_rank_silent(name):
                   held_by_producer=True)[0] == []
 
 
-def test_a_crash_during_a_fail_over_is_still_found():
+@pytest.mark.parametrize("rank", [4, 6])
+def test_a_crash_during_a_fail_over_is_still_found(rank):
+    """Rank 4's partition loses its leader, rank 6's does not; each crashes 3 s into the
+    fail-over."""
     sc = Scenario(name="fo", dp=16, per_node=4, step_time=0.5, steps=200, checkpoint_every=0,
-                  seed=5, faults=(Fault(kind="crash", step=100, ranks=(6,)),))
-    events, delay, leaderless = _fail_over(generate(sc)[0], 14.0)
+                  seed=5, faults=(Fault(kind="crash", step=100, ranks=(rank,)),))
+    events, _ = generate(sc)
+    crashed = next(e.ts for e in events if e.type == "lifecycle" and e.rank == rank
+                   and e.event == "exit")
+    at = (crashed - 3.0 - events[0].ts) / (events[-1].ts - events[0].ts)
+    events, delay, leaderless = _fail_over(events, 14.0, at=at)
     found, _ = online(events, delay, reading=True, partition=by_key, of=24, down=leaderless,
                       held_by_producer=True)
-    assert [(kind, ranks) for kind, ranks, _ in found] == [("crash", (6,))]
+    assert [(kind, ranks) for kind, ranks, _ in found] == [("crash", (rank,))]

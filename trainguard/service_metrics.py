@@ -102,9 +102,10 @@ WORKER_GAUGES = {
     "consumer_lag_messages": "Messages not yet read on this worker's partitions.",
     "assigned_partitions": "Partitions assigned to this worker.",
     "rank_stages": "Rank stages held in memory.",
-    "unreadable_partitions": "Telemetry partitions of this worker without a connected "
-                             "leader (a broker died; librdkafka's statistics): not said to "
-                             "be read, so their jobs wait for them.",
+    "unreadable_partitions": "Telemetry partitions of this worker whose broker is unknown "
+                             "or not connected (a broker died; librdkafka's statistics): "
+                             "not said to be read, so their jobs wait for them (30 s at "
+                             "most).",
     "job_stages": "Job stages held in memory.",
     "evicted_stages": "Snapshots of evicted (idle) stages held until their key speaks again "
                       "or idle_ttl_s passes.",
