@@ -6,8 +6,7 @@ that is not one of the step's own, :data:`STEP_PHASES`). While a rank is inside 
 phase, the deadline is at least that phase's start plus its allowance. Allowances are learned
 per job and phase (the longest this job ever spent in it, times ``phase_factor``) and never
 drop below generous defaults; the first step after a (re)start has its own budget
-(``first_step_s``), from the launch's last ``start`` (its collectives need every rank; a
-first step stamped before it, by a machine whose clock is behind, counts as made then). A user phase during which steps go on (one wrapped around the whole
+(``first_step_s``). A user phase during which steps go on (one wrapped around the whole
 loop) is no pause: it stops counting as an allowance for that job.
 
 Between steps, the timeout is ``max(floor_s, factor x p99 of the job's step intervals,
@@ -218,8 +217,6 @@ class HangDetector(PeersEvidence, UsesView, Detector):
             elif item.get("event") == "start":
                 if self._max_step is not None or self._finished or self._hung:
                     self._start_ts = ts          # a restart: a new first step
-                elif ts > self._start_ts:
-                    self._start_ts = ts          # its first step needs every rank started
                 self._finished = False
                 self._hung = False
                 self._max_step = None
@@ -258,8 +255,6 @@ class HangDetector(PeersEvidence, UsesView, Detector):
         if self._paused_since_progress and self._progress_ts is not None:
             self._paused_steps = (self._paused_steps + [step])[-4:]
         self._max_step = step
-        if self._progress_ts is None and ts < self._start_ts:
-            ts = self._start_ts      # stamped before the last start: its clock is behind
         if self._progress_ts is None or ts > self._progress_ts:
             self._progress_ts = ts   # never back: a new step's first record may come from a
                                      # machine whose clock was stepped back (not learned yet)
