@@ -242,6 +242,7 @@ class RankStage:
             return event.phase == "init" or event.phase in STEP_PHASES
         return type(step) is int and step < last
 
+
 def _step_summary(event, jump) -> dict:
     """A step record's summary (``jump``: see :class:`RankStage`)."""
     loss, grad_norm, loss_scale = event.loss, event.grad_norm, event.loss_scale
