@@ -253,6 +253,7 @@ class JobRuntime:
                         topic=self.topics.telemetry)
             m.set_gauge("rank_stages", len(self.rank_service.processor))
             m.set_gauge("unreadable_partitions", len(self.rank_service.leaders.current))
+            m.counters["partitions_unreadable"] = self.rank_service.leaders.went_unreadable
         lag, parts = 0, 0
         try:
             consumer = self.app.consumer

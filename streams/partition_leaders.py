@@ -110,6 +110,7 @@ class LeaderWatch:
         self.current: frozenset = frozenset()   # unreadable by the latest statistics
         self.since: dict = {}          # partition -> when it became unreadable
         self.back: dict = {}           # partition -> when it could be read again
+        self.went_unreadable = 0       # times a partition became unreadable
         self.bad_stats = 0
 
     def on_stats(self, text) -> None:
@@ -129,6 +130,7 @@ class LeaderWatch:
             if p not in now and p not in self.back:
                 self.back[p] = wall
         if new:
+            self.went_unreadable += len(new)
             log.warning("telemetry partition(s) %s cannot be read now (no connected "
                         "broker to fetch from): the jobs on them wait for them", new)
         self.current = now

@@ -219,6 +219,7 @@ def broker_loss_run(folder: Path, config, victim, *, replicas: int, steps: int =
                 values = worker_metrics(port)
             result["telemetry_in_topic"] = totals.get(topics.telemetry)
             result["worker_events_in"] = metric(values, "events_in")
+            result["partitions_unreadable_total"] = metric(values, "partitions_unreadable")
             result["worker_consumer_lag"] = metric(values, "consumer_lag")
             job_log = d.procs.log(f"run-{JOB}")
             result["rank0_undelivered_said"] = sum(map(int, re.findall(

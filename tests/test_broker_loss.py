@@ -89,8 +89,9 @@ def test_a_broker_dies_mid_run(cluster, tmp_path):
     assert r["acted_while_down"], context
     # the worker did not say it reads the partitions the dead broker led, until they had
     # a leader again (streams/partition_leaders.py)
+    # (counted: the gauge, polled, missed the 3 s in CI ci76)
     if r["victim_led_telemetry"] and (r["failover_s"] or 0) >= 1.0:
-        assert r["max_unreadable_partitions"] >= 1, context
+        assert r["partitions_unreadable_total"] >= 1, context
     # no event lost once the cluster failed over, none lost unsaid, none written twice
     assert r["events_sent_rank0_steps"] > 0, context
     assert r["rank0_steps_missing"] <= r["rank0_undelivered_said"], context

@@ -55,6 +55,8 @@ ACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300
 #: :class:`trainguard.streams.metrics.Metrics`)
 WORKER_COUNTERS = {
     "events_in": "Telemetry messages consumed.",
+    "partitions_unreadable": "Times a telemetry partition of this worker lost the broker it "
+                             "is fetched from (see unreadable_partitions).",
     "invalid": "Telemetry messages sent to the dead-letter topic.",
     "ignored": "Valid rank events without a rank, ignored.",
     "anomalies_out": "Anomalies delivered to the anomalies topic (confirmed by the broker).",
