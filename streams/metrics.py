@@ -2,12 +2,13 @@
 
 Counters (``_total``): ``trainguard_events_in_total`` telemetry messages consumed,
 ``trainguard_invalid_total`` of them dead-lettered, ``trainguard_anomalies_out_total``
-anomalies produced, ``trainguard_partitions_unreadable_total`` times a telemetry partition
-lost the broker it is fetched from, ``trainguard_summaries_out_total`` /
+anomalies produced, ``trainguard_partitions_unreadable_total`` times a telemetry partition lost
+the broker it is fetched from, ``trainguard_summaries_out_total`` /
 ``trainguard_summaries_in_total`` messages on the internal summaries topic,
-``trainguard_items_applied_total`` summary items given to job stages, ``trainguard_replayed_total`` messages skipped because a restored
-state had already seen them, ``trainguard_snapshots_total``, ``trainguard_gc_collections_total``
-and ``trainguard_gc_seconds_total`` (the worker's scheduled garbage collections).
+``trainguard_items_applied_total`` summary items given to job stages,
+``trainguard_replayed_total`` messages skipped because a restored state had already seen them,
+``trainguard_snapshots_total``, ``trainguard_gc_collections_total`` and
+``trainguard_gc_seconds_total`` (the worker's scheduled garbage collections).
 Gauges: ``trainguard_consumer_lag_messages{topic}`` messages not yet read (high watermark
 minus position, summed over this worker's partitions), ``trainguard_assigned_partitions{topic}``,
 ``trainguard_rank_stages``, ``trainguard_unreadable_partitions``,
