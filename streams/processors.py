@@ -444,7 +444,10 @@ class JobProcessor(_SlotsProcessor):
                 try:
                     if unseen is None:
                         unseen = self.watch.unseen(job, slot, now)
-                    out += _advance(stage, slot.clock, on_grid(slot.low, every), unseen)
+                    # nothing of a rank heard yet (the launcher's start first): judged up
+                    # to the clock, as advance() does (on_grid(-inf) raised, every new job)
+                    steps = slot.clock if slot.low == -math.inf else on_grid(slot.low, every)
+                    out += _advance(stage, slot.clock, steps, unseen)
                 except Exception:
                     self.errors += 1
                     log.exception("job stage %s failed in advance()", job,

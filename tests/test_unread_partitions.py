@@ -434,3 +434,20 @@ def test_a_crash_during_a_fail_over_is_still_found(rank):
     found, _ = online(events, delay, reading=True, partition=by_key, of=24, down=leaderless,
                       held_by_producer=True)
     assert [(kind, ranks) for kind, ranks, _ in found] == [("crash", (rank,))]
+
+
+def test_a_job_whose_first_item_is_the_launchers_start_advances_without_an_error():
+    """The launcher's own start (no rank) first, its job's time then past a grid point:
+    nothing of a rank heard yet. Before, the job side's advance raised there for every new
+    job (``on_grid(-inf)``, logged as "job stage ... failed in advance()")."""
+    from trainguard import events as ev
+    from trainguard.detectors.stages import launcher_summary
+
+    jobs = JobProcessor(JobStage, advance_every_s=0.5)
+    start = ev.Lifecycle(job="j", ts=100.0, node="n1", rank=None, event="start", pid=1)
+    items = [(0, 1, 0, launcher_summary(start)),
+             (0, 2, 0, launcher_summary(start.replace(ts=101.2, event="exit", exit_code=0)))]
+    for value in encode_summaries("j", items, reading=Reading(parts=(0,), behind=())):
+        jobs.apply(value, 0, 101.3)
+    jobs.advance(102.0)
+    assert jobs.errors == 0
