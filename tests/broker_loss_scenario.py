@@ -154,7 +154,6 @@ def broker_loss_run(folder: Path, config, victim, *, replicas: int, steps: int =
             result["victim_led_telemetry"] = leaders(config, topics.telemetry).get(
                 victim.node_id, 0)
             result["partitions"] = sum(lead.values())
-            unreadable = 0.0  # the most telemetry partitions the worker said it cannot read
             killed = time.time()
             result["victim_pid"] = victim.kill()
 
@@ -169,8 +168,6 @@ def broker_loss_run(folder: Path, config, victim, *, replicas: int, steps: int =
                 if (down >= min_down_s and acted(collectors["actions"].drain(0.3))) \
                         or down >= max_down_s:
                     break
-                unreadable = max(unreadable, metric(worker_metrics(port),
-                                                    "unreadable_partitions") or 0.0)
                 collectors["actions"].drain(0.3)
             crash = [c for c in d.chaos_log(JOB) if c.get("kind") == "crash"]
             result["fault_while_down"] = bool(crash and crash[0]["injected_ts"] > killed)
@@ -178,7 +175,6 @@ def broker_loss_run(folder: Path, config, victim, *, replicas: int, steps: int =
             result["crash_after_failover_s"] = round(crash[0]["injected_ts"] - failover, 1) \
                 if crash and failover else None
             result["acted_while_down"] = bool(acted(collectors["actions"].events))
-            result["max_unreadable_partitions"] = unreadable
             victim.start(log=lambda m: None)
             returned = time.time()
             result["down_s"] = round(returned - killed, 1)
