@@ -25,14 +25,19 @@ from trainguard.setting import setting
 from .base import Detector, Finding
 from .registry import register_detector
 
-__all__ = ["XID_TABLE", "FAULT_XIDS", "APPLICATION_XIDS", "xid_info", "is_fault_xid",
+__all__ = ["XID_TABLE", "FAULT_XIDS", "APPLICATION_XIDS", "NOTICE_XIDS", "xid_info", "is_fault_xid",
            "Placement", "GpuFaultDetector", "GpuDegradedDetector"]
 
-#: Xid -> (name, category, severity), after NVIDIA's Xid catalog ("XID Errors", the
-#: r5xx driver documentation). Category ``hardware`` means the GPU or its links failed and the
-#: machine should be taken out; ``application`` means the user's program faulted (bad address,
-#: illegal instruction, a killed channel): the GPU is fine and the job's own code is to blame;
-#: ``driver`` entries are follow-ons or driver-side events, not faults on their own.
+#: Xid -> (name, category, severity), after NVIDIA's Xid catalog ("Analyzing Xid Errors with
+#: the Xid Catalog": its immediate-action bucket for A100 and H100). Category ``hardware``
+#: means the GPU or its links failed and it must be reset or its machine restarted before it
+#: runs work again (RESET_GPU, RESTART_BM, the Xid 48 and NVLink workflows): the machine is
+#: taken out; ``application`` means the user's program faulted (bad address, illegal
+#: instruction, a killed channel): the GPU is fine and the job's own code is to blame;
+#: ``driver`` entries are follow-ons or driver-side events, not faults on their own;
+#: ``notice`` (IGNORE) and ``contained`` (RESTART_APP: an ECC error contained to the process
+#: that hit it, which must restart; other processes are unaffected) leave the GPU in service,
+#: to be reset when convenient: :class:`GpuDegradedDetector` alerts, nobody is evicted.
 XID_TABLE = {
     13: ("Graphics Engine Exception", "application", None),
     31: ("GPU memory page fault (MMU fault)", "application", None),
@@ -41,20 +46,23 @@ XID_TABLE = {
     48: ("Double Bit ECC Error (DBE)", "hardware", "critical"),
     61: ("Internal micro-controller breakpoint/warning", "driver", None),
     62: ("Internal micro-controller halt", "driver", None),
-    63: ("ECC page retirement or row remapping recording event", "hardware", "critical"),
+    63: ("ECC page retirement or row remapping recording event", "notice", None),
     64: ("ECC page retirement or row remapper recording failure", "hardware", "critical"),
     68: ("NVDEC0 Exception", "application", None),
     69: ("Graphics Engine class error", "application", None),
     74: ("NVLink Error", "hardware", "critical"),
     79: ("GPU has fallen off the bus", "hardware", "critical"),
-    92: ("High single-bit ECC error rate", "hardware", "critical"),
-    94: ("Contained ECC error", "hardware", "critical"),
+    92: ("High single-bit ECC error rate", "notice", None),
+    94: ("Contained ECC error", "contained", None),
     95: ("Uncontained ECC error", "hardware", "critical"),
     119: ("GSP RPC timeout", "hardware", "critical"),
     120: ("GSP error", "hardware", "critical"),
 }
 FAULT_XIDS = frozenset(x for x, (_, cat, _) in XID_TABLE.items() if cat == "hardware")
 APPLICATION_XIDS = frozenset(x for x, (_, cat, _) in XID_TABLE.items() if cat == "application")
+#: Xids that leave the GPU in service and are worth a person's look (alert only)
+NOTICE_XIDS = frozenset(x for x, (_, cat, _) in XID_TABLE.items()
+                        if cat in ("notice", "contained"))
 
 
 def xid_info(xid: int) -> tuple:
@@ -62,8 +70,8 @@ def xid_info(xid: int) -> tuple:
 
     >>> xid_info(79)
     ('GPU has fallen off the bus', 'hardware', 'critical')
-    >>> sorted(FAULT_XIDS)
-    [48, 63, 64, 74, 79, 92, 94, 95, 119, 120]
+    >>> sorted(FAULT_XIDS), sorted(NOTICE_XIDS)
+    ([48, 64, 74, 79, 95, 119, 120], [63, 92, 94])
     >>> is_fault_xid(43), is_fault_xid(95)
     (False, True)
     """
@@ -326,7 +334,10 @@ class GpuDegradedDetector(_GpuDetector):
       in ``min_samples`` samples in a row spanning a quarter of it;
     - PCIe replays rising by ``pcie_replays`` or more;
     - NVLink errors rising in ``nvlink_increments`` or more samples;
-    - single-bit ECC errors rising by ``sbe_increase`` or more, in ``sbe_increments`` samples.
+    - single-bit ECC errors rising by ``sbe_increase`` or more, in ``sbe_increments`` samples;
+    - an Xid that leaves the GPU in service (:data:`NOTICE_XIDS`: a row remap recorded, a high
+      single-bit error rate, an ECC error contained to the process that hit it): the same Xid
+      of the same GPU once per ``xid_repeat_s``.
 
     Each condition of a GPU is reported once until it clears.
 
@@ -338,10 +349,15 @@ class GpuDegradedDetector(_GpuDetector):
     ...     found += d.update(ev.Gpu(job="j", ts=float(t), node="n1", gpus=[g]))
     >>> [(f.kind, f.evidence["condition"], f.onset_ts, f.detected_ts) for f in found]
     [('gpu_degraded', 'throttle', 5.0, 10.0)]
+    >>> x = ev.Xid(job="j", ts=40.0, node="n1", gpu=2, xid=94, source="kmsg", message="m")
+    >>> [(f.kind, f.severity, f.evidence["condition"]) for f in d.update(x)]
+    [('gpu_degraded', 'warning', 'xid94')]
+    >>> d.update(x.replace(ts=50.0)), d.update(x.replace(xid=79))
+    ([], [])
     """
 
     PREFIX = "gpu_degraded"
-    CONSUMES = ("gpu",)
+    CONSUMES = ("gpu", "xid")
 
     @dataclass(kw_only=True)
     class Config:
@@ -354,14 +370,22 @@ class GpuDegradedDetector(_GpuDetector):
                                             "rose")
         sbe_increase: int = setting(10, "single-bit ECC errors per window ...")
         sbe_increments: int = setting(2, "... rising in at least this many samples")
+        xid_repeat_s: float = setting(3600.0, "the same Xid that leaves a GPU in service, on "
+                                              "the same GPU, within this is one alert")
 
     def _start(self) -> None:
         super()._start()
         self._windows: dict = {}  # (node, index) -> _Window
         self._active: set = set()
+        self._xid_last: dict = {}  # (node, gpu, xid) -> ts of its last alert
 
     def update(self, item) -> list[Finding]:
-        if self._learn(item) or getattr(item, "TYPE", "") != "gpu":
+        if self._learn(item):
+            return []
+        kind = getattr(item, "TYPE", "")
+        if kind == "xid":
+            return self._xid(item)
+        if kind != "gpu":
             return []
         if item.node is None or item.status == "unavailable":
             return []
@@ -386,6 +410,24 @@ class GpuDegradedDetector(_GpuDetector):
                 continue                           # a healthy GPU: nothing to judge
             out += self._judge(node, index, window, ts, reasons)
         return out
+
+    def _xid(self, x) -> list[Finding]:
+        if x.xid not in NOTICE_XIDS:
+            return []
+        key = (x.node, x.gpu, x.xid)
+        last = self._xid_last.get(key)
+        if last is not None and 0 <= x.ts - last < self.xid_repeat_s:
+            return []
+        self._xid_last[key] = x.ts
+        name, category, _ = xid_info(x.xid)
+        gpu = f"GPU {x.gpu}" if x.gpu is not None else "a GPU"
+        todo = ("the process that hit it must restart; reset the GPU when convenient"
+                if category == "contained" else "the GPU stays in service; watch it")
+        return [self._degraded(x.node, x.gpu, f"xid{x.xid}", x.ts, x.ts,
+                               f"Xid {x.xid} ({name}) on {gpu} of "
+                               f"{x.node or 'an unknown machine'}: {todo}",
+                               {"xid": x.xid, "xid_name": name, "source": x.source,
+                                "message": x.message[:300]})]
 
     def _judge(self, node, index, window, ts, reasons) -> list[Finding]:
         ups = window.ups

@@ -1,7 +1,7 @@
 """Incident correlation (root cause, time window, shared ranks/machines) and the Xid table."""
 from trainguard import events as ev
 from trainguard.detectors import FAULT_XIDS, XID_TABLE, Correlator, xid_info
-from trainguard.detectors.gpu import APPLICATION_XIDS
+from trainguard.detectors.gpu import APPLICATION_XIDS, NOTICE_XIDS
 
 from detector_traces import JobSim, run_engine
 
@@ -14,13 +14,19 @@ def anomaly(kind, ts, ranks=(), nodes=(), onset=None, job="j", step=None, **evid
 
 
 def test_xid_table_follows_nvidias_catalog():
-    assert FAULT_XIDS == {48, 63, 64, 74, 79, 92, 94, 95, 119, 120}
+    """The immediate action of NVIDIA's Xid catalog for A100 and H100: a reset, a machine's
+    restart or a workflow (48, NVLink) is a fault that takes the machine out; IGNORE (63: a
+    row remap recorded, 92: a high single-bit error rate) and RESTART_APP (94: an ECC error
+    contained to one process) leave the GPU in service."""
+    assert FAULT_XIDS == {48, 64, 74, 79, 95, 119, 120}
+    assert NOTICE_XIDS == {63, 92, 94} and not NOTICE_XIDS & FAULT_XIDS
     assert {13, 31, 43} <= APPLICATION_XIDS and not {13, 31, 43} & FAULT_XIDS
     assert xid_info(79)[0] == "GPU has fallen off the bus"
     assert xid_info(48)[0].startswith("Double Bit ECC")
     assert xid_info(9999) == ("Xid 9999", "unknown", None)
     for xid, (name, category, severity) in XID_TABLE.items():
-        assert category in ("hardware", "application", "driver") and name
+        assert category in ("hardware", "application", "driver", "notice", "contained") \
+            and name
         assert (severity is not None) == (category == "hardware")
 
 

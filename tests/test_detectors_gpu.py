@@ -61,12 +61,38 @@ def test_unavailable_nvml_is_not_a_missing_gpu():
     assert feed(d, items) == []
 
 
-@pytest.mark.parametrize("xid", [48, 63, 64, 74, 79, 92, 94, 95, 119, 120])
+@pytest.mark.parametrize("xid", [48, 64, 74, 79, 95, 119, 120])
 def test_every_hardware_xid_is_a_fault_and_repeats_are_one(xid):
     d = GpuFaultDetector(repeat_s=300.0)
     x = ev.Xid(job="j", ts=10.0, node="n1", gpu=0, xid=xid, source="nvml", message="m")
     found = feed(d, [x, x.replace(ts=20.0), x.replace(ts=400.0)])
     assert [f.detected_ts for f in found] == [10.0, 400.0]
+    assert feed(GpuDegradedDetector(), [x]) == []
+
+
+@pytest.mark.parametrize("xid", [63, 92, 94])
+def test_an_xid_that_leaves_the_gpu_in_service_is_an_alert_not_a_fault(xid):
+    """NVIDIA's catalog: 63 and 92 IGNORE, 94 RESTART_APP (the process that hit it restarts,
+    the GPU keeps running others): evicting the machine would hurt a healthy job. Through the
+    engine: a gpu_degraded warning naming the rank of the GPU, whose ladder only alerts."""
+    from trainguard.detectors import Engine
+    from trainguard.detectors.registry import default_ladder
+
+    x = ev.Xid(job="j", ts=10.0, node="n1", gpu=1, xid=xid, source="kmsg", message="m")
+    assert feed(GpuFaultDetector(), [x]) == []
+    found = feed(GpuDegradedDetector(xid_repeat_s=600.0),
+                 [x, x.replace(ts=500.0), x.replace(ts=700.0), x.replace(gpu=0, ts=20.0)])
+    assert [(f.detected_ts, f.evidence["gpu"]) for f in found] == [(10.0, 1), (700.0, 1),
+                                                                  (20.0, 0)]
+    engine = Engine()
+    out = []
+    for rank in range(2):
+        out += engine.update(ev.Lifecycle(job="j", ts=1.0, node="n1", rank=rank, event="start",
+                                          local_rank=rank, world_size=2, pid=100 + rank))
+    out += engine.update(x)
+    assert [(a.kind, a.severity, a.ranks, a.nodes) for a in out] == [
+        ("gpu_degraded", "warning", [1], ["n1"])]
+    assert default_ladder()["gpu_degraded"] == ("alert",)
 
 
 def test_pcie_replays_rising():
