@@ -43,6 +43,12 @@ ACTIVE_S = 0.3
 AHEAD_S = 2.0
 #: a job told that a partition is behind hears that it no longer is within this (wall s)
 TELL_EVERY_S = 1.0
+#: a partition this worker fetched from since it was assigned is behind once the records the
+#: broker held beyond what was fetched, when that was first seen, are still not all fetched
+#: after this long (wall s); a worker that keeps up fetches them within milliseconds, but
+#: the high watermark that librdkafka's statistics ask for every second may name a record
+#: just written before its fetch brings it, in step with a rank's heartbeats
+KEEPS_UP_S = 1.0
 #: a job that got items from this worker within this long (wall s) hears what it reads at
 #: least every TELL_EVERY_S, also with nothing to send: that its partitions are read, so
 #: their silence is its ranks' (``JobProcessor.unread_s``); at least that long and
@@ -50,6 +56,9 @@ TELL_EVERY_S = 1.0
 #: went quiet would pass for one nobody reads once its worker stopped saying it reads it
 VOUCH_FOR_S = 60.0
 VOUCH_MARGIN_S = 30.0
+#: librdkafka's socket.timeout.ms for the rank side's consumer and producer (see
+#: :meth:`RankService.connect`)
+SOCKET_TIMEOUT_MS = 10_000
 #: the longest a restore of the rank state of newly assigned partitions reads (wall s); the
 #: job side waits longer for partitions that nobody reads (``worker.unread_partition_s``)
 RESTORE_MOST_S = 120.0
@@ -83,6 +92,8 @@ class RankService(Service):
         self.aligner = EventTimeAligner(max_hold_s=settings.align_hold_s)
         self._committed: dict = {}
         self._told: dict = {}           # job -> (partitions told behind, wall time)
+        self._gaps: dict = {}           # partition -> (high watermark, wall time) when the
+                                        # broker was first seen to hold more than fetched
         self._fed: dict = {}            # job -> wall time it last got items from here
         self._heard_at: dict = {}       # job -> wall time it last got a message from here
         self._partitions = 0            # the telemetry topic's partition count, once known
@@ -111,7 +122,10 @@ class RankService(Service):
         self.producer = Producer({**self.kafka, "linger.ms": 5, "enable.idempotence": True,
                                   "acks": "all",
                                   "partitioner": "murmur2_random",
-                                  "message.max.bytes": 16 * 1024 * 1024})
+                                  "message.max.bytes": 16 * 1024 * 1024,
+                                  # a snapshot's flush waits for a broker that stopped
+                                  # answering this long, not 60 s (see the consumer's)
+                                  "socket.timeout.ms": SOCKET_TIMEOUT_MS})
         session_ms = int(self.settings.session_timeout_s * 1000)
         self.consumer = Consumer({
             **self.kafka, "group.id": self.settings.rank_group,
@@ -124,7 +138,11 @@ class RankService(Service):
             "queued.min.messages": 5000, "fetch.queue.backoff.ms": 10,
             "max.partition.fetch.bytes": 65536,
             # which partitions have no connected leader (a broker died): not said to be read
-            "statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": self.leaders.on_stats})
+            "statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": self.leaders.on_stats,
+            # a broker that stopped answering (frozen, its packets dropped) is let go and the
+            # partitions' new leaders learned after this, not librdkafka's 60 s: a fetch
+            # waits 0.5 s at most (fetch.wait.max.ms)
+            "socket.timeout.ms": SOCKET_TIMEOUT_MS})
         self.consumer.subscribe([self.topics.telemetry], on_assign=self._on_assign,
                                 on_revoke=self._on_revoke, on_lost=self._on_lost)
 
@@ -248,7 +266,7 @@ class RankService(Service):
                     upto = low if upto < 0 else upto
             except Exception:
                 continue
-            if high > upto:
+            if high > upto and not self._keeps_up(p, high, upto):
                 behind.append(p)               # the broker holds more of it
         out.reading = Reading(parts=tuple(parts), behind=tuple(behind),
                               of=self._partition_count())
@@ -274,6 +292,16 @@ class RankService(Service):
                 fed[job] = now
             if job in fed:
                 heard_at[job] = now
+
+    def _keeps_up(self, p: int, high: int, upto: int) -> bool:
+        """Whether partition ``p``, whose broker holds records up to ``high`` while this
+        worker fetched up to ``upto``, is read as it is written (see :data:`KEEPS_UP_S`)
+        rather than behind; never one that brought nothing since it was assigned."""
+        gaps, now = self._gaps, self.clock()
+        gap = gaps.get(p)
+        if gap is None or upto >= gap[0]:      # what was held then is fetched: a new gap
+            gap = gaps[p] = (high, now)
+        return p in self.last_seen and now - gap[1] < KEEPS_UP_S
 
     @property
     def vouch_for_s(self) -> float:
@@ -472,6 +500,7 @@ class RankService(Service):
             self.fetched.pop(p, None)
             self.last_seen.pop(p, None)
             self.unblocked.pop(p, None)
+            self._gaps.pop(p, None)
             self._committed.pop(p, None)
 
     def _on_assign(self, consumer, partitions) -> None:

@@ -229,6 +229,45 @@ def test_summaries_say_which_partitions_the_worker_is_behind_on():
     assert svc._told == {}
 
 
+def test_a_partition_read_as_it_is_written_is_not_said_to_be_behind():
+    """The high watermark may name a record just written before its fetch brings it (the
+    statistics' lag query, every second, in step with a rank's heartbeats): such a
+    partition was said behind at every word for seconds, the job's clock stopped, and a
+    one-partition job's hang in a checkpoint went unjudged until the job ended (the flake of
+    test_overrides_e2e). It is behind once what the broker held is not fetched within
+    KEEPS_UP_S; one that brought nothing since it was assigned is behind at once."""
+    from trainguard.streams.processors import RankOutput
+    from trainguard.streams.rank_side import KEEPS_UP_S
+
+    broker, now = Broker(), [0.0]
+    broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
+    svc = _service(broker, now)
+    svc.consumer.consume(1, 0)                      # assigned the four partitions
+    svc.fetched = {0: 1, 1: 0, 2: 0, 3: 0}
+    svc.last_seen = {0: 0.0}
+
+    def behind():
+        out = RankOutput(items={"k": [(0, 0, 0, {"k": "hb", "job": "k", "rank": 0})]})
+        svc._tell_reading(out)
+        return out.reading.behind
+
+    for second in range(1, 6):                       # a heartbeat a second, fetched soon
+        broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
+        now[0] = second + 0.001                      # told between its write and its fetch
+        assert behind() == ()
+        svc.fetched[0], svc.last_seen[0] = second + 1, second + 0.002
+    for _ in range(3):                               # what it held is not fetched
+        broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
+    now[0] += 0.5
+    assert behind() == ()
+    now[0] += KEEPS_UP_S
+    assert behind() == (0,)
+    svc.fetched[0] += 2                              # fetched some, not all it held then
+    assert behind() == (0,)
+    broker.append(TOPICS.telemetry, 1, b"k/1", b"{}")   # brought nothing since assigned
+    assert behind() == (0, 1)
+
+
 def test_a_partition_without_a_connected_leader_is_not_said_to_be_read():
     """librdkafka's statistics (the consumer's ``stats_cb``) name the partitions whose leader
     is unknown or not connected: a broker died. They are left out of what this worker says
