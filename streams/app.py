@@ -13,7 +13,7 @@ Declared by :func:`make_app` (names depend on the prefix and id of the run):
   job's clock, :meth:`~trainguard.streams.snapshots.JobSlot.now`), the gauges of
   :mod:`~trainguard.streams.metrics` (served by ``trainguard worker`` itself on
   ``--metrics-port``, not by Faust, whose web server is off), and every
-  ``job_snapshot_interval_s`` a checkpoint.
+  ``job_snapshot_interval_s`` a checkpoint, run beside it (one at a time).
 
 The agent reads with ``noack()``: an event is acknowledged only by the checkpoint after the
 snapshot that covers it, and Faust's own periodic commit is off, so a committed summaries
@@ -63,6 +63,7 @@ class JobRuntime:
         self.unconfirmed: list = []      # (future, key, value) of anomalies sent
         self.synced: set = set()         # summaries partitions loaded from the table
         self.next_snapshot = clock() + settings.job_snapshot_interval_s
+        self.checkpointing = None        # the checkpoint under way beside the timer
 
     def assigned(self) -> set:
         try:
@@ -185,8 +186,19 @@ class JobRuntime:
         if found:
             self.emit(found)
         self.refresh_gauges()
-        if now >= self.next_snapshot:
+        if now >= self.next_snapshot and (self.checkpointing is None
+                                          or self.checkpointing.done()):
+            # beside the timer, not in it: its flush waits for a broker that stopped
+            # answering up to the producer's request timeout (33 s measured, a broker's
+            # JVM frozen), and hang and silent would wait with it
+            self.checkpointing = asyncio.ensure_future(self._checkpoint_beside())
+
+    async def _checkpoint_beside(self) -> None:
+        try:
             await self.checkpoint()
+        except Exception:
+            self.metrics.inc("snapshot_failures")
+            log.exception("job side checkpoint failed")
 
     async def checkpoint(self) -> None:
         """Confirm the anomalies sent so far, then snapshot, then commit. A snapshot records
@@ -235,6 +247,8 @@ class JobRuntime:
 
     async def final_checkpoint(self) -> None:
         """Before a clean stop: snapshot and commit, so a restart replays nothing."""
+        if self.checkpointing is not None and not self.checkpointing.done():
+            await asyncio.wait([self.checkpointing])
         if self.app is not None and self.app.tables.recovery.completed.is_set():
             await self.checkpoint()
 

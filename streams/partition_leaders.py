@@ -36,7 +36,18 @@ partition with no leader for minutes shows its ranks as silent, as before).
 [1, 2]
 
 Partition 4 is fetched from a follower (``client.rack``): its leader's connection does not
-matter. Held back after it returns, and not forever:
+matter. A broker that stopped answering (its machine frozen, its packets dropped) is still
+connected until the consumer's ``socket.timeout.ms``; requests waiting and nothing received
+for :data:`UNANSWERED_S` say so at once:
+
+>>> stats["brokers"]["kafka-1:9092/1"].update(waitresp_cnt=1, rxidle=6_000_000)
+>>> sorted(unreadable_partitions(stats, "tg.telemetry"))
+[0, 1, 2, 4]
+>>> stats["brokers"]["kafka-1:9092/1"].update(waitresp_cnt=0)       # idle, nothing asked
+>>> sorted(unreadable_partitions(stats, "tg.telemetry"))
+[1, 2]
+
+Held back after it returns, and not forever:
 
 >>> now = [100.0]
 >>> watch = LeaderWatch("tg.telemetry", clock=lambda: now[0])
@@ -60,7 +71,7 @@ import time
 
 import orjson
 
-__all__ = ["LeaderWatch", "MOST_S", "RETURN_GRACE_S", "STATS_INTERVAL_MS",
+__all__ = ["LeaderWatch", "MOST_S", "RETURN_GRACE_S", "STATS_INTERVAL_MS", "UNANSWERED_S",
            "unreadable_partitions"]
 
 log = logging.getLogger(__name__)
@@ -73,6 +84,9 @@ RETURN_GRACE_S = 3.0
 MOST_S = 30.0
 #: librdkafka's broker states in which requests go out (``rd_kafka_broker_state_is_up``)
 _UP_STATES = frozenset(("UP", "UPDATE", "REAUTH"))
+#: a connected broker that has requests waiting for an answer and sent nothing back for this
+#: long is not answering (wall s): a fetch waits ``fetch.wait.max.ms``, 0.5 s, at most
+UNANSWERED_S = 5.0
 
 
 def unreadable_partitions(stats: dict, topic: str) -> frozenset:
@@ -81,7 +95,7 @@ def unreadable_partitions(stats: dict, topic: str) -> frozenset:
     brokers = stats.get("brokers")
     up = {b.get("nodeid") for b in brokers.values()
           if type(b) is dict and b.get("state") in _UP_STATES
-          and b.get("source") != "logical"} if type(brokers) is dict else set()
+          and b.get("source") != "logical" and _answers(b)} if type(brokers) is dict else set()
     topics = stats.get("topics")
     info = topics.get(topic) if type(topics) is dict else None
     parts = info.get("partitions") if type(info) is dict else None
@@ -98,6 +112,16 @@ def unreadable_partitions(stats: dict, topic: str) -> frozenset:
                                                     or source not in up):
             out.add(number)
     return frozenset(out)
+
+
+def _answers(broker: dict) -> bool:
+    """Whether a connected broker answers: not one with requests waiting (``waitresp_cnt``)
+    that sent nothing back (``rxidle``, µs) for :data:`UNANSWERED_S`. A broker whose machine
+    froze or whose network drops its packets keeps its connection up until the consumer's
+    ``socket.timeout.ms``; meanwhile nothing is fetched from it, and nothing written to it."""
+    waiting, idle = broker.get("waitresp_cnt"), broker.get("rxidle")
+    return not (type(waiting) is int and waiting > 0 and type(idle) is int
+                and idle > UNANSWERED_S * 1e6)
 
 
 class LeaderWatch:

@@ -263,6 +263,7 @@ def _tally(collectors, step_log: Path) -> dict:
         "max_dropped_reported": max((getattr(b, "dropped", 0) or 0 for b in beats), default=0),
         "crash_anomalies": sorted({tuple(a.ranks) for a in anomalies if a.kind == "crash"}),
         "anomalies": len(anomalies),
+        "anomaly_kinds": sorted({(a.kind, tuple(a.ranks)) for a in anomalies}),
         "actions_taken": sorted({(a.action, a.status) for a in actions}),
         "action_records": len(actions),
         "duplicate_action_records": sum(n - 1 for n in records.values() if n > 1),
