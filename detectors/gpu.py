@@ -82,6 +82,18 @@ def is_fault_xid(xid: int) -> bool:
     return xid in FAULT_XIDS
 
 
+#: Xid repeats remembered per detector, at most: the GPU index of an ``xid`` event is any
+#: number its sender says, and a flood of made-up ones must not grow the state without end
+#: (the oldest is forgotten first; a GPU forgotten early is reported again sooner)
+XID_KEYS_KEPT = 1024
+
+
+def _remember(last: dict, key, ts: float) -> None:
+    if key not in last and len(last) >= XID_KEYS_KEPT:
+        del last[next(iter(last))]
+    last[key] = ts
+
+
 class Placement:
     """Which rank runs on which GPU of which machine, learned from summaries.
 
@@ -197,7 +209,7 @@ class GpuFaultDetector(_GpuDetector):
             return []
         key = (x.node, x.gpu, x.xid)
         last = self._xid_last.get(key)
-        self._xid_last[key] = x.ts
+        _remember(self._xid_last, key, x.ts)
         if last is not None and 0 <= x.ts - last < self.repeat_s:
             return []
         gpu = f"GPU {x.gpu}" if x.gpu is not None else "a GPU"
@@ -418,7 +430,7 @@ class GpuDegradedDetector(_GpuDetector):
         last = self._xid_last.get(key)
         if last is not None and 0 <= x.ts - last < self.xid_repeat_s:
             return []
-        self._xid_last[key] = x.ts
+        _remember(self._xid_last, key, x.ts)
         name, category, _ = xid_info(x.xid)
         gpu = f"GPU {x.gpu}" if x.gpu is not None else "a GPU"
         todo = ("the process that hit it must restart; reset the GPU when convenient"

@@ -56,7 +56,9 @@ def shown(text: str) -> dict:
 #: partition that no worker says it reads holds a job's judged time back, for as long as a
 #: killed worker's partitions take to move and be restored)
 ADDED_SINCE = {"worker.source_idle_s": (10.0, "default"),
-               "worker.unread_partition_s": (180.0, "default")}
+               "worker.unread_partition_s": (180.0, "default"),
+               # Xids that leave a GPU in service alert once an hour per GPU and code
+               "detectors.gpu_degraded.xid_repeat_s": (3600.0, "default")}
 CHANGED_SINCE = {"detectors.stages.step_window": (32, "default")}
 
 

@@ -126,3 +126,19 @@ def test_brief_or_software_power_throttling_is_not_degradation():
                         gpu(1, throttle=["hw_slowdown"] if t % 5 == 0 else [])])
              for t in range(300)]
     assert feed(d, items) == []
+
+
+def test_made_up_gpu_indices_do_not_grow_the_state_without_end():
+    """The GPU index of an xid event is whatever its sender wrote (trust nothing from Kafka):
+    a flood of made-up ones keeps XID_KEYS_KEPT repeats at most, and a real fault that
+    follows is still found."""
+    from trainguard.detectors.gpu import XID_KEYS_KEPT
+
+    fault, degraded = GpuFaultDetector(), GpuDegradedDetector()
+    flood = [ev.Xid(job="j", ts=10.0 + i * 1e-3, node="n1", gpu=i, xid=xid, source="kmsg",
+                    message="m") for i in range(3000) for xid in (79, 94)]
+    feed(fault, flood)
+    feed(degraded, flood)
+    assert len(fault._xid_last) == len(degraded._xid_last) == XID_KEYS_KEPT
+    real = ev.Xid(job="j", ts=20.0, node="n1", gpu=0, xid=48, source="nvml", message="DBE")
+    assert [f.evidence["xid"] for f in feed(fault, [real])] == [48]
