@@ -40,6 +40,11 @@ __all__ = ["make_app", "JobRuntime"]
 
 log = logging.getLogger(__name__)
 NEVER = 10 ** 8   # seconds / acks: Faust's own commit timer and counter, switched off
+#: how long the job side's producer tries to deliver a record (Faust's 1,200 s kept every
+#: anomaly for the partitions of a broker that stopped answering, frozen or cut off, until
+#: it answered again, up to 20 minutes): an anomaly given up is sent again by the next
+#: checkpoint (:meth:`JobRuntime.confirm`), a snapshot record written again
+PRODUCER_REQUEST_TIMEOUT_S = 15.0
 
 
 class JobRuntime:
@@ -64,6 +69,7 @@ class JobRuntime:
         self.synced: set = set()         # summaries partitions loaded from the table
         self.next_snapshot = clock() + settings.job_snapshot_interval_s
         self.checkpointing = None        # the checkpoint under way beside the timer
+        self.stopping = False            # the last checkpoint began: the timer starts none
 
     def assigned(self) -> set:
         try:
@@ -186,19 +192,22 @@ class JobRuntime:
         if found:
             self.emit(found)
         self.refresh_gauges()
-        if now >= self.next_snapshot and (self.checkpointing is None
-                                          or self.checkpointing.done()):
+        if now >= self.next_snapshot and not self.stopping and (
+                self.checkpointing is None or self.checkpointing.done()):
             # beside the timer, not in it: its flush waits for a broker that stopped
-            # answering up to the producer's request timeout (33 s measured, a broker's
-            # JVM frozen), and hang and silent would wait with it
+            # answering up to PRODUCER_REQUEST_TIMEOUT_S (with Faust's default, as long as
+            # a broker's JVM stayed frozen: 33 s measured), and hang and silent would wait
             self.checkpointing = asyncio.ensure_future(self._checkpoint_beside())
 
     async def _checkpoint_beside(self) -> None:
         try:
             await self.checkpoint()
-        except Exception:
-            self.metrics.inc("snapshot_failures")
-            log.exception("job side checkpoint failed")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:         # as inside the timer: the worker stops, and its
+            self.metrics.inc("snapshot_failures")       # restart replays what was not
+            log.exception("job side checkpoint failed")  # committed
+            await self.app.crash(exc)
 
     async def checkpoint(self) -> None:
         """Confirm the anomalies sent so far, then snapshot, then commit. A snapshot records
@@ -223,12 +232,14 @@ class JobRuntime:
             return
         now = self.clock()
         cpu = time.thread_time()
+        written = []
         for key, partition, blob in self.processor.evict(now) + self.processor.snapshot():
             if blob is None:
                 self.table.data.pop(key, None)
             else:
                 self.table.data[key] = blob
-            self.table.send_changelog(partition, key, blob)
+            written.append((key, partition, blob, self.table.send_changelog(partition, key,
+                                                                            blob)))
         cost = time.thread_time() - cpu
         s = self.settings
         self.next_snapshot = now + snapshot_pause(
@@ -236,6 +247,8 @@ class JobRuntime:
             most_s=s.snapshot_max_interval_s)
         self.metrics.inc("snapshots")
         self.metrics.inc("snapshot_cpu_seconds", cost)
+        if written and not await self._written(written):
+            return
         acks, self.pending = self.pending, []
         for event in acks:
             event.ack()
@@ -245,12 +258,45 @@ class JobRuntime:
             self.metrics.inc("snapshot_failures")
             log.warning("job side commit failed: %s", exc)
 
+    async def _written(self, written: list) -> bool:
+        """Whether the snapshot's changelog records all reached the topic (the producer
+        gives a record up after ``PRODUCER_REQUEST_TIMEOUT_S``); those that did not are
+        written again with the next checkpoint, and until then nothing is committed: the
+        input a snapshot covers is committed only once the snapshot is in the changelog."""
+        try:
+            await self.app.producer.flush()
+        except Exception as exc:
+            log.warning("job side flush of the snapshot failed: %s", exc)
+        open_ = [fut for _, _, _, fut in written if not fut.done()]
+        if open_:                          # delivered: their callbacks run soon after
+            await asyncio.wait(open_, timeout=1.0)
+        lost = [(key, partition, blob) for key, partition, blob, fut in written
+                if not fut.done() or fut.cancelled() or fut.exception() is not None]
+        if not lost:
+            return True
+        mine = self.synced
+        self.processor.state.unwritten([e for e in lost if e[1] in mine])
+        self.metrics.inc("snapshot_failures")
+        log.warning("job side: %d of %d snapshot records did not reach the changelog; "
+                    "written again with the next checkpoint, nothing committed until then",
+                    len(lost), len(written))
+        return False
+
     async def final_checkpoint(self) -> None:
-        """Before a clean stop: snapshot and commit, so a restart replays nothing."""
-        if self.checkpointing is not None and not self.checkpointing.done():
-            await asyncio.wait([self.checkpointing])
-        if self.app is not None and self.app.tables.recovery.completed.is_set():
-            await self.checkpoint()
+        """Before a clean stop: snapshot and commit, so a restart replays nothing. The timer
+        starts no other checkpoint from now on; one under way is waited for, and cancelled
+        with this one when the stop's grace runs out."""
+        self.stopping = True
+        try:
+            if self.checkpointing is not None and not self.checkpointing.done():
+                await asyncio.shield(self.checkpointing)
+            if self.app is not None and self.app.tables.recovery.completed.is_set():
+                self.checkpointing = asyncio.ensure_future(self.checkpoint())
+                await asyncio.shield(self.checkpointing)
+        except asyncio.CancelledError:
+            if self.checkpointing is not None:
+                self.checkpointing.cancel()
+            raise
 
     def refresh_gauges(self) -> None:
         m = self.metrics
@@ -327,6 +373,7 @@ def make_app(*, settings, topics, runtime: JobRuntime, faust_broker: str, creden
         broker_session_timeout=settings.session_timeout_s,
         broker_heartbeat_interval=max(1.0, settings.session_timeout_s / 5),
         producer_max_request_size=16 * 1024 * 1024, table_standby_replicas=0,
+        producer_request_timeout=PRODUCER_REQUEST_TIMEOUT_S,
         worker_redirect_stdouts=False, stream_wait_empty=False,
     )
     app.transport.Producer = _idempotent_producer_class()

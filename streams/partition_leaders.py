@@ -36,18 +36,7 @@ partition with no leader for minutes shows its ranks as silent, as before).
 [1, 2]
 
 Partition 4 is fetched from a follower (``client.rack``): its leader's connection does not
-matter. A broker that stopped answering (its machine frozen, its packets dropped) is still
-connected until the consumer's ``socket.timeout.ms``; requests waiting and nothing received
-for :data:`UNANSWERED_S` say so at once:
-
->>> stats["brokers"]["kafka-1:9092/1"].update(waitresp_cnt=1, rxidle=6_000_000)
->>> sorted(unreadable_partitions(stats, "tg.telemetry"))
-[0, 1, 2, 4]
->>> stats["brokers"]["kafka-1:9092/1"].update(waitresp_cnt=0)       # idle, nothing asked
->>> sorted(unreadable_partitions(stats, "tg.telemetry"))
-[1, 2]
-
-Held back after it returns, and not forever:
+matter. Held back after it returns, and not forever:
 
 >>> now = [100.0]
 >>> watch = LeaderWatch("tg.telemetry", clock=lambda: now[0])
@@ -63,6 +52,20 @@ Held back after it returns, and not forever:
 []
 >>> watch.on_stats("not json"), watch.bad_stats
 (None, 1)
+
+A broker that stopped answering (its machine frozen, its packets dropped) is still
+connected until the consumer's ``socket.timeout.ms``: one that had requests waiting at every
+statistics for :data:`UNANSWERED_S` and received nothing meanwhile is left out too:
+
+>>> stats["brokers"]["kafka-1:9092/1"].update(waitresp_cnt=1, rx=40)
+>>> for t in (200.0, 203.0, 205.0):
+...     now[0] = t; watch.on_stats(json.dumps(stats)); print(t, sorted(watch.current))
+200.0 [2]
+203.0 [2]
+205.0 [0, 2, 4]
+>>> stats["brokers"]["kafka-1:9092/1"].update(rx=41)               # it answered
+>>> now[0] = 206.0; watch.on_stats(json.dumps(stats)); sorted(watch.current)
+[2]
 """
 from __future__ import annotations
 
@@ -84,18 +87,22 @@ RETURN_GRACE_S = 3.0
 MOST_S = 30.0
 #: librdkafka's broker states in which requests go out (``rd_kafka_broker_state_is_up``)
 _UP_STATES = frozenset(("UP", "UPDATE", "REAUTH"))
-#: a connected broker that has requests waiting for an answer and sent nothing back for this
-#: long is not answering (wall s): a fetch waits ``fetch.wait.max.ms``, 0.5 s, at most
+#: a connected broker that had requests waiting for an answer at every statistics for this
+#: long, and received nothing meanwhile, is not answering (wall s): a fetch waits
+#: ``fetch.wait.max.ms``, 0.5 s, at most
 UNANSWERED_S = 5.0
 
 
-def unreadable_partitions(stats: dict, topic: str) -> frozenset:
+def unreadable_partitions(stats: dict, topic: str,
+                          unanswering: frozenset = frozenset()) -> frozenset:
     """The partitions of ``topic`` that this consumer wants (``desired``) whose broker (the
-    one it fetches from, ``broker``, else the ``leader``) is unknown (-1) or not connected."""
+    one it fetches from, ``broker``, else the ``leader``) is unknown (-1), not connected, or
+    one of ``unanswering`` (node ids, :meth:`LeaderWatch.on_stats`)."""
     brokers = stats.get("brokers")
     up = {b.get("nodeid") for b in brokers.values()
           if type(b) is dict and b.get("state") in _UP_STATES
-          and b.get("source") != "logical" and _answers(b)} if type(brokers) is dict else set()
+          and b.get("source") != "logical"} if type(brokers) is dict else set()
+    up -= unanswering
     topics = stats.get("topics")
     info = topics.get(topic) if type(topics) is dict else None
     parts = info.get("partitions") if type(info) is dict else None
@@ -114,16 +121,6 @@ def unreadable_partitions(stats: dict, topic: str) -> frozenset:
     return frozenset(out)
 
 
-def _answers(broker: dict) -> bool:
-    """Whether a connected broker answers: not one with requests waiting (``waitresp_cnt``)
-    that sent nothing back (``rxidle``, µs) for :data:`UNANSWERED_S`. A broker whose machine
-    froze or whose network drops its packets keeps its connection up until the consumer's
-    ``socket.timeout.ms``; meanwhile nothing is fetched from it, and nothing written to it."""
-    waiting, idle = broker.get("waitresp_cnt"), broker.get("rxidle")
-    return not (type(waiting) is int and waiting > 0 and type(idle) is int
-                and idle > UNANSWERED_S * 1e6)
-
-
 class LeaderWatch:
     """The consumer's ``stats_cb``: which partitions are unreadable (see the module), and
     since when, on ``clock`` (wall time)."""
@@ -136,16 +133,18 @@ class LeaderWatch:
         self.back: dict = {}           # partition -> when it could be read again
         self.went_unreadable = 0       # times a partition became unreadable
         self.bad_stats = 0
+        self._waiting: dict = {}       # node id -> (responses received, since when) while
+                                       # it had requests waiting at every statistics
 
     def on_stats(self, text) -> None:
+        wall = self.clock()
         try:
             stats = orjson.loads(text)
-            now = unreadable_partitions(stats, self.topic) if type(stats) is dict \
-                else frozenset()
+            now = unreadable_partitions(stats, self.topic, self._unanswering(stats, wall)) \
+                if type(stats) is dict else frozenset()
         except Exception:              # never let it break the consume() serving it
             self.bad_stats += 1
             return
-        wall = self.clock()
         new = sorted(p for p in now if p not in self.since)
         for p in now:
             self.since.setdefault(p, wall)
@@ -159,6 +158,33 @@ class LeaderWatch:
                         "broker to fetch from): the jobs on them wait for them", new)
         self.current = now
         self._forget(wall)
+
+    def _unanswering(self, stats: dict, wall: float) -> frozenset:
+        """Brokers that had requests waiting (``waitresp_cnt``) at every statistics for
+        :data:`UNANSWERED_S` and received no response (``rx``) meanwhile. A broker whose
+        machine froze or whose network drops its packets keeps its connection up until the
+        consumer's ``socket.timeout.ms``; meanwhile nothing is fetched from it. (Not
+        ``rxidle``: a broker asked nothing for a while is idle that long before it answers.)"""
+        brokers = stats.get("brokers")
+        if type(brokers) is not dict:
+            self._waiting = {}
+            return frozenset()
+        waiting, out = {}, set()
+        for b in brokers.values():
+            if type(b) is not dict or b.get("source") == "logical":
+                continue
+            node, asked, rx = b.get("nodeid"), b.get("waitresp_cnt"), b.get("rx")
+            if type(node) is not int or type(asked) is not int or asked <= 0 \
+                    or type(rx) is not int:
+                continue                   # nothing asked of it: nothing owed
+            was = self._waiting.get(node)
+            if was is None or was[0] != rx:
+                was = (rx, wall)           # it answered since: counted from now
+            waiting[node] = was
+            if wall - was[1] >= UNANSWERED_S:
+                out.add(node)
+        self._waiting = waiting
+        return frozenset(out)
 
     def unreadable(self) -> frozenset:
         """The partitions not to say this worker reads now."""

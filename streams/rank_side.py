@@ -43,11 +43,13 @@ ACTIVE_S = 0.3
 AHEAD_S = 2.0
 #: a job told that a partition is behind hears that it no longer is within this (wall s)
 TELL_EVERY_S = 1.0
-#: a partition this worker fetched from since it was assigned is behind once the records the
-#: broker held beyond what was fetched, when that was first seen, are still not all fetched
-#: after this long (wall s); a worker that keeps up fetches them within milliseconds, but
-#: the high watermark that librdkafka's statistics ask for every second may name a record
-#: just written before its fetch brings it, in step with a rank's heartbeats
+#: a partition that this worker kept up with (read to the end, or what the broker held
+#: fetched within this) is behind once the records the broker held beyond what was fetched,
+#: when that was first seen, are still not all fetched after this long (wall s); one just
+#: assigned or with a backlog is behind at once. A worker that keeps up fetches them within
+#: milliseconds, but the high watermark that librdkafka's statistics ask for every second
+#: may name a record just written before its fetch brings it, in step with a rank's
+#: heartbeats
 KEEPS_UP_S = 1.0
 #: a job that got items from this worker within this long (wall s) hears what it reads at
 #: least every TELL_EVERY_S, also with nothing to send: that its partitions are read, so
@@ -94,6 +96,7 @@ class RankService(Service):
         self._told: dict = {}           # job -> (partitions told behind, wall time)
         self._gaps: dict = {}           # partition -> (high watermark, wall time) when the
                                         # broker was first seen to hold more than fetched
+        self._keeping: set = set()      # partitions read as they are written (_keeps_up)
         self._fed: dict = {}            # job -> wall time it last got items from here
         self._heard_at: dict = {}       # job -> wall time it last got a message from here
         self._partitions = 0            # the telemetry topic's partition count, once known
@@ -266,8 +269,12 @@ class RankService(Service):
                     upto = low if upto < 0 else upto
             except Exception:
                 continue
-            if high > upto and not self._keeps_up(p, high, upto):
-                behind.append(p)               # the broker holds more of it
+            if high > upto:
+                if not self._keeps_up(p, high, upto):
+                    behind.append(p)           # the broker holds more of it
+            else:
+                self._keeping.add(p)           # read to the end
+                self._gaps.pop(p, None)
         out.reading = Reading(parts=tuple(parts), behind=tuple(behind),
                               of=self._partition_count())
         now, now_behind, told = self.clock(), set(behind), self._told
@@ -296,12 +303,21 @@ class RankService(Service):
     def _keeps_up(self, p: int, high: int, upto: int) -> bool:
         """Whether partition ``p``, whose broker holds records up to ``high`` while this
         worker fetched up to ``upto``, is read as it is written (see :data:`KEEPS_UP_S`)
-        rather than behind; never one that brought nothing since it was assigned."""
-        gaps, now = self._gaps, self.clock()
+        rather than behind: only one that kept up before (read to the end, or what the
+        broker held fetched within KEEPS_UP_S) and whose gap is younger than that. A
+        partition just assigned, or with a backlog, is behind at once."""
+        gaps, keeping, now = self._gaps, self._keeping, self.clock()
         gap = gaps.get(p)
-        if gap is None or upto >= gap[0]:      # what was held then is fetched: a new gap
+        if gap is not None and upto >= gap[0]:     # what was held then is fetched
+            if 0 <= now - gap[1] < KEEPS_UP_S:
+                keeping.add(p)
+            gap = None
+        if gap is None:
             gap = gaps[p] = (high, now)
-        return p in self.last_seen and now - gap[1] < KEEPS_UP_S
+        if not 0 <= now - gap[1] < KEEPS_UP_S:
+            keeping.discard(p)
+            return False
+        return p in keeping
 
     @property
     def vouch_for_s(self) -> float:
@@ -501,12 +517,16 @@ class RankService(Service):
             self.last_seen.pop(p, None)
             self.unblocked.pop(p, None)
             self._gaps.pop(p, None)
+            self._keeping.discard(p)
             self._committed.pop(p, None)
 
     def _on_assign(self, consumer, partitions) -> None:
         parts = {tp.partition for tp in partitions}
         self.assignment |= parts
         self.reassigned |= parts
+        self._keeping -= parts
+        for p in parts:
+            self._gaps.pop(p, None)
         try:
             for tp in consumer.committed(partitions, timeout=10):
                 if tp.offset >= 0:

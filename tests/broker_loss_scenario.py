@@ -175,6 +175,9 @@ def broker_loss_run(folder: Path, config, victim, *, replicas: int, steps: int =
             result["crash_after_failover_s"] = round(crash[0]["injected_ts"] - failover, 1) \
                 if crash and failover else None
             result["acted_while_down"] = bool(acted(collectors["actions"].events))
+            restarts = sorted(a.ts for a in acted(collectors["actions"].events))
+            result["crash_to_restart_s"] = round(restarts[0] - crash[0]["injected_ts"], 1) \
+                if crash and restarts else None
             victim.start(log=lambda m: None)
             returned = time.time()
             result["down_s"] = round(returned - killed, 1)

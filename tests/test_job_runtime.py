@@ -80,3 +80,53 @@ def test_a_checkpoint_whose_flush_waits_holds_no_advance_back():
         assert producer.flushes >= 2 and consumer.commits >= 2
 
     asyncio.run(scenario())
+
+
+def test_a_snapshot_record_that_does_not_reach_the_changelog_is_written_again_first():
+    """With the producer giving a record up (PRODUCER_REQUEST_TIMEOUT_S, not Faust's 20
+    minutes), a snapshot record may not reach the changelog: nothing is committed then, and
+    the job's state is written again with the next checkpoint."""
+    from trainguard import events as ev
+    from trainguard.detectors import RankStage
+    from trainguard.streams.processors import RankProcessor
+
+    async def scenario():
+        now = [1000.0]
+        settings = WorkerSettings(prefix="t", worker_id="w", job_snapshot_interval_s=5.0)
+        processor = JobProcessor(JobStage)
+        runtime = JobRuntime(settings=settings, topics=TOPICS, processor=processor,
+                             metrics=Metrics(), clock=lambda: now[0])
+        ranks = RankProcessor(RankStage)
+        step = ev.Step(job="j", ts=999.0, node="n1", rank=0, step=1, step_time=1.0, loss=2.0)
+        out = ranks.process([(0, 0, b"j/0", ev.encode(step))], now=now[0])
+        for _, value in out.messages():
+            processor.apply(value, 0, now[0])
+        runtime.synced = {0}
+        consumer, lost = _Consumer(), [True]
+        sent = []
+
+        def send_changelog(partition, key, blob):
+            fut = asyncio.get_running_loop().create_future()
+            if lost[0]:
+                fut.set_exception(RuntimeError("KafkaTimeoutError"))
+            else:
+                fut.set_result(None)
+            sent.append((key, fut.exception() is None))
+            return fut
+
+        async def flush():
+            pass
+        recovered = asyncio.Event()
+        recovered.set()
+        runtime.app = types.SimpleNamespace(
+            producer=types.SimpleNamespace(flush=flush), consumer=consumer,
+            tables=types.SimpleNamespace(recovery=types.SimpleNamespace(completed=recovered)))
+        runtime.table = types.SimpleNamespace(data={}, send_changelog=send_changelog)
+        await runtime.checkpoint()
+        assert sent == [(b"j", False)] and consumer.commits == 0
+        assert runtime.metrics.counters["snapshot_failures"] == 1
+        lost[0] = False
+        await runtime.checkpoint()                    # nothing new for job j: written again
+        assert sent[1:] == [(b"j", True)] and consumer.commits == 1
+
+    asyncio.run(scenario())

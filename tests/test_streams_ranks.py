@@ -241,6 +241,7 @@ def test_a_partition_read_as_it_is_written_is_not_said_to_be_behind():
 
     broker, now = Broker(), [0.0]
     broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
+    broker.append(TOPICS.telemetry, 1, b"k/1", b"{}")
     svc = _service(broker, now)
     svc.consumer.consume(1, 0)                      # assigned the four partitions
     svc.fetched = {0: 1, 1: 0, 2: 0, 3: 0}
@@ -251,21 +252,49 @@ def test_a_partition_read_as_it_is_written_is_not_said_to_be_behind():
         svc._tell_reading(out)
         return out.reading.behind
 
-    for second in range(1, 6):                       # a heartbeat a second, fetched soon
+    assert behind() == (1,)                          # 0 read to the end: keeping up;
+    for second in range(1, 6):                       # 1 holds a record since assigned
         broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
         now[0] = second + 0.001                      # told between its write and its fetch
-        assert behind() == ()
+        assert behind() == (1,)
         svc.fetched[0], svc.last_seen[0] = second + 1, second + 0.002
     for _ in range(3):                               # what it held is not fetched
         broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
     now[0] += 0.5
-    assert behind() == ()
+    assert behind() == (1,)
     now[0] += KEEPS_UP_S
-    assert behind() == (0,)
-    svc.fetched[0] += 2                              # fetched some, not all it held then
-    assert behind() == (0,)
-    broker.append(TOPICS.telemetry, 1, b"k/1", b"{}")   # brought nothing since assigned
     assert behind() == (0, 1)
+    svc.fetched[0] += 2                              # fetched some, not all it held then
+    assert behind() == (0, 1)
+    svc.fetched[0] += 1                              # all it held then, 1.5 s late: it
+    broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")   # did not keep up
+    assert behind() == (0, 1)
+
+
+def test_a_backlog_is_behind_from_the_first_word_and_until_it_is_read():
+    """A review's case against the first cut of KEEPS_UP_S: a backlog's first fetched batch
+    made its partition look read as it is written, and each time the fetch position passed
+    the high watermark first seen a new grace began, seconds before the backlog's end. A
+    word saying it was read to the end then let the job stop waiting for a partition nobody
+    had read since its worker died (a false silent, in a simulation of the job side)."""
+    from trainguard.streams.processors import RankOutput
+
+    broker, now = Broker(), [0.0]
+    for _ in range(6000):
+        broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
+    svc = _service(broker, now)
+    svc.consumer.consume(1, 0)                      # assigned; nothing read yet
+    said = []
+    for batch in range(30):                          # 200 records a batch, 0.1 s apart
+        now[0] += 0.1
+        svc.fetched[0] = 200 * (batch + 1)
+        svc.last_seen[0] = now[0]
+        if batch % 10 == 9:                          # the producers go on writing
+            broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
+        out = RankOutput(items={"k": [(0, 0, 0, {"k": "hb", "job": "k", "rank": 0})]})
+        svc._tell_reading(out)
+        said.append(0 in out.reading.behind)
+    assert all(said), said.index(False)
 
 
 def test_a_partition_without_a_connected_leader_is_not_said_to_be_read():
