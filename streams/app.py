@@ -40,11 +40,6 @@ __all__ = ["make_app", "JobRuntime"]
 
 log = logging.getLogger(__name__)
 NEVER = 10 ** 8   # seconds / acks: Faust's own commit timer and counter, switched off
-#: how long the job side's producer tries to deliver a record (Faust's 1,200 s kept every
-#: anomaly for the partitions of a broker that stopped answering, frozen or cut off, until
-#: it answered again, up to 20 minutes): an anomaly given up is sent again by the next
-#: checkpoint (:meth:`JobRuntime.confirm`), a snapshot record written again
-PRODUCER_REQUEST_TIMEOUT_S = 15.0
 
 
 class JobRuntime:
@@ -195,8 +190,8 @@ class JobRuntime:
         if now >= self.next_snapshot and not self.stopping and (
                 self.checkpointing is None or self.checkpointing.done()):
             # beside the timer, not in it: its flush waits for a broker that stopped
-            # answering up to PRODUCER_REQUEST_TIMEOUT_S (with Faust's default, as long as
-            # a broker's JVM stayed frozen: 33 s measured), and hang and silent would wait
+            # answering as long as it does not answer (33 s measured, a broker's JVM
+            # frozen), and hang and silent would wait with it
             self.checkpointing = asyncio.ensure_future(self._checkpoint_beside())
 
     async def _checkpoint_beside(self) -> None:
@@ -232,14 +227,12 @@ class JobRuntime:
             return
         now = self.clock()
         cpu = time.thread_time()
-        written = []
         for key, partition, blob in self.processor.evict(now) + self.processor.snapshot():
             if blob is None:
                 self.table.data.pop(key, None)
             else:
                 self.table.data[key] = blob
-            written.append((key, partition, blob, self.table.send_changelog(partition, key,
-                                                                            blob)))
+            self.table.send_changelog(partition, key, blob)
         cost = time.thread_time() - cpu
         s = self.settings
         self.next_snapshot = now + snapshot_pause(
@@ -247,8 +240,6 @@ class JobRuntime:
             most_s=s.snapshot_max_interval_s)
         self.metrics.inc("snapshots")
         self.metrics.inc("snapshot_cpu_seconds", cost)
-        if written and not await self._written(written):
-            return
         acks, self.pending = self.pending, []
         for event in acks:
             event.ack()
@@ -257,30 +248,6 @@ class JobRuntime:
         except Exception as exc:
             self.metrics.inc("snapshot_failures")
             log.warning("job side commit failed: %s", exc)
-
-    async def _written(self, written: list) -> bool:
-        """Whether the snapshot's changelog records all reached the topic (the producer
-        gives a record up after ``PRODUCER_REQUEST_TIMEOUT_S``); those that did not are
-        written again with the next checkpoint, and until then nothing is committed: the
-        input a snapshot covers is committed only once the snapshot is in the changelog."""
-        try:
-            await self.app.producer.flush()
-        except Exception as exc:
-            log.warning("job side flush of the snapshot failed: %s", exc)
-        open_ = [fut for _, _, _, fut in written if not fut.done()]
-        if open_:                          # delivered: their callbacks run soon after
-            await asyncio.wait(open_, timeout=1.0)
-        lost = [(key, partition, blob) for key, partition, blob, fut in written
-                if not fut.done() or fut.cancelled() or fut.exception() is not None]
-        if not lost:
-            return True
-        mine = self.synced
-        self.processor.state.unwritten([e for e in lost if e[1] in mine])
-        self.metrics.inc("snapshot_failures")
-        log.warning("job side: %d of %d snapshot records did not reach the changelog; "
-                    "written again with the next checkpoint, nothing committed until then",
-                    len(lost), len(written))
-        return False
 
     async def final_checkpoint(self) -> None:
         """Before a clean stop: snapshot and commit, so a restart replays nothing. The timer
@@ -373,7 +340,6 @@ def make_app(*, settings, topics, runtime: JobRuntime, faust_broker: str, creden
         broker_session_timeout=settings.session_timeout_s,
         broker_heartbeat_interval=max(1.0, settings.session_timeout_s / 5),
         producer_max_request_size=16 * 1024 * 1024, table_standby_replicas=0,
-        producer_request_timeout=PRODUCER_REQUEST_TIMEOUT_S,
         worker_redirect_stdouts=False, stream_wait_empty=False,
     )
     app.transport.Producer = _idempotent_producer_class()

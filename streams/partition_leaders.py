@@ -58,13 +58,13 @@ connected until the consumer's ``socket.timeout.ms``: one that had requests wait
 statistics for :data:`UNANSWERED_S` and received nothing meanwhile is left out too:
 
 >>> stats["brokers"]["kafka-1:9092/1"].update(waitresp_cnt=1, rx=40)
->>> for t in (200.0, 203.0, 205.0):
-...     now[0] = t; watch.on_stats(json.dumps(stats)); print(t, sorted(watch.current))
-200.0 [2]
-203.0 [2]
-205.0 [0, 2, 4]
+>>> for t in (200, 203, 205):                  # the statistics' ts, in µs
+...     stats["ts"] = t * 10**6; watch.on_stats(json.dumps(stats)); print(t, sorted(watch.current))
+200 [2]
+203 [2]
+205 [0, 2, 4]
 >>> stats["brokers"]["kafka-1:9092/1"].update(rx=41)               # it answered
->>> now[0] = 206.0; watch.on_stats(json.dumps(stats)); sorted(watch.current)
+>>> stats["ts"] = 206 * 10**6; watch.on_stats(json.dumps(stats)); sorted(watch.current)
 [2]
 """
 from __future__ import annotations
@@ -140,7 +140,7 @@ class LeaderWatch:
         wall = self.clock()
         try:
             stats = orjson.loads(text)
-            now = unreadable_partitions(stats, self.topic, self._unanswering(stats, wall)) \
+            now = unreadable_partitions(stats, self.topic, self._unanswering(stats)) \
                 if type(stats) is dict else frozenset()
         except Exception:              # never let it break the consume() serving it
             self.bad_stats += 1
@@ -159,16 +159,19 @@ class LeaderWatch:
         self.current = now
         self._forget(wall)
 
-    def _unanswering(self, stats: dict, wall: float) -> frozenset:
+    def _unanswering(self, stats: dict) -> frozenset:
         """Brokers that had requests waiting (``waitresp_cnt``) at every statistics for
-        :data:`UNANSWERED_S` and received no response (``rx``) meanwhile. A broker whose
-        machine froze or whose network drops its packets keeps its connection up until the
-        consumer's ``socket.timeout.ms``; meanwhile nothing is fetched from it. (Not
-        ``rxidle``: a broker asked nothing for a while is idle that long before it answers.)"""
-        brokers = stats.get("brokers")
-        if type(brokers) is not dict:
+        :data:`UNANSWERED_S` and received no response (``rx``) meanwhile, on the statistics'
+        own clock (``ts``, µs: those queued while the consumer was not polled come in a
+        burst). A broker whose machine froze or whose network drops its packets keeps its
+        connection up until the consumer's ``socket.timeout.ms``; meanwhile nothing is
+        fetched from it. (Not ``rxidle``: a broker asked nothing for a while is idle that
+        long before it answers.)"""
+        brokers, taken = stats.get("brokers"), stats.get("ts")
+        if type(brokers) is not dict or type(taken) is not int:
             self._waiting = {}
             return frozenset()
+        wall = taken / 1e6
         waiting, out = {}, set()
         for b in brokers.values():
             if type(b) is not dict or b.get("source") == "logical":

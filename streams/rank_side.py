@@ -46,10 +46,10 @@ TELL_EVERY_S = 1.0
 #: a partition that this worker kept up with (read to the end, or what the broker held
 #: fetched within this) is behind once the records the broker held beyond what was fetched,
 #: when that was first seen, are still not all fetched after this long (wall s); one just
-#: assigned or with a backlog is behind at once. A worker that keeps up fetches them within
-#: milliseconds, but the high watermark that librdkafka's statistics ask for every second
-#: may name a record just written before its fetch brings it, in step with a rank's
-#: heartbeats
+#: assigned or with a backlog is behind at once, and so is every partition after the loop
+#: stood still for longer. A worker that keeps up consumes them within milliseconds, but
+#: the cached high watermark comes with each fetch, before consume() hands its records over:
+#: told every loop, a partition fed a heartbeat a second was said behind for seconds
 KEEPS_UP_S = 1.0
 #: a job that got items from this worker within this long (wall s) hears what it reads at
 #: least every TELL_EVERY_S, also with nothing to send: that its partitions are read, so
@@ -97,6 +97,7 @@ class RankService(Service):
         self._gaps: dict = {}           # partition -> (high watermark, wall time) when the
                                         # broker was first seen to hold more than fetched
         self._keeping: set = set()      # partitions read as they are written (_keeps_up)
+        self._processed_at = -math.inf  # wall time of the last batch (or empty poll)
         self._fed: dict = {}            # job -> wall time it last got items from here
         self._heard_at: dict = {}       # job -> wall time it last got a message from here
         self._partitions = 0            # the telemetry topic's partition count, once known
@@ -210,6 +211,12 @@ class RankService(Service):
 
     def _process(self, messages) -> None:
         now = self.clock()
+        if not 0 <= now - self._processed_at <= KEEPS_UP_S:
+            # the loop stood still (a snapshot's flush, a rebalance): whatever the broker
+            # wrote meanwhile was not fetched as it was written
+            self._keeping.clear()
+            self._gaps.clear()
+        self._processed_at = now
         out = RankOutput()
         records = []
         for m in messages:
@@ -259,6 +266,7 @@ class RankService(Service):
         for p in parts:
             if aligner.newest(p) is not None:
                 behind.append(p)               # fetched, held for its turn
+                self._keeping.discard(p)
                 continue
             tp = TopicPartition(topic, p)
             try:
@@ -272,8 +280,8 @@ class RankService(Service):
             if high > upto:
                 if not self._keeps_up(p, high, upto):
                     behind.append(p)           # the broker holds more of it
-            else:
-                self._keeping.add(p)           # read to the end
+            elif high >= 0:                    # read to the end (known: a watermark is
+                self._keeping.add(p)           # unknown until the first fetch)
                 self._gaps.pop(p, None)
         out.reading = Reading(parts=tuple(parts), behind=tuple(behind),
                               of=self._partition_count())
@@ -311,6 +319,8 @@ class RankService(Service):
         if gap is not None and upto >= gap[0]:     # what was held then is fetched
             if 0 <= now - gap[1] < KEEPS_UP_S:
                 keeping.add(p)
+            elif not 0 <= now - gap[1] < KEEPS_UP_S + TELL_EVERY_S:
+                keeping.discard(p)             # surely late: told at least every second
             gap = None
         if gap is None:
             gap = gaps[p] = (high, now)

@@ -496,18 +496,6 @@ class Slots:
         self.dirty.clear()
         return out
 
-    def unwritten(self, entries) -> None:
-        """``(key, partition, blob)`` of :meth:`snapshot` or :meth:`evict` that did not reach
-        the changelog: a live slot is snapshotted again with the next, an evicted one's
-        blob or tombstone is written again (unless something newer of it waits)."""
-        for key, partition, blob in entries:
-            if key in self.slots:
-                self.dirty.add(key)
-                if self.clean is not None:
-                    self.clean.pop(key, None)
-            else:
-                self.pending.setdefault(key, (partition, blob))
-
     def touch(self, key, slot) -> None:
         """``slot`` got input: it becomes the most recently used."""
         del self.slots[key]

@@ -230,9 +230,9 @@ def test_summaries_say_which_partitions_the_worker_is_behind_on():
 
 
 def test_a_partition_read_as_it_is_written_is_not_said_to_be_behind():
-    """The high watermark may name a record just written before its fetch brings it (the
-    statistics' lag query, every second, in step with a rank's heartbeats): such a
-    partition was said behind at every word for seconds, the job's clock stopped, and a
+    """The cached high watermark comes with each fetch, before consume() hands its records
+    over: a partition fed a heartbeat a second was said behind for seconds, the job's clock
+    stopped, and a
     one-partition job's hang in a checkpoint went unjudged until the job ended (the flake of
     test_overrides_e2e). It is behind once what the broker held is not fetched within
     KEEPS_UP_S; one that brought nothing since it was assigned is behind at once."""
@@ -498,3 +498,42 @@ def test_a_costly_snapshot_puts_the_next_off_but_never_past_the_limit(monkeypatc
         assert svc._next_snapshot == pytest.approx(at + pause)
     monkeypatch.undo()
     assert svc.metrics.counters["snapshot_cpu_seconds"] == pytest.approx(3.11)
+
+
+def test_after_the_loop_stood_still_no_partition_is_taken_to_keep_up():
+    """A review's cases: the loop standing still (a snapshot's flush waits on a broker that
+    stopped answering) while a backlog gathers, a gap closed late, and a watermark not
+    known yet (before the first fetch) are no sign of keeping up."""
+    from trainguard.streams.processors import RankOutput
+
+    broker, now = Broker(), [0.0]
+    svc = _service(broker, now)
+    svc.consumer.consume(1, 0)                      # assigned; every partition empty
+    svc.fetched = {0: 0, 1: 0, 2: 0, 3: 0}
+
+    def behind():
+        out = RankOutput(items={"k": [(0, 0, 0, {"k": "hb", "job": "k", "rank": 0})]})
+        svc._tell_reading(out)
+        return out.reading.behind
+
+    svc._process([])
+    assert behind() == () and svc._keeping == {0, 1, 2, 3}
+    for _ in range(5000):                            # written while the loop stood still
+        broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
+    now[0] += 10.0
+    svc._process([])
+    assert behind() == (0,)
+    now[0] += 0.5
+    svc._process([])
+    svc.fetched[0] = 5000                            # read, 0.5 s after it was seen
+    assert behind() == ()
+    broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
+    assert behind() == ()                            # kept up since: a grace
+    now[0] += 0.9
+    svc._process([])
+    now[0] += 0.9
+    svc._process([])
+    assert behind() == (0,)                          # ... of 1 s
+    svc.fetched[0] = 5001                            # closed, but late
+    broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
+    assert behind() == (0,)
