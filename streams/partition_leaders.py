@@ -88,8 +88,8 @@ MOST_S = 30.0
 #: librdkafka's broker states in which requests go out (``rd_kafka_broker_state_is_up``)
 _UP_STATES = frozenset(("UP", "UPDATE", "REAUTH"))
 #: a connected broker that had requests waiting for an answer at every statistics for this
-#: long, and received nothing meanwhile, is not answering (wall s): a fetch waits
-#: ``fetch.wait.max.ms``, 0.5 s, at most
+#: long, and received nothing meanwhile, is not answering (s, on the statistics' own clock):
+#: a fetch waits ``fetch.wait.max.ms``, 0.5 s, at most
 UNANSWERED_S = 5.0
 
 
