@@ -94,6 +94,13 @@ def _remember(last: dict, key, ts: float) -> None:
     last[key] = ts
 
 
+def _told(x, name: str) -> tuple[str, dict]:
+    """An Xid event's summary and evidence, as both GPU detectors report it."""
+    gpu = f"GPU {x.gpu}" if x.gpu is not None else "a GPU"
+    return (f"Xid {x.xid} ({name}) on {gpu} of {x.node or 'an unknown machine'}",
+            {"xid": x.xid, "xid_name": name, "source": x.source, "message": x.message[:300]})
+
+
 class Placement:
     """Which rank runs on which GPU of which machine, learned from summaries.
 
@@ -212,12 +219,9 @@ class GpuFaultDetector(_GpuDetector):
         _remember(self._xid_last, key, x.ts)
         if last is not None and 0 <= x.ts - last < self.repeat_s:
             return []
-        gpu = f"GPU {x.gpu}" if x.gpu is not None else "a GPU"
-        return [self._finding(
-            "gpu_fault", severity, x.node, x.gpu, x.ts,
-            f"Xid {x.xid} ({name}) on {gpu} of {x.node or 'an unknown machine'}",
-            {"xid": x.xid, "xid_name": name, "source": x.source, "message": x.message[:300]},
-            key=f"xid{x.xid}:{x.gpu}:{x.ts:.3f}")]
+        summary, evidence = _told(x, name)
+        return [self._finding("gpu_fault", severity, x.node, x.gpu, x.ts, summary, evidence,
+                              key=f"xid{x.xid}:{x.gpu}:{x.ts:.3f}")]
 
     def _flag(self, node, index, what, on, ts, summary, evidence) -> list[Finding]:
         """Report condition ``what`` of a GPU once until it clears. ``summary`` is a template
@@ -432,14 +436,11 @@ class GpuDegradedDetector(_GpuDetector):
             return []
         _remember(self._xid_last, key, x.ts)
         name, category, _ = xid_info(x.xid)
-        gpu = f"GPU {x.gpu}" if x.gpu is not None else "a GPU"
+        summary, evidence = _told(x, name)
         todo = ("the process that hit it must restart; reset the GPU when convenient"
                 if category == "contained" else "the GPU stays in service; watch it")
         return [self._degraded(x.node, x.gpu, f"xid{x.xid}", x.ts, x.ts,
-                               f"Xid {x.xid} ({name}) on {gpu} of "
-                               f"{x.node or 'an unknown machine'}: {todo}",
-                               {"xid": x.xid, "xid_name": name, "source": x.source,
-                                "message": x.message[:300]})]
+                               f"{summary}: {todo}", evidence)]
 
     def _judge(self, node, index, window, ts, reasons) -> list[Finding]:
         ups = window.ups

@@ -1,6 +1,6 @@
 """Which telemetry partitions the rank side cannot read now: the broker it fetches each from
-(its leader, or the replica it was sent to) is unknown or not connected (librdkafka's
-statistics, every second).
+(its leader, or the replica it was sent to) is unknown, not connected, or not answering
+(librdkafka's statistics, every second).
 
 A broker that dies takes the partitions it leads with it until the cluster has elected new
 leaders and the clients have learned them (Kafka fences a dead broker after
@@ -171,7 +171,7 @@ class LeaderWatch:
         if type(brokers) is not dict or type(taken) is not int:
             self._waiting = {}
             return frozenset()
-        wall = taken / 1e6
+        taken_s = taken / 1e6
         waiting, out = {}, set()
         for b in brokers.values():
             if type(b) is not dict or b.get("source") == "logical":
@@ -182,9 +182,9 @@ class LeaderWatch:
                 continue                   # nothing asked of it: nothing owed
             was = self._waiting.get(node)
             if was is None or was[0] != rx:
-                was = (rx, wall)           # it answered since: counted from now
+                was = (rx, taken_s)        # it answered since: counted from now
             waiting[node] = was
-            if wall - was[1] >= UNANSWERED_S:
+            if taken_s - was[1] >= UNANSWERED_S:
                 out.add(node)
         self._waiting = waiting
         return frozenset(out)

@@ -261,7 +261,7 @@ class RankService(Service):
 
         # a partition without a connected leader is not read, whatever was fetched of it
         parts = sorted(self.assignment - self.leaders.unreadable())
-        behind = []
+        behind, now = [], self.clock()
         topic, fetched, aligner = self.topics.telemetry, self.fetched, self.aligner
         for p in parts:
             if aligner.newest(p) is not None:
@@ -278,14 +278,14 @@ class RankService(Service):
             except Exception:
                 continue
             if high > upto:
-                if not self._keeps_up(p, high, upto):
+                if not self._keeps_up(p, high, upto, now):
                     behind.append(p)           # the broker holds more of it
             elif high >= 0:                    # read to the end (known: a watermark is
                 self._keeping.add(p)           # unknown until the first fetch)
                 self._gaps.pop(p, None)
         out.reading = Reading(parts=tuple(parts), behind=tuple(behind),
                               of=self._partition_count())
-        now, now_behind, told = self.clock(), set(behind), self._told
+        now_behind, told = set(behind), self._told
         for job, (was, when) in list(told.items()):
             # at most once a second: within a second of its last word a job still waits
             # for the partitions that sent to it anyway
@@ -308,13 +308,13 @@ class RankService(Service):
             if job in fed:
                 heard_at[job] = now
 
-    def _keeps_up(self, p: int, high: int, upto: int) -> bool:
+    def _keeps_up(self, p: int, high: int, upto: int, now: float) -> bool:
         """Whether partition ``p``, whose broker holds records up to ``high`` while this
         worker fetched up to ``upto``, is read as it is written (see :data:`KEEPS_UP_S`)
         rather than behind: only one that kept up before (read to the end, or what the
         broker held fetched within KEEPS_UP_S) and whose gap is younger than that. A
         partition just assigned, or with a backlog, is behind at once."""
-        gaps, keeping, now = self._gaps, self._keeping, self.clock()
+        gaps, keeping = self._gaps, self._keeping
         gap = gaps.get(p)
         if gap is not None and upto >= gap[0]:     # what was held then is fetched
             if 0 <= now - gap[1] < KEEPS_UP_S:
