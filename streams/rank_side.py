@@ -49,7 +49,9 @@ TELL_EVERY_S = 1.0
 #: assigned or with a backlog is behind at once, and so is every partition after the loop
 #: stood still for longer. A worker that keeps up consumes them within milliseconds, but
 #: the cached high watermark comes with each fetch, before consume() hands its records over:
-#: told every loop, a partition fed a heartbeat a second was said behind for seconds
+#: told every loop, a partition fed a heartbeat a second was said behind for seconds. A
+#: loop that waits ``worker.poll_ms`` between empty polls gets that much more
+#: (:attr:`RankService.keeps_up_s`): it fetches what was written meanwhile only then
 KEEPS_UP_S = 1.0
 #: a job that got items from this worker within this long (wall s) hears what it reads at
 #: least every TELL_EVERY_S, also with nothing to send: that its partitions are read, so
@@ -98,6 +100,7 @@ class RankService(Service):
                                         # broker was first seen to hold more than fetched
         self._keeping: set = set()      # partitions read as they are written (_keeps_up)
         self._processed_at = -math.inf  # wall time of the last batch (or empty poll)
+        self.keeps_up_s = KEEPS_UP_S + settings.poll_ms / 1000
         self._fed: dict = {}            # job -> wall time it last got items from here
         self._heard_at: dict = {}       # job -> wall time it last got a message from here
         self._partitions = 0            # the telemetry topic's partition count, once known
@@ -211,7 +214,7 @@ class RankService(Service):
 
     def _process(self, messages) -> None:
         now = self.clock()
-        if not 0 <= now - self._processed_at <= KEEPS_UP_S:
+        if not 0 <= now - self._processed_at <= self.keeps_up_s:
             # the loop stood still (a snapshot's flush, a rebalance): whatever the broker
             # wrote meanwhile was not fetched as it was written
             self._keeping.clear()
@@ -312,19 +315,19 @@ class RankService(Service):
         """Whether partition ``p``, whose broker holds records up to ``high`` while this
         worker fetched up to ``upto``, is read as it is written (see :data:`KEEPS_UP_S`)
         rather than behind: only one that kept up before (read to the end, or what the
-        broker held fetched within KEEPS_UP_S) and whose gap is younger than that. A
+        broker held fetched within :attr:`keeps_up_s`) and whose gap is younger than that. A
         partition just assigned, or with a backlog, is behind at once."""
-        gaps, keeping = self._gaps, self._keeping
+        gaps, keeping, grace = self._gaps, self._keeping, self.keeps_up_s
         gap = gaps.get(p)
         if gap is not None and upto >= gap[0]:     # what was held then is fetched
-            if 0 <= now - gap[1] < KEEPS_UP_S:
+            if 0 <= now - gap[1] < grace:
                 keeping.add(p)
-            elif not 0 <= now - gap[1] < KEEPS_UP_S + TELL_EVERY_S:
+            elif not 0 <= now - gap[1] < grace + TELL_EVERY_S:
                 keeping.discard(p)             # surely late: told at least every second
             gap = None
         if gap is None:
             gap = gaps[p] = (high, now)
-        if not 0 <= now - gap[1] < KEEPS_UP_S:
+        if not 0 <= now - gap[1] < grace:
             keeping.discard(p)
             return False
         return p in keeping

@@ -237,7 +237,6 @@ def test_a_partition_read_as_it_is_written_is_not_said_to_be_behind():
     test_overrides_e2e). It is behind once what the broker held is not fetched within
     KEEPS_UP_S; one that brought nothing since it was assigned is behind at once."""
     from trainguard.streams.processors import RankOutput
-    from trainguard.streams.rank_side import KEEPS_UP_S
 
     broker, now = Broker(), [0.0]
     broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
@@ -262,13 +261,52 @@ def test_a_partition_read_as_it_is_written_is_not_said_to_be_behind():
         broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
     now[0] += 0.5
     assert behind() == (1,)
-    now[0] += KEEPS_UP_S
+    now[0] += svc.keeps_up_s                         # KEEPS_UP_S and one poll_ms
     assert behind() == (0, 1)
     svc.fetched[0] += 2                              # fetched some, not all it held then
     assert behind() == (0, 1)
     svc.fetched[0] += 1                              # all it held then, 1.5 s late: it
     broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")   # did not keep up
     assert behind() == (0, 1)
+
+
+def test_a_loop_that_polls_every_two_seconds_still_keeps_up():
+    """With ``worker.poll_ms`` 2,000 an idle loop fetches what was written only at its next
+    poll, up to 2 s later: its grace is that much longer (``keeps_up_s``), or every poll
+    looked like a loop that stood still and a partition read as it is written was said
+    behind at every word (the flake's cause, in that setting)."""
+    from trainguard.streams.processors import RankOutput
+    from trainguard.streams.rank_side import KEEPS_UP_S
+
+    broker, now = Broker(), [0.0]
+    broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
+    svc = _service(broker, now, poll_ms=2000)
+    assert svc.keeps_up_s == KEEPS_UP_S + 2.0
+    svc.consumer.consume(1, 0)
+    svc.fetched = {0: 1, 1: 0, 2: 0, 3: 0}
+    svc.last_seen = {0: 0.0}
+
+    def poll(fetch=True):
+        svc._process([])
+        if fetch:           # what was written since the last poll; the newest in flight
+            svc.fetched[0], svc.last_seen[0] = broker_high() - 1, now[0]
+        out = RankOutput(items={"k": [(0, 0, 0, {"k": "hb", "job": "k", "rank": 0})]})
+        svc._tell_reading(out)
+        return 0 in out.reading.behind
+
+    def broker_high():
+        return len(broker.logs[(TOPICS.telemetry, 0)])
+
+    said = []
+    for n in range(1, 8):                            # a poll every 2.05 s, a record a poll
+        now[0] = 2.05 * n
+        broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
+        said.append(poll())
+    assert said[0] and not any(said[1:]), said       # behind only until it kept up once
+    now[0] += 2.05                                   # then it stops fetching: behind once
+    assert not poll(fetch=False)                     # the longer grace ran out
+    now[0] += 1.0
+    assert poll(fetch=False)
 
 
 def test_a_backlog_is_behind_from_the_first_word_and_until_it_is_read():
