@@ -50,8 +50,8 @@ TELL_EVERY_S = 1.0
 #: stood still for longer. A worker that keeps up consumes them within milliseconds, but
 #: the cached high watermark comes with each fetch, before consume() hands its records over:
 #: told every loop, a partition fed a heartbeat a second was said behind for seconds. A
-#: loop that waits ``worker.poll_ms`` between empty polls gets that much more
-#: (:attr:`RankService.keeps_up_s`): it fetches what was written meanwhile only then
+#: loop that waits ``worker.poll_ms`` (at most 1 s) between empty polls gets that much more
+#: (:attr:`RankService.keeps_up_s`): consume() hands over what was fetched meanwhile only then
 KEEPS_UP_S = 1.0
 #: a job that got items from this worker within this long (wall s) hears what it reads at
 #: least every TELL_EVERY_S, also with nothing to send: that its partitions are read, so

@@ -57,7 +57,9 @@ class WorkerSettings:
                             choices=tuple(LOGLEVELS))
     batch_max: int = setting(5000, "telemetry records per batch of the rank side",
                              minimum=1)
-    poll_ms: int = setting(100, "longest wait for a batch", minimum=1)
+    poll_ms: int = setting(100, "longest wait for a batch (at most 1,000: the rank side's "
+                                "grace for a partition read as it is written is 1 s more)",
+                           minimum=1, maximum=1000)
     snapshot_interval_s: float = setting(2.0, "rank state snapshot, then offset commit",
                                          above=0)
     job_snapshot_interval_s: float = setting(5.0, "job state (large for large jobs), then "

@@ -235,7 +235,8 @@ def test_a_partition_read_as_it_is_written_is_not_said_to_be_behind():
     stopped, and a
     one-partition job's hang in a checkpoint went unjudged until the job ended (the flake of
     test_overrides_e2e). It is behind once what the broker held is not fetched within
-    KEEPS_UP_S; one that brought nothing since it was assigned is behind at once."""
+    KEEPS_UP_S and one poll_ms; one that brought nothing since it was assigned is behind at
+    once."""
     from trainguard.streams.processors import RankOutput
 
     broker, now = Broker(), [0.0]
@@ -270,18 +271,23 @@ def test_a_partition_read_as_it_is_written_is_not_said_to_be_behind():
     assert behind() == (0, 1)
 
 
-def test_a_loop_that_polls_every_two_seconds_still_keeps_up():
-    """With ``worker.poll_ms`` 2,000 an idle loop fetches what was written only at its next
-    poll, up to 2 s later: its grace is that much longer (``keeps_up_s``), or every poll
+def test_a_loop_that_polls_every_second_still_keeps_up():
+    """With ``worker.poll_ms`` 1,000 an idle loop takes what was fetched only at its next
+    poll, a second later: its grace is that much longer (``keeps_up_s``), or every poll
     looked like a loop that stood still and a partition read as it is written was said
-    behind at every word (the flake's cause, in that setting)."""
+    behind at every word (the flake's cause, in that setting). ``poll_ms`` is at most 1,000:
+    with a grace of minutes a loop that stood still for a snapshot's flush would pass for
+    one that waits between polls, and its backlog for records read as they are written."""
     from trainguard.streams.processors import RankOutput
+    from trainguard.config import ConfigError
     from trainguard.streams.rank_side import KEEPS_UP_S
 
+    with pytest.raises(ConfigError, match="poll_ms"):
+        WorkerSettings(prefix="t", worker_id="w", poll_ms=1001)
     broker, now = Broker(), [0.0]
     broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
-    svc = _service(broker, now, poll_ms=2000)
-    assert svc.keeps_up_s == KEEPS_UP_S + 2.0
+    svc = _service(broker, now, poll_ms=1000)
+    assert svc.keeps_up_s == KEEPS_UP_S + 1.0
     svc.consumer.consume(1, 0)
     svc.fetched = {0: 1, 1: 0, 2: 0, 3: 0}
     svc.last_seen = {0: 0.0}
@@ -298,12 +304,12 @@ def test_a_loop_that_polls_every_two_seconds_still_keeps_up():
         return len(broker.logs[(TOPICS.telemetry, 0)])
 
     said = []
-    for n in range(1, 8):                            # a poll every 2.05 s, a record a poll
-        now[0] = 2.05 * n
+    for n in range(1, 8):                            # a poll every 1.05 s, a record a poll
+        now[0] = 1.05 * n
         broker.append(TOPICS.telemetry, 0, b"k/0", b"{}")
         said.append(poll())
     assert said[0] and not any(said[1:]), said       # behind only until it kept up once
-    now[0] += 2.05                                   # then it stops fetching: behind once
+    now[0] += 1.05                                   # then it stops fetching: behind once
     assert not poll(fetch=False)                     # the longer grace ran out
     now[0] += 1.0
     assert poll(fetch=False)
