@@ -17,8 +17,14 @@ stages are built and have learned), ``MEASURE`` steps are timed with ``time.proc
   (``job_side_cpu_s_per_job_s_10s_steps``, measured on the smaller sizes);
 - ``rank_side_bytes_per_rank`` / ``job_side_bytes_per_rank``: resident memory grown while
   each side built its stages, per rank;
-- ``cores_for_the_job``: rank side cores at the contract's rate (spread over workers) plus
-  the job side's (one process: above 1.0 it cannot keep up at any number of workers).
+- ``gpu_sample_us``: the rank side's CPU µs per machine's GPU sample (a ``gpu`` event of the
+  node agent: eight H100s with every field the agent reads from NVML and the machine's
+  ``host`` counters), about one per machine per second (SPEC §2), through the same rank side
+  (its ``NodeStage`` per machine: the GPU checks and the machine's outlier vector), timed
+  apart from the ranks' events; the job side's share of them is in its own time;
+- ``cores_for_the_job``: rank side cores at the contract's rate (the ranks' events and the
+  machines' GPU samples, spread over workers) plus the job side's (one process: above 1.0 it
+  cannot keep up at any number of workers).
 
 The automatic garbage collector is off while it runs, as in the worker, which collects every
 ``worker.gc_interval_s`` (30 s) instead; ``gc_s_per_collection`` is what one such collection
@@ -78,6 +84,30 @@ def _records(ranks: int, step: int, t0: float, heartbeats: int = 1) -> list:
     return out
 
 
+def _gpu_samples(ranks: int, step: int, t0: float) -> list:
+    """One ``gpu`` event per machine for second ``step``: eight GPUs, every field the agent
+    reads on an H100 (collectors/nvml.py), and the machine's host counters."""
+    from trainguard import events as ev
+
+    out = []
+    ts = t0 + step + 0.3
+    for m in range(ranks // PER_NODE):
+        node = f"n{m:05d}"
+        gpus = [{"index": i, "uuid": f"GPU-{node}-{i}", "util": 97, "mem_used": 75161927680,
+                 "mem_total": 85899345920, "temp": 62 + (m + i) % 5, "power": 640.125,
+                 "sm_clock": 1980, "mem_clock": 2619, "power_limit": 700.0, "throttle": [],
+                 "ecc_sbe": 0, "ecc_dbe": 0, "pcie_replay": 0, "nvlink_errors": 0,
+                 "remapped_pending": False, "remapped_failure": False,
+                 "pcie_tx_kbs": 1200000 + i, "pcie_rx_kbs": 1100000 + i}
+                for i in range(PER_NODE)]
+        host = {"cpu_util": 35.5, "net_rx_bytes": (step + 1) * 10 ** 9,
+                "net_tx_bytes": (step + 1) * 10 ** 9, "tcp_retrans": step,
+                "tcp_out_segs": (step + 1) * 10 ** 6}
+        out.append((m % PARTITIONS, 0, f"{JOB}/{node}".encode(), ev.encode(ev.Gpu(
+            job=JOB, ts=ts, node=node, gpus=gpus, host=host))))
+    return out
+
+
 def _starts(ranks: int, t0: float) -> list:
     from trainguard import events as ev
 
@@ -104,14 +134,16 @@ def one_size(ranks: int, heartbeats: int = 1) -> dict:
     job_side = JobProcessor(partial(JobStage, config), advance_every_s=0.5)
     t0 = 1.8e9
     offset = 0
-    cpu = {"rank": 0.0, "job": 0.0, "orjson": 0.0}
-    events = 0
+    cpu = {"rank": 0.0, "job": 0.0, "orjson": 0.0, "gpu": 0.0}
+    events = samples = 0
     memory = {}
 
-    def run_step(records: list, now: float, timed: bool) -> None:
-        nonlocal offset, events
+    def run_step(records: list, now: float, timed: bool, gpu: list = ()) -> None:
+        nonlocal offset, events, samples
         records = _numbered(records, offset)
         offset += len(records)
+        gpu = _numbered(gpu, offset)
+        offset += len(gpu)
         if timed:
             start = time.process_time()
             for rec in records:
@@ -120,15 +152,24 @@ def one_size(ranks: int, heartbeats: int = 1) -> dict:
         start = time.process_time()
         out = rank_side.process(records, now=now)
         rank_cpu = time.process_time() - start
+        outs = [out]
+        if gpu:
+            start = time.process_time()
+            outs.append(rank_side.process(gpu, now=now))
+            gpu_cpu = time.process_time() - start
         start = time.process_time()
-        for _, value in out.messages():
-            job_side.apply(value, 0, now)
+        for got in outs:
+            for _, value in got.messages():
+                job_side.apply(value, 0, now)
         job_side.advance(now)
         job_cpu = time.process_time() - start
         if timed:
             cpu["rank"] += rank_cpu
             cpu["job"] += job_cpu
             events += len(records)
+            if gpu:
+                cpu["gpu"] += gpu_cpu
+                samples += len(gpu)
 
     gc.collect()
     gc.disable()                 # as the worker does (streams/gc_schedule.py), see below
@@ -138,7 +179,9 @@ def one_size(ranks: int, heartbeats: int = 1) -> dict:
         for s in range(WARM + MEASURE):
             records = _records(ranks, s, t0, heartbeats)
             now = t0 + (s + 1) * heartbeats + 0.9
-            run_step(records, now, s >= WARM)
+            gpu = [g for h in range(heartbeats) for g in _gpu_samples(ranks, s * heartbeats + h,
+                                                                       t0)]
+            run_step(records, now, s >= WARM, gpu)
             if s == 0:
                 gc.collect()
                 memory["after_first_step"] = _rss() - before
@@ -163,8 +206,12 @@ def one_size(ranks: int, heartbeats: int = 1) -> dict:
         # the worker collects every gc_interval_s (30 s), both sides' objects in one process
         "gc_s_per_collection": round(collection_s, 3),
     }
+    result["gpu_sample_us"] = round(cpu["gpu"] / max(samples, 1) * 1e6, 1)
     contract_events_per_s = 2.0 * ranks      # a step and a heartbeat per rank per second
+    machines_per_s = ranks / PER_NODE         # and a GPU sample per machine per second
     rank_cores = contract_events_per_s * cpu["rank"] / events
+    result["cores_rank_side_ranks_events"] = round(rank_cores, 2)
+    rank_cores += machines_per_s * cpu["gpu"] / max(samples, 1)
     result["cores_rank_side_at_contract_rate"] = round(rank_cores, 2)
     result["cores_for_the_job"] = round(rank_cores + result["job_side_cpu_s_per_job_s"], 2)
     result["job_side_keeps_up"] = result["job_side_cpu_s_per_job_s"] < 1.0
