@@ -12,8 +12,9 @@ stages are built and have learned), ``MEASURE`` steps are timed with ``time.proc
 - ``rank_side_us_per_event`` and ``rank_side_over_orjson``: the rank side's rate as a
   ratio to ``orjson.loads`` alone of the same records (issue 21's target: at least 0.33);
 - ``job_side_cpu_s_per_job_s``: the job side's CPU seconds per second of the job (1 s
-  steps; target at 100,000 ranks: at most 0.1). With 10 s steps it is this divided by ten,
-  plus the heartbeats, which the rank side forwards every 5 s when unchanged
+  steps; target at 100,000 ranks: at most 0.1), the machines' GPU samples' summaries
+  included. With 10 s steps it is this divided by ten, plus the heartbeats, which the rank
+  side forwards every 5 s when unchanged, and the GPU samples, one a second
   (``job_side_cpu_s_per_job_s_10s_steps``, measured on the smaller sizes);
 - ``rank_side_bytes_per_rank`` / ``job_side_bytes_per_rank``: resident memory grown while
   each side built its stages, per rank;
