@@ -290,14 +290,22 @@ class GpuFaultDetector(_GpuDetector):
 
 
 _COUNTERS = ("pcie_replay", "nvlink_errors", "ecc_sbe")
-_NO_RISE = (False, False, False)
+_STRIDE = 6               # items of one sample in _Window.rows
 
 
 class _Window:
-    """One GPU's samples of the last window, with running counts (no rescans per sample)."""
+    """One GPU's samples of the last window, with running counts (no rescans per sample).
+
+    ``rows`` is flat, :data:`_STRIDE` items a sample: its time, whether the hardware
+    throttled it, the three counters' values (None where not read), and which of them rose
+    (bit ``col``). Numbers, bools and None only: the garbage collector tracks none of them.
+    The samples of every GPU of a large job are most of the rank side's objects (6 M at
+    100,000 GPUs and a 60 s window); as a tuple each, holding a constant tuple that
+    ``gc.freeze()`` keeps tracked, they were walked by every collection of the worker until
+    they left the window, and they took twice the memory."""
 
     def __init__(self):
-        self.rows = deque()          # (ts, hw throttled, counter values, counter rose)
+        self.rows = deque()
         self.throttled = 0
         self.ups = [0, 0, 0]
         self.last = [None, None, None]
@@ -307,10 +315,11 @@ class _Window:
     def add(self, ts, hw, values, horizon):
         last = self.last
         if values[0] == last[0] and values[1] == last[1] and values[2] == last[2]:
-            rose = _NO_RISE                      # the common case: no counter moved
+            rose = 0                             # the common case: no counter moved
         else:
             rose = self._rises(values)
-        self.rows.append((ts, hw, values, rose))
+        rows = self.rows
+        rows.extend((ts, hw, values[0], values[1], values[2], rose))
         self.throttled += hw
         if hw:
             if not self.run:
@@ -318,24 +327,33 @@ class _Window:
             self.run += 1
         else:
             self.run = 0
-        while self.rows[0][0] < horizon:
-            old = self.rows.popleft()
-            self.throttled -= old[1]
-            if old[3] is not _NO_RISE:
-                for col, up in enumerate(old[3]):
-                    if up:
+        pop = rows.popleft
+        while rows[0] < horizon:
+            pop()
+            self.throttled -= pop()
+            pop(), pop(), pop()
+            old = pop()
+            if old:
+                for col in range(3):
+                    if old >> col & 1:
                         self.ups[col] -= 1
 
-    def _rises(self, values) -> list:
-        rose = []
+    def __len__(self) -> int:
+        return len(self.rows) // _STRIDE
+
+    def column(self, col: int) -> list:
+        """One column of the rows: 0 the times, 1 throttled, 2-4 the counters, 5 rose."""
+        return list(self.rows)[col::_STRIDE]
+
+    def _rises(self, values) -> int:
+        rose = 0
         for col, value in enumerate(values):
             prev = self.last[col]
-            up = value is not None and prev is not None and value > prev
             if value is not None:
                 self.last[col] = value
-            if up:
-                self.ups[col] += 1
-            rose.append(up)
+                if prev is not None and value > prev:
+                    self.ups[col] += 1
+                    rose |= 1 << col
         return rose
 
 
@@ -449,16 +467,15 @@ class GpuDegradedDetector(_GpuDetector):
                 and not rising):
             return []                              # a healthy GPU: nothing to judge
         out = []
-        rows = window.rows
-        n = len(rows)
-        span = ts - rows[0][0]
+        n = len(window)
+        span = ts - window.rows[0]
         throttled = window.throttled
         on = (n >= self.min_samples and span >= self.window_s / 2
               and throttled >= self.throttle_fraction * n) or (
             window.run >= self.min_samples and ts - window.run_ts >= self.window_s / 4)
         active = self._active      # what can clear: nothing while it is empty (the common case)
         if (on or active) and self._newly_on(node, index, "throttle", on):
-            onset = next((r[0] for r in rows if r[1]), ts)
+            onset = next((t for t, hw in zip(window.column(0), window.column(1)) if hw), ts)
             out.append(self._degraded(node, index, "throttle", ts, onset,
                                       f"GPU {index} of {node} throttled by hardware in "
                                       f"{throttled} of {n} samples "
@@ -476,7 +493,7 @@ class GpuDegradedDetector(_GpuDetector):
                 if active:
                     active.discard((node, index, name))
                 continue
-            rise = window.last[col] - next(r[2][col] for r in rows if r[2][col] is not None)
+            rise = window.last[col] - next(v for v in window.column(2 + col) if v is not None)
             if col == 0:
                 on = rise >= self.pcie_replays
             elif col == 1:
@@ -486,7 +503,8 @@ class GpuDegradedDetector(_GpuDetector):
             on = on and rise > 0
             if not ((on or active) and self._newly_on(node, index, name, on)):
                 continue
-            onset = next(r[0] for r in rows if r[3][col])
+            onset = next(t for t, rose in zip(window.column(0), window.column(5))
+                         if rose >> col & 1)
             out.append(self._degraded(node, index, name, ts, onset,
                                       f"{name} on GPU {index} of {node} rose by {rise} in "
                                       f"{span:.0f}s ({incs} increases)",
