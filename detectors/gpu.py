@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 from trainguard.setting import setting
 
@@ -341,9 +342,10 @@ class _Window:
     def __len__(self) -> int:
         return len(self.rows) // _STRIDE
 
-    def column(self, col: int) -> list:
-        """One column of the rows: 0 the times, 1 throttled, 2-4 the counters, 5 rose."""
-        return list(self.rows)[col::_STRIDE]
+    def column(self, col: int):
+        """One column of the rows, oldest first: 0 the times, 1 throttled, 2-4 the counters,
+        5 rose."""
+        return islice(self.rows, col, None, _STRIDE)
 
     def _rises(self, values) -> int:
         rose = 0
