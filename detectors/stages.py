@@ -56,6 +56,8 @@ JOB_DETECTORS = detector_classes("job", builtin_only=True)
 _SUMMARY_ROUTES = frozenset(("hb", "life", "gpu"))
 #: The event types a RankStage compacts.
 _RANK_EVENTS = frozenset(("step", "heartbeat", "lifecycle"))
+#: a rank's last heartbeats whose stamps are kept, to tell one that comes again
+STAMPS_KEPT = 16
 
 
 def routes(detectors) -> dict:
@@ -106,10 +108,13 @@ class RankStage:
     overtaken by later ones (a recording whose recorder restarted; a producer's retry), when
     its step number says so (:meth:`_stale`): such a heartbeat is dropped, such a step
     record forwarded without ``jump``, and neither moves a reference. A step of the clock
-    back leaves the step numbers going on, so it is told as before. Not told apart: an old
-    heartbeat of the newest step (in a long step or phase), an old record of the run before
-    a restart that resumed from an earlier step, or of the epoch before step numbers began
-    again; each is taken for a step of the clock, as before.
+    back leaves the step numbers going on, so it is told as before. A heartbeat of the
+    newest step (in a long step or phase) that comes again is told by its stamp, one of the
+    rank's last :data:`STAMPS_KEPT` heartbeats' (an at-least-once copy is the same record; a
+    clock that went back stamps anew): dropped too. Not told apart: such a copy older than
+    those, an old record of the run before a restart that resumed from an earlier step, or
+    of the epoch before step numbers began again; each is taken for a step of the clock,
+    as before.
 
     >>> from trainguard import events as ev
     >>> rs = RankStage()
@@ -138,6 +143,7 @@ class RankStage:
         self._stepped = False     # a step record came since the process started
         self._since = None        # the phase_since of its last heartbeat
         self._moved = None        # [that phase's since, how far its clock went back since]
+        self._stamps = []         # its last heartbeats' stamps, read in order
 
     def _jumped(self, gap: float) -> float:
         """``gap``, how far the rank's heartbeats' or step records' stamps moved (see the
@@ -155,9 +161,13 @@ class RankStage:
         if kind == "heartbeat":
             # stamped as sent, by one thread (a step's record may wait for its GPU timing)
             ts, last = event.ts, self._ts
-            if last is not None and ts < last and self._stale(event):
+            stamps = self._stamps
+            if last is not None and ts < last and (self._stale(event) or ts in stamps):
                 return []                  # written again or overtaken: nothing new
             self._ts = ts
+            stamps.append(ts)
+            if len(stamps) > STAMPS_KEPT:
+                del stamps[0]
             if last is not None:
                 gap = ts - last
                 # forward: more than its last gap (heartbeats 10 s apart in an eval are none)

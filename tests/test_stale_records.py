@@ -76,13 +76,25 @@ def test_a_real_step_back_still_jumps():
     assert _run(rs, [_step(90.9, 20)]) == [[("step", -29.0)]]
 
 
-def test_an_old_heartbeat_of_the_newest_step_is_taken_for_a_step_back():
-    """Known and kept: in a long phase every heartbeat tells the same step, so an old one
-    written again more than JUMP_S late looks like a step of the clock back."""
+def test_an_old_heartbeat_of_the_newest_step_that_comes_again_is_told_by_its_stamp():
+    """In a long phase every heartbeat tells the same step, so step numbers cannot tell an
+    old one written again from a step of the clock back; its stamp can: a copy carries one
+    of the rank's last STAMPS_KEPT heartbeats' stamps, a clock that went back stamps anew.
+    Before, the copy below was a step back of 9 s (and its machine silent at the job side)."""
     rs = RankStage()
     for t in range(100, 130):
         rs.update(_hb(float(t), 4, phase="checkpoint", since=99.0))
-    assert _run(rs, [_hb(110.0, 4, phase="checkpoint", since=99.0)])[0][0][1] == -19.0
+    assert _run(rs, [_hb(120.0, 4, phase="checkpoint", since=99.0)]) == [[]]
+    assert _run(rs, [_hb(130.0, 4, phase="checkpoint", since=99.0)]) == [[("hb", None)]]
+    assert rs._ts == 130.0
+    # one older than the stamps kept is still taken for a step back (the limit)
+    assert _run(rs, [_hb(110.0, 4, phase="checkpoint", since=99.0)])[0][0][1] == -20.0
+    # ... and a real step back, stamped anew, is told as before
+    rs = RankStage()
+    for t in range(100, 130):
+        rs.update(_hb(float(t), 4, phase="checkpoint", since=99.0))
+    assert _run(rs, [_hb(119.7, 4, phase="checkpoint", since=99.0)])[0][0][1] == \
+        pytest.approx(-9.3)
 
 
 #: healthy jobs whose every record comes a second time with 5% (or 30%) odds, up to 15 s late
