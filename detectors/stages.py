@@ -24,6 +24,7 @@ events through all three, for offline analysis, as the worker does across Kafka.
 from __future__ import annotations
 
 import math
+import struct
 from collections import deque
 from dataclasses import asdict
 
@@ -58,6 +59,15 @@ _SUMMARY_ROUTES = frozenset(("hb", "life", "gpu"))
 _RANK_EVENTS = frozenset(("step", "heartbeat", "lifecycle"))
 #: a rank's last heartbeats whose stamps are kept, to tell one that comes again
 STAMPS_KEPT = 16
+_STAMP = struct.Struct("<d")       # kept packed: no float objects, 8 bytes a stamp
+
+
+def _kept(stamps: bytes, packed: bytes) -> bool:
+    """Whether ``packed`` is one of the stamps in ``stamps`` (at a multiple of 8)."""
+    at = stamps.find(packed)
+    while at > 0 and at % 8:
+        at = stamps.find(packed, at + 1)
+    return at >= 0
 
 
 def routes(detectors) -> dict:
@@ -108,13 +118,17 @@ class RankStage:
     overtaken by later ones (a recording whose recorder restarted; a producer's retry), when
     its step number says so (:meth:`_stale`): such a heartbeat is dropped, such a step
     record forwarded without ``jump``, and neither moves a reference. A step of the clock
-    back leaves the step numbers going on, so it is told as before. A heartbeat of the
-    newest step (in a long step or phase) that comes again is told by its stamp, one of the
-    rank's last :data:`STAMPS_KEPT` heartbeats' (an at-least-once copy is the same record; a
-    clock that went back stamps anew): dropped too. Not told apart: such a copy older than
-    those, an old record of the run before a restart that resumed from an earlier step, or
-    of the epoch before step numbers began again; each is taken for a step of the clock,
-    as before.
+    back leaves the step numbers going on, so it is told as before. A heartbeat out of
+    order (not after the last, or after it by a jump) whose stamp is one of the rank's last
+    :data:`STAMPS_KEPT` heartbeats' is one that came again (an at-least-once copy is the same
+    record; a clock that went back stamps anew): dropped too, whatever its step (the newest
+    one in a long step or phase), also the newest heartbeat again and a copy of one from
+    before a step back. Not told apart: a copy older than those (16 heartbeats: 16 s at the
+    collector's default interval), an old record of the run before a restart that resumed
+    from an earlier step (but for its last heartbeats), or of the epoch before step numbers
+    began again; each is taken for a step of the clock, as before. A producer that stamps
+    whole seconds on a fixed timer and whose clock steps back by whole seconds in a pause
+    (no step records to tell it) is taken for copies: that step is never told.
 
     >>> from trainguard import events as ev
     >>> rs = RankStage()
@@ -143,7 +157,7 @@ class RankStage:
         self._stepped = False     # a step record came since the process started
         self._since = None        # the phase_since of its last heartbeat
         self._moved = None        # [that phase's since, how far its clock went back since]
-        self._stamps = []         # its last heartbeats' stamps, read in order
+        self._stamps = b""        # its last heartbeats' stamps (STAMPS_KEPT, _STAMP)
 
     def _jumped(self, gap: float) -> float:
         """``gap``, how far the rank's heartbeats' or step records' stamps moved (see the
@@ -161,15 +175,18 @@ class RankStage:
         if kind == "heartbeat":
             # stamped as sent, by one thread (a step's record may wait for its GPU timing)
             ts, last = event.ts, self._ts
-            stamps = self._stamps
-            if last is not None and ts < last and (self._stale(event) or ts in stamps):
-                return []                  # written again or overtaken: nothing new
-            self._ts = ts
-            stamps.append(ts)
-            if len(stamps) > STAMPS_KEPT:
-                del stamps[0]
+            packed = _STAMP.pack(ts)
             if last is not None:
                 gap = ts - last
+                # not the next one in order: maybe written again or overtaken (the stamps
+                # tell also a copy of one from before a step of the clock back)
+                if (gap <= 0.0 or gap > JUMP_S + self._gap) and (
+                        gap < 0.0 and self._stale(event) or _kept(self._stamps, packed)):
+                    return []              # nothing new
+            self._ts = ts
+            stamps = self._stamps + packed
+            self._stamps = stamps[8:] if len(stamps) > 8 * STAMPS_KEPT else stamps
+            if last is not None:
                 # forward: more than its last gap (heartbeats 10 s apart in an eval are none)
                 if gap > JUMP_S + self._gap or gap < -JUMP_S:
                     jump = self._jumped(gap)

@@ -116,3 +116,23 @@ def test_records_written_again_late_raise_nothing(name, share):
                                   **AGAIN[name]))
         engine, _ = analyze_events(events)
         assert [(i["kind"], i["ranks"]) for i in engine.incidents()] == []
+
+
+def test_a_copy_of_the_newest_heartbeat_or_of_one_before_a_step_back_is_no_jump():
+    """A review's cases: the newest heartbeat again (a producer's retry) made the gap to the
+    next one count from itself, so heartbeats 10 s apart looked like a step forward; a copy
+    of one from before a step of the clock back looked like a step forward, and the next
+    heartbeat like a step back again."""
+    rs = RankStage()
+    for t in range(100, 200, 10):
+        rs.update(_hb(float(t), 4, phase="eval", since=99.0))
+    assert _run(rs, [_hb(190.0, 4, phase="eval", since=99.0)]) == [[]]
+    assert [j for out in _run(rs, [_hb(200.0, 4, phase="eval", since=99.0)])
+            for _, j in out] == [None]
+    rs = RankStage()
+    for t in range(100, 130):
+        rs.update(_hb(t + 0.5, 4, phase="checkpoint", since=99.0))
+    assert _run(rs, [_hb(105.25, 4, phase="checkpoint", since=99.0)])[0][0][1] == -24.25
+    assert _run(rs, [_hb(129.5, 4, phase="checkpoint", since=99.0)]) == [[]]   # a copy
+    after = _run(rs, [_hb(106.25, 4, phase="checkpoint", since=99.0)])
+    assert [j for out in after for _, j in out] in ([], [None])
