@@ -95,6 +95,23 @@ def _remember(last: dict, key, ts: float) -> None:
     last[key] = ts
 
 
+#: an Xid told by both of a machine's sources (NVML, the kernel log), one of them without the
+#: GPU's index (no PCI bus id map), is one Xid when the two come this close
+SAME_XID_S = 10.0
+
+
+def _twice_told(last: dict, x) -> bool:
+    """Whether Xid ``x`` is one already told by the machine's other source, where one of the
+    two has no GPU index: the same Xid of the same machine within :data:`SAME_XID_S`. Keeps
+    when each (machine, Xid) was last told, with or without an index, in ``last``."""
+    told, untold = (x.node, "any", x.xid), (x.node, None, x.xid)
+    seen = last.get(told) if x.gpu is None else last.get(untold)
+    _remember(last, told, x.ts)
+    if x.gpu is None:
+        _remember(last, untold, x.ts)
+    return seen is not None and abs(x.ts - seen) < SAME_XID_S
+
+
 def _told(x, name: str) -> tuple[str, dict]:
     """An Xid event's summary and evidence, as both GPU detectors report it."""
     gpu = f"GPU {x.gpu}" if x.gpu is not None else "a GPU"
@@ -218,7 +235,7 @@ class GpuFaultDetector(_GpuDetector):
         key = (x.node, x.gpu, x.xid)
         last = self._xid_last.get(key)
         _remember(self._xid_last, key, x.ts)
-        if last is not None and 0 <= x.ts - last < self.repeat_s:
+        if _twice_told(self._xid_last, x) or last is not None and 0 <= x.ts - last < self.repeat_s:
             return []
         summary, evidence = _told(x, name)
         return [self._finding("gpu_fault", severity, x.node, x.gpu, x.ts, summary, evidence,
@@ -452,7 +469,8 @@ class GpuDegradedDetector(_GpuDetector):
             return []
         key = (x.node, x.gpu, x.xid)
         last = self._xid_last.get(key)
-        if last is not None and 0 <= x.ts - last < self.xid_repeat_s:
+        if _twice_told(self._xid_last, x) or \
+                last is not None and 0 <= x.ts - last < self.xid_repeat_s:
             return []
         _remember(self._xid_last, key, x.ts)
         name, category, _ = xid_info(x.xid)

@@ -128,6 +128,24 @@ def test_brief_or_software_power_throttling_is_not_degradation():
     assert feed(d, items) == []
 
 
+@pytest.mark.parametrize("make,xid", [(GpuFaultDetector, 79), (GpuDegradedDetector, 94)])
+def test_an_xid_told_by_nvml_and_by_a_kernel_log_without_the_gpu_is_one(make, xid):
+    """Without a PCI bus id map the kernel log's Xid has no GPU index, so the same Xid told by
+    NVML was a second finding (a second warning for an Xid that leaves the GPU in service).
+    Either may come first; two GPUs with their indices are still two, and the same Xid a
+    minute later is judged as before."""
+    def x(ts, gpu, source):
+        return ev.Xid(job="j", ts=ts, node="n1", gpu=gpu, xid=xid, source=source, message="m")
+
+    d = make()
+    assert len(feed(d, [x(10.0, None, "kmsg"), x(10.4, 3, "nvml")])) == 1
+    assert len(feed(d, [x(20.0, 5, "nvml"), x(20.2, None, "kmsg")])) == 1
+    d = make()
+    assert len(feed(d, [x(10.0, 3, "nvml"), x(10.1, 5, "nvml")])) == 2
+    assert len(feed(d, [x(10.3, None, "kmsg")])) == 0
+    assert len(feed(make(), [x(10.0, None, "kmsg"), x(70.0, 2, "nvml")])) == 2
+
+
 def test_made_up_gpu_indices_do_not_grow_the_state_without_end():
     """The GPU index of an xid event is whatever its sender wrote (trust nothing from Kafka):
     a flood of made-up ones keeps XID_KEYS_KEPT repeats at most, and a real fault that
