@@ -100,16 +100,23 @@ def _remember(last: dict, key, ts: float) -> None:
 SAME_XID_S = 10.0
 
 
-def _twice_told(last: dict, x) -> bool:
-    """Whether Xid ``x`` is one already told by the machine's other source, where one of the
-    two has no GPU index: the same Xid of the same machine within :data:`SAME_XID_S`. Keeps
-    when each (machine, Xid) was last told, with or without an index, in ``last``."""
-    told, untold = (x.node, "any", x.xid), (x.node, None, x.xid)
-    seen = last.get(told) if x.gpu is None else last.get(untold)
-    _remember(last, told, x.ts)
-    if x.gpu is None:
-        _remember(last, untold, x.ts)
-    return seen is not None and abs(x.ts - seen) < SAME_XID_S
+def _twice_told(unpaired: dict, x) -> bool:
+    """Whether Xid ``x`` is one the machine's other source told already, where one of the
+    two has no GPU index: a finding of the same code on the same machine, from a telling of
+    the other kind (with an index if ``x`` has none, and the other way round), within
+    :data:`SAME_XID_S` and not paired yet. Each finding pairs with one telling, so a second
+    GPU's Xid, or a repeat of one GPU's, hides no other."""
+    other = (x.node, x.xid, x.gpu is None)
+    seen = unpaired.get(other)
+    if seen is not None and abs(x.ts - seen) < SAME_XID_S:
+        del unpaired[other]
+        return True
+    return False
+
+
+def _to_pair(unpaired: dict, x) -> None:
+    """A finding of Xid ``x``, which the other source's telling may pair with."""
+    _remember(unpaired, (x.node, x.xid, x.gpu is not None), x.ts)
 
 
 def _told(x, name: str) -> tuple[str, dict]:
@@ -213,6 +220,7 @@ class GpuFaultDetector(_GpuDetector):
     def _start(self) -> None:
         super()._start()
         self._xid_last: dict = {}       # (node, gpu, xid) -> ts
+        self._unpaired: dict = {}       # (node, xid, with index) -> ts of a finding (_to_pair)
         self._dbe: dict = {}            # (node, index) -> count
         self._flags: set = set()        # (node, index, what) currently reported
         self._known: dict = {}          # node -> set of indices
@@ -235,8 +243,9 @@ class GpuFaultDetector(_GpuDetector):
         key = (x.node, x.gpu, x.xid)
         last = self._xid_last.get(key)
         _remember(self._xid_last, key, x.ts)
-        if _twice_told(self._xid_last, x) or last is not None and 0 <= x.ts - last < self.repeat_s:
+        if _twice_told(self._unpaired, x) or last is not None and 0 <= x.ts - last < self.repeat_s:
             return []
+        _to_pair(self._unpaired, x)
         summary, evidence = _told(x, name)
         return [self._finding("gpu_fault", severity, x.node, x.gpu, x.ts, summary, evidence,
                               key=f"xid{x.xid}:{x.gpu}:{x.ts:.3f}")]
@@ -431,6 +440,7 @@ class GpuDegradedDetector(_GpuDetector):
         self._windows: dict = {}  # (node, index) -> _Window
         self._active: set = set()
         self._xid_last: dict = {}  # (node, gpu, xid) -> ts of its last alert
+        self._unpaired: dict = {}  # (node, xid, with index) -> ts of an alert (_to_pair)
 
     def update(self, item) -> list[Finding]:
         if self._learn(item):
@@ -469,10 +479,13 @@ class GpuDegradedDetector(_GpuDetector):
             return []
         key = (x.node, x.gpu, x.xid)
         last = self._xid_last.get(key)
-        if _twice_told(self._xid_last, x) or \
-                last is not None and 0 <= x.ts - last < self.xid_repeat_s:
+        if _twice_told(self._unpaired, x):
+            _remember(self._xid_last, key, x.ts)    # told: its repeats are repeats
+            return []
+        if last is not None and 0 <= x.ts - last < self.xid_repeat_s:
             return []
         _remember(self._xid_last, key, x.ts)
+        _to_pair(self._unpaired, x)
         name, category, _ = xid_info(x.xid)
         summary, evidence = _told(x, name)
         todo = ("the process that hit it must restart; reset the GPU when convenient"

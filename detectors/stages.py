@@ -128,7 +128,8 @@ class RankStage:
     from an earlier step (but for its last heartbeats), or of the epoch before step numbers
     began again; each is taken for a step of the clock, as before. A producer that stamps
     whole seconds on a fixed timer and whose clock steps back by whole seconds in a pause
-    (no step records to tell it) is taken for copies: that step is never told.
+    (no step records to tell it) is taken for copies: its heartbeats are dropped for as long
+    as the step (up to 16 of them), which can be a false ``silent``, and the step is not told.
 
     >>> from trainguard import events as ev
     >>> rs = RankStage()
@@ -185,7 +186,7 @@ class RankStage:
                     return []              # nothing new
             self._ts = ts
             stamps = self._stamps + packed
-            self._stamps = stamps[8:] if len(stamps) > 8 * STAMPS_KEPT else stamps
+            self._stamps = stamps[-8 * STAMPS_KEPT:] if len(stamps) > 8 * STAMPS_KEPT else stamps
             if last is not None:
                 # forward: more than its last gap (heartbeats 10 s apart in an eval are none)
                 if gap > JUMP_S + self._gap or gap < -JUMP_S:

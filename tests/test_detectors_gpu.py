@@ -144,6 +144,23 @@ def test_an_xid_told_by_nvml_and_by_a_kernel_log_without_the_gpu_is_one(make, xi
     assert len(feed(d, [x(10.0, 3, "nvml"), x(10.1, 5, "nvml")])) == 2
     assert len(feed(d, [x(10.3, None, "kmsg")])) == 0
     assert len(feed(make(), [x(10.0, None, "kmsg"), x(70.0, 2, "nvml")])) == 2
+    # a review's cases: each finding pairs with one telling, so a second GPU's Xid told in
+    # the same seconds, or one GPU's Xid told again and again, hides no other GPU's
+    found = feed(make(), [x(10.0, 3, "nvml"), x(10.1, None, "kmsg"), x(12.0, 5, "nvml"),
+                          x(12.1, None, "kmsg")])
+    assert [f.evidence["gpu"] for f in found] == [3, 5]
+    storm = [e for t in range(0, 400, 5) for e in (x(float(t), 3, "nvml"),
+                                                  x(t + 0.1, None, "kmsg"))]
+    assert 5 in [f.evidence["gpu"] for f in feed(make(), [*storm, x(400.0, 5, "nvml")])]
+
+
+def test_an_xid_without_a_gpu_index_alone_is_still_an_alert_once_an_hour():
+    """A machine without a PCI bus id map: its kernel log's Xid 94 every half hour is a
+    warning once an hour, as for a GPU with its index (the pairing keeps its own stamps)."""
+    d = GpuDegradedDetector()
+    found = feed(d, [ev.Xid(job="j", ts=float(t), node="n1", gpu=None, xid=94, source="kmsg",
+                            message="m") for t in range(0, 14401, 1800)])
+    assert [f.detected_ts for f in found] == [0.0, 3600.0, 7200.0, 10800.0, 14400.0]
 
 
 def test_made_up_gpu_indices_do_not_grow_the_state_without_end():
