@@ -15,8 +15,8 @@ from river import stats
 
 from trainguard.setting import setting
 
-from .base import Detector, Finding, make_jobstep, median, num
-from .peers import step_times
+from .base import Detector, Finding, make_jobstep
+from .partials import column_median, standing_out, step_summary
 from .registry import register_detector
 
 __all__ = ["ThroughputDetector", "PageHinkleyUp", "make_jobstep"]
@@ -135,36 +135,25 @@ class ThroughputDetector(Detector):
     def update(self, item) -> list[Finding]:
         if type(item) is not dict or item.get("k") != "jobstep":
             return []
-        times, counted = [], True
-        for rec in item["ranks"].values():
-            t = rec.get("step_time")
-            if type(t) is not float:          # a float is the common case: no num() call
-                t = num(t)
-            if t is not None and t > 0 and t - t == 0:
-                n = rec.get("tokens")
-                if type(n) is int and n > 0:
-                    times.append((t, n))
-                else:
-                    times.append((t, 1))
-                    counted = False
-        if not times:
+        agg = step_summary(item)
+        if not agg["step_time"]["n"]:
             return []
+        counted = not agg["uncounted"]
         if self._per_token is None:
             self._per_token = counted
         if self._per_token:
             if not counted:
                 return []     # a step without tokens in a job that reports them: no measure
-            times = [t / n for t, n in times]
+            typical = column_median(agg["per_token"])
         else:
-            times = [t for t, _ in times]
+            typical = column_median(agg["step_time"])
         self._seen += 1
         if self._seen <= self.warmup:
             return []
-        y = math.log(median(times))
-        st = step_times(item)
+        y = math.log(typical)
         standouts = ()
-        if len(st) >= 3:
-            standouts = tuple(st.standing_out(self.standout_ratio))
+        if agg["compute_time"]["n"] >= 3:
+            standouts = tuple(standing_out(item, agg, self.standout_ratio))
         self._recent.append((y, item["step"], item["first_ts"], standouts))
         if self._learned < self.window:
             self._learned += 1

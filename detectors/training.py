@@ -17,7 +17,8 @@ from river import stats
 
 from trainguard.setting import setting
 
-from .base import Detector, Finding, fmt_ranks, is_finite, make_jobstep, median, num
+from .base import Detector, Finding, fmt_ranks, is_finite, make_jobstep, num
+from .partials import column_median, step_summary
 from .registry import register_detector
 
 __all__ = ["NanDetector", "LossSpikeDetector", "GradSpikeDetector", "SpikeDetector",
@@ -95,48 +96,30 @@ class NanDetector(Detector):
             return []
         if "late" in item:
             return self._late(item)
-        bad_loss, bad_grad, scaled, seen_grad, top_scale = [], [], False, 0, 0.0
-        first_ts = math.inf
+        agg = step_summary(item)
         late_ranks = self._late_ranks
-        for rank, rec in item["ranks"].items():
-            loss, grad = rec.get("loss"), rec.get("grad_norm")
-            if type(loss) is not float:       # a float is the common case: no num() call
-                loss = num(loss)
-            if type(grad) is not float:
-                grad = num(grad)
-            if loss is not None and loss - loss != 0:
-                bad_loss.append(rank)
-                first_ts = min(first_ts, rec["ts"])
-            elif late_ranks and loss is not None:
-                late_ranks.discard(rank)
-            if grad is not None:
-                seen_grad += 1
-                if grad - grad != 0:
-                    bad_grad.append(rank)
-                    first_ts = min(first_ts, rec["ts"])
-            scale = rec.get("loss_scale")
-            if scale is not None:
-                scaled = True
-                if type(scale) is not float:
-                    scale = num(scale)
-                if scale is not None and scale - scale == 0 and scale > top_scale:
-                    top_scale = scale
-        if not bad_loss and not bad_grad:
+        if late_ranks:
+            self._recovered(item, agg)
+        bad_loss, bad_grad = agg["bad_loss"], agg["bad_grad"]
+        n_loss, n_grad = agg["bad_loss_n"], agg["bad_grad_n"]
+        scaled, seen_grad, top_scale = agg["scaled"], agg["seen_grad"], agg["top_scale"]
+        first_ts = agg["bad_ts"]
+        if not n_loss and not n_grad:
             self._active = False
             self._grad_streak = 0
             if seen_grad:
                 self._searching = False
             return []
-        if not bad_grad and late_ranks.issuperset(bad_loss):
+        if not n_grad and n_loss == len(bad_loss) and late_ranks.issuperset(bad_loss):
             return []                    # the ranks already reported from late records
         step, ts = item["step"], item["ts"]
         if self._active:
             return []
-        reporting = len(item["ranks"])
-        if bad_loss:
-            everyone = len(bad_loss) == reporting and reporting > 1
+        reporting = agg["n"]
+        if n_loss:
+            everyone = n_loss == reporting and reporting > 1
             ranks = [] if everyone else sorted(bad_loss)
-            who = f"every rank ({reporting})" if everyone else fmt_ranks(bad_loss)
+            who = f"every rank ({reporting})" if everyone else _named(bad_loss, n_loss)
             summary = f"loss became non-finite on {who} at step {step}"
             onset = first_ts
         else:
@@ -151,9 +134,10 @@ class NanDetector(Detector):
                 step, onset = self._grad_onset
             else:
                 onset = first_ts
-            everyone = len(bad_grad) == seen_grad
+            everyone = n_grad == seen_grad
             ranks = [] if everyone else sorted(bad_grad)
-            summary = (f"gradient norm non-finite on {'every rank' if everyone else fmt_ranks(ranks)}"
+            summary = (f"gradient norm non-finite on "
+                       f"{'every rank' if everyone else _named(ranks, n_grad)}"
                        f" at step {step} while the loss is finite"
                        + (f" ({self._grad_streak} steps despite loss scaling)" if scaled else ""))
         self._active = True
@@ -162,6 +146,19 @@ class NanDetector(Detector):
                         evidence={"nonfinite_loss_ranks": sorted(bad_loss),
                                   "nonfinite_grad_norm_ranks": sorted(bad_grad),
                                   "ranks_reporting": reporting, "loss_scaled": scaled})]
+
+    def _recovered(self, item, agg) -> None:
+        """The ranks reported from late records that report a finite loss now."""
+        if "agg" in item:
+            self._late_ranks.difference_update(agg.get("recovered", ()))
+            return
+        records = item["ranks"]
+        for rank in list(self._late_ranks):
+            rec = records.get(rank)
+            if rec is not None:
+                loss = num(rec.get("loss"))
+                if loss is not None and loss - loss == 0:
+                    self._late_ranks.discard(rank)
 
     def _still_searching(self, scale: float) -> bool:
         """The scaler's start-up search goes on: its scale (at least 1) fell within the last
@@ -199,6 +196,13 @@ class NanDetector(Detector):
                         summary=f"loss became non-finite on {fmt_ranks(bad)} at step {step} "
                                 "(its record came after the step was closed)",
                         evidence={"nonfinite_loss_ranks": bad, "late_record": True})]
+
+
+def _named(ranks: list, count: int) -> str:
+    """The ranks named, with how many there were when a partial named only some."""
+    if len(ranks) == count:
+        return fmt_ranks(ranks)
+    return f"{count} ranks ({', '.join(map(str, sorted(ranks)[:8]))}, ...)"
 
 
 class SpikeDetector(Detector):
@@ -265,17 +269,9 @@ class SpikeDetector(Detector):
     def update(self, item) -> list[Finding]:
         if type(item) is not dict or item.get("k") != "jobstep":
             return []
-        values = []
-        field = self.FIELD
-        for rec in item["ranks"].values():
-            x = rec.get(field)
-            if type(x) is not float:          # a float is the common case: no num() call
-                x = num(x)
-            if x is not None and x > 0 and x - x == 0:
-                values.append(x)
-        if not values:
+        value = column_median(step_summary(item)[self.FIELD])
+        if value is None:
             return []
-        value = median(values) if len(values) > 1 else values[0]
         return self.learn(value, item["step"], item["first_ts"], item["ts"])
 
     def learn(self, value: float, step: int, onset_ts: float, ts: float) -> list[Finding]:

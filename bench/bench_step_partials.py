@@ -1,0 +1,115 @@
+"""Issue 21 point 1, its first part: the step detectors (NaN, loss and gradient spikes,
+throughput) from partials merged per step, against the same detectors from every rank's
+record, in the same run.
+
+Per size (4,096, 16,384 and 100,000 ranks, the records ``bench_scale`` sends: loss, gradient
+norm, step and compute times, tokens), ``STEPS`` steps after ``WARM``:
+
+- ``records_us_per_step``: the four detectors over one ``jobstep`` that holds every rank's
+  record, as the job side runs them today (its CPU µs per step, and per rank-step);
+- ``partial_us_per_rank_step``: a telemetry partition's :class:`PartialBuilder` turning its
+  ranks' records of a step into one partial (the rank side's added work, spread over the
+  workers);
+- ``merged_us_per_step``: the job side merging the ``partitions`` partials of a step and the
+  four detectors reading the result: what those detectors cost the job side once nothing
+  per rank reaches it; ``merged_cpu_s_per_job_s`` the same at one step a second;
+- ``partial_bytes``: one partial's JSON size (orjson), what each partition would send per
+  step;
+- ``same_findings``: whether both paths found the same (the bench's steps are healthy, with
+  a NaN loss on one rank at one step and the job's step time doubled from step 60).
+
+The automatic garbage collector is off while it runs, as in the worker.
+
+``python bench/run.py step_partials --json``; ``TG_PARTIALS_SIZES=4096`` for fewer.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import random
+import time
+
+SIZES = (4096, 16384, 100_000)
+PARTITIONS = {4096: 24, 16384: 48, 100_000: 96}
+WARM, STEPS = 5, 80
+
+
+def _records(ranks: int, step: int, rng: random.Random) -> dict:
+    slow = 2.0 if step >= 60 else 1.0
+    out = {}
+    for r in range(ranks):
+        loss = 2.5 - step * 1e-3 + (r % 7) * 1e-4
+        out[r] = {"k": "step", "job": "scale", "rank": r, "node": f"n{r // 8:05d}",
+                  "ts": 1.8e9 + step + (r % 13) * 1e-3, "step": step,
+                  "step_time": slow * (1.0 + rng.random() * 0.01),
+                  "compute_time": slow * (0.8 + (r % 5) * 1e-3), "tokens": 4096,
+                  "loss": "NaN" if (step, r) == (40, ranks // 3) else loss,
+                  "grad_norm": 1.0 + rng.random() * 0.01}
+    return out
+
+
+def _detectors():
+    from trainguard.detectors.timing import ThroughputDetector
+    from trainguard.detectors.training import GradSpikeDetector, LossSpikeDetector, NanDetector
+
+    return [NanDetector(), LossSpikeDetector(), GradSpikeDetector(),
+            ThroughputDetector(warmup=10)]
+
+
+def one_size(ranks: int) -> dict:
+    import orjson
+
+    from trainguard.detectors.partials import PartialBuilder, merge
+
+    partitions = PARTITIONS.get(ranks, max(4, ranks // 1000))
+    rng = random.Random(ranks)
+    builders = [PartialBuilder() for _ in range(partitions)]
+    by_records, by_partials = _detectors(), _detectors()
+    cpu = {"records": 0.0, "partial": 0.0, "merged": 0.0}
+    found = {"records": [], "merged": []}
+    size = 0
+    for s in range(WARM + STEPS):
+        records = _records(ranks, s, rng)
+        groups = [{} for _ in range(partitions)]
+        for r, rec in records.items():
+            groups[r % partitions][r] = rec
+        timed = s >= WARM
+        jobstep = {"k": "jobstep", "job": "scale", "step": s, "ts": records[0]["ts"],
+                   "first_ts": records[0]["ts"], "world": ranks, "ranks": records}
+        t = time.process_time()
+        for d in by_records:
+            found["records"] += [(f.kind, f.ranks, f.step) for f in d.update(jobstep)]
+        t1 = time.process_time()
+        partials = [b.partial(g) for b, g in zip(builders, groups)]
+        t2 = time.process_time()
+        merged = {**{k: v for k, v in jobstep.items() if not k.startswith(("ranks", "_"))},
+                  "agg": merge(partials)}
+        for d in by_partials:
+            found["merged"] += [(f.kind, f.ranks, f.step) for f in d.update(merged)]
+        t3 = time.process_time()
+        if timed:
+            cpu["records"] += t1 - t
+            cpu["partial"] += t2 - t1
+            cpu["merged"] += t3 - t2
+        size = max(size, max(len(orjson.dumps(p, option=orjson.OPT_NON_STR_KEYS))
+                             for p in partials))
+    per_step = {k: v / STEPS * 1e6 for k, v in cpu.items()}
+    return {"ranks": ranks, "partitions": partitions,
+            "records_us_per_step": round(per_step["records"]),
+            "records_us_per_rank_step": round(per_step["records"] / ranks, 3),
+            "partial_us_per_rank_step": round(per_step["partial"] / ranks, 3),
+            "merged_us_per_step": round(per_step["merged"]),
+            "merged_cpu_s_per_job_s": round(per_step["merged"] / 1e6, 5),
+            "merged_over_records": round(per_step["merged"] / per_step["records"], 4),
+            "partial_bytes": size,
+            "findings": found["records"],
+            "same_findings": found["records"] == found["merged"]}
+
+
+def run() -> dict:
+    sizes = [int(s) for s in os.environ.get("TG_PARTIALS_SIZES", "").split(",") if s] or SIZES
+    gc.disable()           # as in the worker, which collects on its own schedule
+    try:
+        return {"sizes": [one_size(n) for n in sizes]}
+    finally:
+        gc.enable()

@@ -1,0 +1,161 @@
+"""Issue 21 point 1: a step's ranks summarized per telemetry partition (partials) and merged
+give the step detectors (NaN, loss and gradient spikes, throughput) the incidents that the
+ranks' records give them, on the whole scenario library (tests/scenarios.py)."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from trainguard.detectors import stages
+from trainguard.detectors.offline import analyze_events
+from trainguard.detectors.partials import (BUCKET, NAMED_UPTO, PartialBuilder, column_median,
+                                           merge, partial_of, slowest, step_summary)
+from trainguard.detectors.base import make_jobstep, median
+from trainguard.detectors.training import NanDetector
+
+from scenario_library import FAULTS, HEALTHY
+from scenarios import generate
+
+
+def _split(monkeypatch, partitions: int, exact_upto):
+    """Each closed step's ranks split by ``rank % partitions``, one PartialBuilder each, and
+    the detectors given the merged partial instead of the records."""
+    original = stages.JobStage._jobstep
+
+    def _jobstep(self, jobstep):
+        builders = self.__dict__.setdefault("_builders", {})
+        for part in range(partitions):
+            builders.setdefault(part, PartialBuilder(exact_upto=exact_upto))
+        if "late" in jobstep:
+            for rank, rec in jobstep["ranks"].items():
+                builders[rank % partitions].late(rec)
+        else:
+            groups: dict = {}
+            for rank, rec in jobstep["ranks"].items():
+                groups.setdefault(rank % partitions, {})[rank] = rec
+            jobstep["agg"] = merge([builders[p].partial(g) for p, g in sorted(groups.items())])
+        return original(self, jobstep)
+
+    monkeypatch.setattr(stages.JobStage, "_jobstep", _jobstep)
+
+
+def _incidents(events, exact: bool):
+    engine, _ = analyze_events(events)
+    return [(i["kind"], i["ranks"], i["nodes"], i["onset_ts"], i["detected_ts"])
+            + ((i["summary"],) if exact else ()) for i in engine.incidents()]
+
+
+LIBRARY = [*HEALTHY, *FAULTS]
+
+
+@pytest.mark.parametrize("sc", LIBRARY, ids=[sc.name for sc in LIBRARY])
+def test_partials_merged_give_the_library_its_incidents(sc, monkeypatch):
+    """Three partitions, each step's values sketched even for a few ranks (exact_upto=0):
+    the same incidents, the same ranks, machines and times; then two partitions whose values
+    are sent as they are: the same summaries too."""
+    events, _ = generate(sc)
+    want_exact = _incidents(events, exact=True)
+    want = [i[:-1] for i in want_exact]
+    with monkeypatch.context() as m:
+        _split(m, 3, exact_upto=0)
+        assert _incidents(events, exact=False) == want
+    with monkeypatch.context() as m:
+        _split(m, 2, exact_upto=None)
+        assert _incidents(events, exact=True) == want_exact
+
+
+def test_a_sketched_median_is_within_alpha_of_the_true_one():
+    rng = random.Random(7)
+    for _ in range(200):
+        values = [rng.lognormvariate(0, rng.choice((0.01, 0.3, 2.0)))
+                  for _ in range(rng.randint(1, 3000))]
+        ranks = {r: {"rank": r, "ts": 1.0, "loss": v, "step_time": v, "compute_time": v}
+                 for r, v in enumerate(values)}
+        cut = sorted(rng.sample(range(len(values) + 1), min(len(values), 5)))
+        bounds = [0, *cut, len(values)]
+        parts = [partial_of({r: ranks[r] for r in range(a, b)}, exact_upto=rng.choice((0, 8)))
+                 for a, b in zip(bounds, bounds[1:]) if b > a]
+        whole = merge(parts)
+        true = median(values)
+        for field in ("loss", "step_time", "compute_time"):
+            got = column_median(whole[field])
+            assert abs(got - true) <= BUCKET * true * 1.0001, (field, got, true)
+        top = max(range(len(values)), key=lambda r: (values[r], -r))
+        assert slowest(whole["compute_time"])[0] == (values[top], top)
+
+
+def test_equal_values_keep_their_exact_median_in_a_sketch():
+    ranks = {r: {"rank": r, "ts": 1.0, "loss": 2.3456789} for r in range(500)}
+    parts = [partial_of({r: ranks[r] for r in range(a, a + 100)}, exact_upto=0)
+             for a in range(0, 500, 100)]
+    assert column_median(merge(parts)["loss"]) == 2.3456789
+
+
+def test_merging_is_the_same_in_any_grouping():
+    rng = random.Random(3)
+    ranks = {r: {"rank": r, "ts": float(r), "loss": rng.choice((1.0, 2.0, float("nan"))),
+                 "grad_norm": rng.random(), "step_time": 1 + rng.random(),
+                 "compute_time": rng.random(), "tokens": 100} for r in range(400)}
+    parts = [partial_of({r: ranks[r] for r in range(a, a + 50)}, exact_upto=0)
+             for a in range(0, 400, 50)]
+    flat = merge(parts)
+    nested = merge([merge(parts[:3]), merge(parts[3:])])
+    for field in ("loss", "grad_norm", "step_time", "per_token", "compute_time"):
+        assert column_median(flat[field]) == pytest.approx(column_median(nested[field]))
+    assert slowest(flat["compute_time"]) == slowest(nested["compute_time"])
+    assert sorted(flat["bad_loss"]) == sorted(nested["bad_loss"])
+    assert flat["bad_ts"] == nested["bad_ts"] == min(
+        rec["ts"] for rec in ranks.values() if math.isnan(rec["loss"]))
+
+
+def test_a_partial_names_at_most_named_upto_ranks_and_says_how_many():
+    n = NAMED_UPTO + 10
+    js = make_jobstep(4, 40.0, loss=[float("nan")] * n + [2.0])
+    parts = [partial_of({r: rec for r, rec in js["ranks"].items() if r % 2 == half})
+             for half in (0, 1)]
+    js["agg"] = merge(parts)
+    assert js["agg"]["bad_loss_n"] == n and len(js["agg"]["bad_loss"]) == NAMED_UPTO
+    (finding,) = NanDetector().update(js)
+    assert len(finding.ranks) == NAMED_UPTO
+    assert f"on {n} ranks (0, 1, 2" in finding.summary
+
+
+def test_a_jobstep_with_records_is_summarized_once_and_exactly():
+    js = make_jobstep(1, 1.0, loss=[float(v) for v in range(1, 100)])
+    agg = step_summary(js)
+    assert step_summary(js) is agg and agg["loss"]["v"] == [float(v) for v in range(1, 100)]
+    assert column_median(agg["loss"]) == 50.0
+
+
+def test_the_buckets_are_the_same_with_numpy_and_without():
+    from trainguard.detectors.partials import _sketch, _sketch_arrays
+
+    rng = random.Random(5)
+    values = [rng.lognormvariate(0, 3) for _ in range(300)] + [0.0, 0.0, 1e-300, 1e300]
+    small = [v for v in values[:100]]
+    loop = {"n": len(values), "z": 2, "b": {}}
+    for part in (values[i:i + 50] for i in range(0, len(values), 50)):   # below ARRAYS_FROM
+        sk = _sketch(part)
+        for i, (c, f, m) in sk["b"].items():
+            b = loop["b"].setdefault(i, [0, f, 0.0])
+            b[0] += c
+            b[2] += m + c * (f - b[1])
+    arrays = _sketch_arrays([small, values])
+    assert arrays[0]["b"].keys() == _sketch(small)["b"].keys()
+    assert arrays[1]["b"].keys() == loop["b"].keys() and arrays[1]["z"] == 2
+    for i, (c, f, m) in arrays[1]["b"].items():
+        assert c == loop["b"][i][0] and f + m / c == pytest.approx(loop["b"][i][1] + loop["b"][i][2] / c)
+
+
+def test_the_partials_bench_finds_what_the_records_find():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_step_partials
+
+    result = bench_step_partials.one_size(512)
+    assert result["partitions"] == 4 and result["same_findings"]
+    assert result["findings"] == [("nan", [170], 40), ("throughput_drop", [], 60)]
