@@ -36,13 +36,16 @@ WARM, STEPS = 5, 80
 
 def _records(ranks: int, step: int, rng: random.Random) -> dict:
     slow = 2.0 if step >= 60 else 1.0
+    straggler = ranks // 3 + 1
     out = {}
     for r in range(ranks):
         loss = 2.5 - step * 1e-3 + (r % 7) * 1e-4
+        lag = 1.6 if r == straggler and 15 <= step < 35 else 1.0
         out[r] = {"k": "step", "job": "scale", "rank": r, "node": f"n{r // 8:05d}",
                   "ts": 1.8e9 + step + (r % 13) * 1e-3, "step": step,
                   "step_time": slow * (1.0 + rng.random() * 0.01),
-                  "compute_time": slow * (0.8 + (r % 5) * 1e-3), "tokens": 4096,
+                  "compute_time": lag * slow * (0.8 + (r % 5) * 1e-3 + rng.random() * 0.01),
+                  "tokens": 4096,
                   "loss": "NaN" if (step, r) == (40, ranks // 3) else loss,
                   "grad_norm": 1.0 + rng.random() * 0.01}
     return out
@@ -56,17 +59,45 @@ def _detectors():
             ThroughputDetector(warmup=10)]
 
 
+def _straggler(ranks: int, partitions: int = 0):
+    """A straggler detector that knows the job's TP 8 x PP 4 layout (its peers: a pipeline
+    stage); with ``partitions``, its book split over them (:class:`PaceParts`)."""
+    from trainguard.detectors.pace_parts import PaceParts
+    from trainguard.detectors.straggler import StragglerDetector
+
+    d = StragglerDetector()
+    d.update({"k": "life", "job": "scale", "rank": 0, "node": "n00000", "ts": 1.8e9,
+              "event": "start", "world_size": ranks,
+              "topology": {"tp": 8, "pp": 4, "dp": ranks // 32}})
+    if partitions:
+        d._paces = PaceParts(partitions)
+    return d
+
+
 def one_size(ranks: int) -> dict:
     import orjson
 
+    from trainguard.detectors import pace_parts
     from trainguard.detectors.partials import PartialBuilder, merge
 
     partitions = PARTITIONS.get(ranks, max(4, ranks // 1000))
     rng = random.Random(ranks)
     builders = [PartialBuilder() for _ in range(partitions)]
     by_records, by_partials = _detectors(), _detectors()
-    cpu = {"records": 0.0, "partial": 0.0, "merged": 0.0}
-    found = {"records": [], "merged": []}
+    straggler_records, straggler_parts = _straggler(ranks), _straggler(ranks, partitions)
+    cpu = {"records": 0.0, "partial": 0.0, "merged": 0.0, "straggler_records": 0.0,
+           "straggler_parts": 0.0, "straggler_answer": 0.0}
+    found = {"records": [], "merged": [], "straggler_records": [], "straggler_parts": []}
+    answer = pace_parts.answer
+
+    def timed_answer(*args):
+        t = time.process_time()
+        try:
+            return answer(*args)
+        finally:
+            cpu["straggler_answer"] += (time.process_time() - t) * (s >= WARM)
+
+    pace_parts.answer = timed_answer
     size = 0
     for s in range(WARM + STEPS):
         records = _records(ranks, s, rng)
@@ -87,13 +118,21 @@ def one_size(ranks: int) -> dict:
         for d in by_partials:
             found["merged"] += [(f.kind, f.ranks, f.step) for f in d.update(merged)]
         t3 = time.process_time()
+        for name, d in (("straggler_records", straggler_records),
+                        ("straggler_parts", straggler_parts)):
+            t4 = time.process_time()
+            found[name] += [(f.kind, f.ranks, f.step) for f in d.update(jobstep)]
+            if timed:
+                cpu[name] += time.process_time() - t4
         if timed:
             cpu["records"] += t1 - t
             cpu["partial"] += t2 - t1
             cpu["merged"] += t3 - t2
         size = max(size, max(len(orjson.dumps(p, option=orjson.OPT_NON_STR_KEYS))
                              for p in partials))
+    pace_parts.answer = answer
     per_step = {k: v / STEPS * 1e6 for k, v in cpu.items()}
+    rank_side = per_step["straggler_parts"] - per_step["straggler_answer"]
     return {"ranks": ranks, "partitions": partitions,
             "records_us_per_step": round(per_step["records"]),
             "records_us_per_rank_step": round(per_step["records"] / ranks, 3),
@@ -103,7 +142,12 @@ def one_size(ranks: int) -> dict:
             "merged_over_records": round(per_step["merged"] / per_step["records"], 4),
             "partial_bytes": size,
             "findings": found["records"],
-            "same_findings": found["records"] == found["merged"]}
+            "same_findings": found["records"] == found["merged"],
+            "straggler_records_us_per_rank_step": round(per_step["straggler_records"] / ranks, 3),
+            "straggler_split_rank_side_us_per_rank_step": round(rank_side / ranks, 3),
+            "straggler_split_job_side_us_per_step": round(per_step["straggler_answer"]),
+            "straggler_findings": found["straggler_records"],
+            "straggler_same_findings": found["straggler_records"] == found["straggler_parts"]}
 
 
 def run() -> dict:

@@ -36,7 +36,8 @@ from .base import median, num
 from .peers import ARRAYS_FROM, StepTimes, step_times
 
 __all__ = ["BUCKET", "EXACT_UPTO", "NAMED_UPTO", "SLOWEST_K", "partial_of", "merge",
-           "column_median", "slowest", "standing_out", "step_summary", "MEDIAN_FIELDS",
+           "column_median", "values_at", "buckets_of", "slowest", "peer_references", "peer_ratio",
+           "POSITIVE_FIELDS", "from_wire", "standing_out", "step_summary", "MEDIAN_FIELDS",
            "PartialBuilder"]
 
 #: a sketch bucket's relative width: a median read from a sketch is within this of the
@@ -53,6 +54,8 @@ SLOWEST_K = 8
 #: the fields whose median across ranks a detector reads (``per_token`` is the step time
 #: over the rank's tokens)
 MEDIAN_FIELDS = ("loss", "grad_norm", "step_time", "per_token", "compute_time")
+#: those whose column holds the finite values above 0 only (``compute_time`` keeps 0)
+POSITIVE_FIELDS = ("loss", "grad_norm", "step_time", "per_token")
 
 
 def _slow(pair):
@@ -102,9 +105,10 @@ def _sketch_arrays(columns: list) -> list:
 
 
 def partial_of(ranks: dict, *, exact_upto: int | None = EXACT_UPTO,
-               named_upto: int = NAMED_UPTO, k: int = SLOWEST_K) -> dict:
+               named_upto: int | None = NAMED_UPTO, k: int = SLOWEST_K) -> dict:
     """The partial summary of one step's records ``{rank: record}`` (``exact_upto=None``:
-    every value kept, as the job side does for a step whose records it holds)."""
+    every value kept, ``named_upto=None``: every non-finite rank named, as the job side does
+    for a step whose records it holds)."""
     loss_v, grad_v, step_v, token_v, compute_v, compute_r = [], [], [], [], [], []
     bad_loss, bad_grad = [], []
     bad_ts = math.inf
@@ -119,16 +123,14 @@ def partial_of(ranks: dict, *, exact_upto: int | None = EXACT_UPTO,
         if loss is not None:
             if loss - loss != 0:
                 bad_loss.append(rank)
-                if rec["ts"] < bad_ts:
-                    bad_ts = rec["ts"]
+                bad_ts = min(bad_ts, rec["ts"])
             elif loss > 0:
                 loss_v.append(loss)
         if grad is not None:
             seen_grad += 1
             if grad - grad != 0:
                 bad_grad.append(rank)
-                if rec["ts"] < bad_ts:
-                    bad_ts = rec["ts"]
+                bad_ts = min(bad_ts, rec["ts"])
             elif grad > 0:
                 grad_v.append(grad)
         scale = rec.get("loss_scale")
@@ -178,7 +180,7 @@ def partial_of(ranks: dict, *, exact_upto: int | None = EXACT_UPTO,
             "compute_time": compute,
             "bad_loss": bad_loss[:named_upto], "bad_loss_n": len(bad_loss),
             "bad_grad": bad_grad[:named_upto], "bad_grad_n": len(bad_grad),
-            "bad_ts": bad_ts if bad_ts < math.inf else None,
+            "bad_ts": bad_ts if bad_loss or bad_grad else None,
             "seen_grad": seen_grad, "scaled": scaled, "top_scale": top_scale}
 
 
@@ -293,7 +295,17 @@ def column_median(column: dict):
     if "v" in column:
         values = column["v"]
         return median(values) if n > 1 else values[0]
-    want = (n // 2,) if n % 2 else (n // 2 - 1, n // 2)
+    found = values_at(column, (n // 2,) if n % 2 else (n // 2 - 1, n // 2))
+    return sum(found) / len(found)
+
+
+def values_at(column: dict, positions) -> list:
+    """The values at ``positions`` (ascending, each below ``column["n"]``) of the field's
+    values in order: exact from its values, else each its bucket's mean (0.0 for a zero)."""
+    if "v" in column:
+        ordered = sorted(column["v"])
+        return [ordered[p] for p in positions]
+    want = list(positions)
     found = []
     seen = column["z"]
     for w in want:
@@ -308,7 +320,47 @@ def column_median(column: dict):
                 found.append(first + more / count)
             if len(found) == len(want):
                 break
-    return sum(found) / len(found)
+    return found
+
+
+def buckets_of(column: dict) -> list:
+    """``[(value, count), ...]`` of a field: each value of an exact column once, else each
+    bucket's mean with its count (zeros first)."""
+    if "v" in column:
+        return [(v, 1) for v in column["v"]]
+    out = [(0.0, column["z"])] if column["z"] else []
+    out += [(first + more / count, count) for count, first, more in column["b"].values()]
+    return out
+
+
+def peer_references(column: dict, needed: int):
+    """A group's ``(middle, below, at, above)``: the median of a rank's peers is ``below``
+    for a time under the middle one, ``above`` over it, ``at`` for it (as
+    :func:`~.peers.peer_ratio_array`); None: too few ranks to judge; ``()``: one rank."""
+    n = column["n"]
+    if n < needed:
+        return None
+    m = n - 1
+    if m < 1:
+        return ()
+    h = m // 2
+    if m % 2:
+        mid, after = values_at(column, (h, h + 1))
+        return mid, after, after, mid
+    before, mid, after = values_at(column, (h - 1, h, h + 1))
+    return mid, (mid + after) / 2, (before + after) / 2, (before + mid) / 2
+
+
+def peer_ratio(value: float, refs) -> float:
+    """``value`` over the median of its peers' values, from :func:`peer_references`
+    (0.0: too few to judge)."""
+    if refs is None:
+        return 0.0
+    if not refs:
+        return 1.0
+    mid, below, at, above = refs
+    ref = below if value < mid else above if value > mid else at
+    return value / ref if ref > 0 else 1.0
 
 
 def slowest(column: dict) -> list:
@@ -327,21 +379,30 @@ def step_summary(item: dict) -> dict:
     if agg is None:
         agg = item.get("_agg")
         if agg is None:
-            agg = item["_agg"] = partial_of(item["ranks"], exact_upto=None)
+            agg = item["_agg"] = partial_of(item["ranks"], exact_upto=None, named_upto=None)
     return agg
 
 
 def standing_out(item: dict, agg: dict, ratio: float) -> list:
     """The ranks whose compute time is at least ``ratio`` x the median of the others': of a
     ``jobstep`` with its records, every such rank (:meth:`~.peers.StepTimes.standing_out`);
-    of one merged from partials, those among the slowest they named, against the median of
-    all (the others' median differs from it by less than a bucket once past a few ranks)."""
-    if "agg" not in item:
+    of one merged from partials, those among the slowest they named (up to ``k``), against
+    the median of their peers read from the sketch (so half of the ranks slow still stand
+    out)."""
+    if item.get("agg") is None:
         return step_times(item).standing_out(ratio)
     column = agg["compute_time"]
     if "r" in column:
         return StepTimes(column["r"], column["v"]).standing_out(ratio)
-    mid = column_median(column)
-    if not mid:
-        return []
-    return [rank for value, rank in slowest(column) if value >= ratio * mid]
+    refs = peer_references(column, 1)
+    return [rank for value, rank in slowest(column) if peer_ratio(value, refs) >= ratio]
+
+
+def from_wire(partial: dict) -> dict:
+    """A partial decoded from JSON, its buckets' indices numbers again (JSON object keys are
+    strings): what :func:`merge` and :func:`column_median` take."""
+    for field in MEDIAN_FIELDS:
+        column = partial.get(field)
+        if column is not None and "b" in column:
+            column["b"] = {int(i): b for i, b in column["b"].items()}
+    return partial

@@ -186,6 +186,23 @@ class PaceDicts:
         ranks that qualify now (not named yet)."""
         times = dict(zip(st.ranks, st.values))
         ratios = self._ratios(d, times, size)
+        # the typical ratio of the step's ranks that are not slow: what a rank learns is its
+        # ratio against it, so a straggler among few ranks (each normal rank's peer median
+        # is then its slower normal peer) does not drag every usual share down, and with
+        # them the straggler's ratio
+        usual = sorted([r for r in ratios.values() if 0 < r < d.ratio])
+        m = len(usual)
+        shift = math.log(usual[m // 2] if m % 2 else (usual[m // 2 - 1] + usual[m // 2]) / 2) \
+            if m else 0.0
+        qualifying, learned_now = self.apply(d, times, ratios, shift, step, ts)
+        if learned_now:
+            self._slow_from_the_start(d, learned_now)
+        return qualifying
+
+    def apply(self, d: StragglerDetector, times: dict, ratios: dict, shift: float, step,
+              ts) -> tuple:
+        """Each rank's step judged from its ratio to its peers and learned (the work that
+        needs no other rank's state): ``(qualifying ranks, ranks whose warm-up ended)``."""
         qualifying = []
         base_of, ratio = self.base, d.ratio
         log_ratio, warmup = math.log(ratio), d.warmup
@@ -193,14 +210,6 @@ class PaceDicts:
         log, exp, min_excess, step_size = math.log, math.exp, d.min_excess_s, d.baseline_step
         z, half_ratio, spread_weight = d.noise_z, log_ratio / 2, _SPREAD_WEIGHT
         learned_now = []
-        # the typical ratio of the step's ranks that are not slow: what a rank learns is its
-        # ratio against it, so a straggler among few ranks (each normal rank's peer median
-        # is then its slower normal peer) does not drag every usual share down, and with
-        # them the straggler's ratio
-        usual = sorted([r for r in ratios.values() if 0 < r < ratio])
-        m = len(usual)
-        shift = log(usual[m // 2] if m % 2 else (usual[m // 2 - 1] + usual[m // 2]) / 2) if m \
-            else 0.0
         for rank, r in ratios.items():
             if r <= 0:
                 continue
@@ -250,9 +259,7 @@ class PaceDicts:
                     named.discard(rank)
             elif count >= k:
                 qualifying.append(rank)
-        if learned_now:
-            self._slow_from_the_start(d, learned_now)
-        return qualifying
+        return qualifying, learned_now
 
     def _ratios(self, d, times: dict, size: int) -> dict:
         """Each rank's scaled time over the median of its peers' (see the detector); peers
@@ -279,17 +286,29 @@ class PaceDicts:
         """A rank that learned a usual share of at least ``ratio`` x its peers' while at most a
         quarter of its peers did is slow from its first step, not different by design (as the
         several speeds of a heterogeneous job): its usual share is set back to its peers'."""
-        base, cut, size = self.base, math.log(d.ratio), d.view.stage_size
+        cut = math.log(d.ratio)
+        judged = {}                       # group -> (peers' median, how many at cut above it)
+        for key, levels in self.warm_levels(d, learned_now).items():
+            mid = median(levels)    # once per group: all ranks end warm-up together
+            judged[key] = (mid, sum(1 for v in levels if v - mid >= cut), len(levels))
+        self.set_back(d, learned_now, judged)
+
+    def warm_levels(self, d, learned_now) -> dict:
+        """``{group: [usual share's log of each of its ranks past warm-up]}``, for the
+        groups of ``learned_now``."""
+        base, size = self.base, d.view.stage_size
         wanted = {rank // size if size else 0 for rank in learned_now}
         groups: dict = {}
         for rank, b in base.items():
             key = rank // size if size else 0
             if key in wanted and b[1] >= d.warmup:
                 groups.setdefault(key, []).append(b[0])
-        judged = {}                       # group -> (peers' median, how many at cut above it)
-        for key, levels in groups.items():  # once per group: all ranks end warm-up together
-            mid = median(levels)
-            judged[key] = (mid, sum(1 for v in levels if v - mid >= cut), len(levels))
+        return groups
+
+    def set_back(self, d, learned_now, judged: dict) -> None:
+        """Each of ``learned_now`` whose group ``(median, how many at the cut above it,
+        ranks)`` says it is slow from the start gets its peers' share."""
+        base, cut, size = self.base, math.log(d.ratio), d.view.stage_size
         for rank in learned_now:
             mid, high, peers = judged[rank // size if size else 0]
             b = base[rank]

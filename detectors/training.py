@@ -17,8 +17,8 @@ from river import stats
 
 from trainguard.setting import setting
 
-from .base import Detector, Finding, fmt_ranks, is_finite, make_jobstep, num
-from .partials import column_median, step_summary
+from .base import Detector, Finding, fmt_ranks, is_finite, make_jobstep, median, num
+from .partials import POSITIVE_FIELDS, column_median, step_summary
 from .registry import register_detector
 
 __all__ = ["NanDetector", "LossSpikeDetector", "GradSpikeDetector", "SpikeDetector",
@@ -149,7 +149,7 @@ class NanDetector(Detector):
 
     def _recovered(self, item, agg) -> None:
         """The ranks reported from late records that report a finite loss now."""
-        if "agg" in item:
+        if item.get("agg") is not None:
             self._late_ranks.difference_update(agg.get("recovered", ()))
             return
         records = item["ranks"]
@@ -269,7 +269,13 @@ class SpikeDetector(Detector):
     def update(self, item) -> list[Finding]:
         if type(item) is not dict or item.get("k") != "jobstep":
             return []
-        value = column_median(step_summary(item)[self.FIELD])
+        field = self.FIELD
+        if field in POSITIVE_FIELDS:
+            value = column_median(step_summary(item)[field])
+        else:                         # a field no partial carries: from the records
+            values = [x for rec in item.get("ranks", {}).values()
+                      if (x := num(rec.get(field))) is not None and x > 0 and x - x == 0]
+            value = (median(values) if len(values) > 1 else values[0]) if values else None
         if value is None:
             return []
         return self.learn(value, item["step"], item["first_ts"], item["ts"])

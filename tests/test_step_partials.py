@@ -159,3 +159,65 @@ def test_the_partials_bench_finds_what_the_records_find():
     result = bench_step_partials.one_size(512)
     assert result["partitions"] == 4 and result["same_findings"]
     assert result["findings"] == [("nan", [170], 40), ("throughput_drop", [], 60)]
+    assert result["straggler_same_findings"]
+    assert result["straggler_findings"] == [("straggler", [171], 15)]
+
+
+def test_a_step_with_records_names_every_non_finite_rank():
+    """The records' path names them all, as before partials (only a partial caps them)."""
+    n = NAMED_UPTO + 76
+    js = make_jobstep(4, 40.0, loss=[2.0] * 10 + [float("nan")] * n)
+    (finding,) = NanDetector().update(js)
+    assert finding.ranks == list(range(10, 10 + n))
+    assert finding.evidence["nonfinite_loss_ranks"] == finding.ranks
+
+
+def test_half_of_the_ranks_slow_still_stand_out_from_merged_partials():
+    """The peers' median is read as the records' path reads it (without the rank itself):
+    a whole slow machine, half of the ranks, stands out; against the median of all it
+    would not, and the throughput detector would take a straggler's slowdown for a drop."""
+    from trainguard.detectors.partials import standing_out
+
+    js = make_jobstep(1, 1.0, compute_time=[1.0] * 8 + [1.4] * 8)
+    want = sorted(standing_out(js, step_summary(js), 1.2))
+    assert want == list(range(8, 16))
+    parts = [partial_of({r: rec for r, rec in js["ranks"].items() if r % 2 == h}, exact_upto=0)
+             for h in (0, 1)]
+    merged = {**js, "agg": merge(parts)}
+    assert sorted(standing_out(merged, merged["agg"], 1.2)) == want
+
+
+def test_a_partial_survives_json():
+    import orjson
+
+    from trainguard.detectors.partials import from_wire
+
+    rng = random.Random(11)
+    ranks = {r: {"rank": r, "ts": 1.0, "loss": rng.uniform(0.1, 40.0), "step_time": 1.0,
+                 "compute_time": rng.uniform(0.0, 2.0)} for r in range(300)}
+    parts = [partial_of({r: ranks[r] for r in range(a, a + 100)}) for a in (0, 100, 200)]
+    wire = [from_wire(orjson.loads(orjson.dumps(p, option=orjson.OPT_NON_STR_KEYS)))
+            for p in parts]
+    for field in ("loss", "step_time", "compute_time"):
+        assert column_median(merge(wire)[field]) == column_median(merge(parts)[field])
+        assert column_median(merge([wire[0], parts[1], parts[2]])[field]) == pytest.approx(
+            column_median(merge(parts)[field]))
+    assert slowest(merge(wire)["compute_time"]) == [
+        tuple(p) for p in slowest(merge(parts)["compute_time"])]
+
+
+def test_a_spike_detector_of_a_field_no_partial_carries_reads_the_records():
+    from trainguard.detectors.training import SpikeDetector
+
+    class LrSpike(SpikeDetector):
+        FIELD, KIND, PREFIX = "lr", "lr_spike", "lr_spike"
+
+    d = LrSpike(warmup=2, early_steps=0)
+    found = []
+    for s in range(30):
+        js = make_jobstep(s, float(s), loss=[2.0, 2.0])
+        for rec in js["ranks"].values():
+            rec["lr"] = 1e-3 if s != 25 else 1e-2
+        found += d.update(js)
+    assert [(f.kind, f.step) for f in found] == [("lr_spike", 25)]
+    assert d.update({**make_jobstep(31, 31.0, loss=[2.0]), "agg": None}) == []

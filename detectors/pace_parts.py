@@ -1,0 +1,158 @@
+"""The straggler's book split by telemetry partition: each rank's pace kept where its records
+are, only sketches between (issue 21 point 1; step 4 of the plan in docs/WORKER.md).
+
+:class:`PaceParts` applies :class:`~.straggler.StragglerDetector`'s rules as
+:class:`~.straggler.PaceDicts` does, with each partition's ranks in a ``PaceDicts`` of their
+own (what the rank side would keep). What crosses partitions is what a job side would merge
+and send back, no rank's record:
+
+- per step, from each partition, one sketch (:mod:`.partials`) of its ranks' scaled compute
+  times per peer group (``t / usual share``); back, each group's references (the three
+  order statistics the median of a rank's peers is one of) and the step's shift (the median
+  ratio of the ranks that are not slow), both worked out from the merged sketches;
+- when ranks end their warm-up, from each partition a sketch of its warm ranks' usual
+  shares per group; back, each group's median and how many ranks sit a ``ratio`` above it.
+
+A sketch keeps a partition's values as they are up to ``exact_upto`` of them (then the
+answers are those of value comparisons, as :class:`~.straggler.PaceArrays` makes), else
+log buckets 0.2% wide: a reference within 0.2% of the true one. Built beside today's path
+and checked against it on the scenario library (``tests/test_pace_parts.py``); nothing
+travels over Kafka yet, and the references would come back a round trip after the step.
+
+>>> from .straggler import StragglerDetector
+>>> from .base import make_jobstep
+>>> d = StragglerDetector(k=3, n=4, settle=0, warmup=2)
+>>> d._paces = PaceParts(3, exact_upto=0)
+>>> out = []
+>>> for s in range(8):
+...     ct = [0.50, 0.51, 0.49, 0.50, 0.50, 0.52, 0.80 if s >= 3 else 0.5, 0.50]
+...     out += d.update(make_jobstep(s, 10.0 + s, compute_time=ct))
+>>> [(f.kind, f.ranks, f.step) for f in out]
+[('straggler', [6], 3)]
+"""
+from __future__ import annotations
+
+import math
+
+from .partials import (EXACT_UPTO, _merge_columns, _sketch, buckets_of, peer_ratio,
+                       peer_references, values_at)
+from .straggler import PaceDicts
+
+__all__ = ["PaceParts", "answer"]
+
+
+class PaceParts:
+    """The straggler's book over ``partitions`` partitions (a rank's is ``rank % partitions``),
+    with the interface of :class:`~.straggler.PaceDicts`."""
+
+    def __init__(self, partitions: int, exact_upto: int | None = EXACT_UPTO):
+        self.parts = [PaceDicts() for _ in range(partitions)]
+        self.exact_upto = exact_upto
+
+    def _part(self, rank) -> PaceDicts:
+        return self.parts[rank % len(self.parts)]
+
+    def _column(self, values: list) -> dict:
+        if self.exact_upto is None or len(values) <= self.exact_upto:
+            return {"n": len(values), "v": values}
+        return _sketch(values)
+
+    def judge(self, d, st, step, ts, size: int) -> list:
+        count = len(self.parts)
+        times = [{} for _ in range(count)]
+        for rank, t in zip(st.ranks, st.values):
+            times[rank % count][rank] = t
+        scaled, sent = self.scaled(times, size)
+        refs, shift = answer(sent, d.min_ranks if size else 1, d.ratio)
+        qualifying, learned_now = [], []
+        for part, own, mine in zip(self.parts, times, scaled):
+            ratios = {rank: peer_ratio(v, refs[rank // size if size else 0])
+                      for rank, v in mine.items()}
+            found, learned = part.apply(d, own, ratios, shift, step, ts)
+            qualifying += found
+            learned_now += learned
+        if learned_now:
+            self._slow_from_the_start(d, learned_now)
+        return qualifying
+
+    def scaled(self, times: list, size: int) -> tuple:
+        """The rank side's half before the job side answers: each partition's ranks' times
+        over their usual shares, and ``{group: [one column per partition]}`` to send."""
+        scaled, sent = [], {}
+        for part, own in zip(self.parts, times):
+            base = part.base
+            mine = {}
+            for rank, t in own.items():
+                b = base.get(rank)
+                mine[rank] = t / b[2] if b is not None else t
+            scaled.append(mine)
+            groups: dict = {}
+            for rank, v in mine.items():
+                groups.setdefault(rank // size if size else 0, []).append(v)
+            for key, values in groups.items():
+                sent.setdefault(key, []).append(self._column(values))
+        return scaled, sent
+
+    def _slow_from_the_start(self, d, learned_now) -> None:
+        cut = math.log(d.ratio)
+        sent: dict = {}
+        for part in self.parts:
+            for key, levels in part.warm_levels(d, learned_now).items():
+                sent.setdefault(key, []).append(self._column([math.exp(v) for v in levels]))
+        judged = {}
+        for key, columns in sent.items():
+            column = _merge_columns(columns, 0)
+            n = column["n"]
+            middle = values_at(column, (n // 2,) if n % 2 else (n // 2 - 1, n // 2))
+            mid = sum(math.log(v) for v in middle) / len(middle)    # as median(levels)
+            high = sum(c for v, c in buckets_of(column) if math.log(v) - mid >= cut)
+            judged[key] = (mid, high, column["n"])
+        for part in self.parts:
+            mine = [rank for rank in learned_now if self._part(rank) is part]
+            if mine:
+                part.set_back(d, mine, judged)
+
+    def rising(self, d, qualifying) -> bool:
+        return any(part.rising(d, qualifying) for part in self.parts)
+
+    def slow_count(self, rank) -> int:
+        return self._part(rank).slow_count(rank)
+
+    def history(self, rank) -> list:
+        return self._part(rank).history(rank)
+
+    def mark_named(self, ranks) -> None:
+        for rank in ranks:
+            self._part(rank).mark_named([rank])
+
+
+def answer(sent: dict, needed: int, ratio: float) -> tuple:
+    """The job side's half: ``({group: references}, shift)`` from each group's columns (one
+    per partition), ``needed`` ranks in a group to judge it."""
+    merged = {key: _merge_columns(columns, 0) for key, columns in sent.items()}
+    refs = {key: peer_references(column, needed) for key, column in merged.items()}
+    return refs, _shift(merged, refs, ratio)
+
+
+def _shift(merged: dict, refs: dict, ratio: float) -> float:
+    """The log of the median ratio, below ``ratio``, of the step's ranks, from the merged
+    sketches (each bucket's ranks at its mean's ratio)."""
+    usual = []
+    for key, column in merged.items():
+        for value, count in buckets_of(column):
+            r = peer_ratio(value, refs[key])
+            if 0 < r < ratio:
+                usual.append((r, count))
+    total = sum(c for _, c in usual)
+    if not total:
+        return 0.0
+    usual.sort()
+    want = (total // 2,) if total % 2 else (total // 2 - 1, total // 2)
+    found, seen = [], 0
+    for r, c in usual:
+        seen += c
+        while len(found) < len(want) and want[len(found)] < seen:
+            found.append(r)
+        if len(found) == len(want):
+            break
+    return math.log(sum(found) / len(found))
