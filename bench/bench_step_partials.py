@@ -70,7 +70,7 @@ def _straggler(ranks: int, partitions: int = 0):
               "event": "start", "world_size": ranks,
               "topology": {"tp": 8, "pp": 4, "dp": ranks // 32}})
     if partitions:
-        d._paces = PaceParts(partitions)
+        d._paces = PaceParts(partitions, arrays=True, n=d.n)
     return d
 
 

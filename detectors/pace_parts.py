@@ -34,22 +34,27 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .partials import (EXACT_UPTO, _merge_columns, _sketch, buckets_of, peer_ratio,
                        peer_references, values_at)
-from .straggler import PaceDicts
+from .straggler import PaceArrays, PaceDicts
 
 __all__ = ["PaceParts", "answer"]
 
 
 class PaceParts:
     """The straggler's book over ``partitions`` partitions (a rank's is ``rank % partitions``),
-    with the interface of :class:`~.straggler.PaceDicts`."""
+    with the interface of :class:`~.straggler.PaceDicts`; each partition's own book is a
+    ``PaceDicts``, or with ``arrays`` a ``PaceArrays`` (large partitions)."""
 
-    def __init__(self, partitions: int, exact_upto: int | None = EXACT_UPTO):
-        self.parts = [PaceDicts() for _ in range(partitions)]
+    def __init__(self, partitions: int, exact_upto: int | None = EXACT_UPTO,
+                 arrays: bool = False, n: int = 10):
+        self.arrays = arrays
+        self.parts = [PaceArrays(n) if arrays else PaceDicts() for _ in range(partitions)]
         self.exact_upto = exact_upto
 
-    def _part(self, rank) -> PaceDicts:
+    def _part(self, rank):
         return self.parts[rank % len(self.parts)]
 
     def _column(self, values: list) -> dict:
@@ -58,12 +63,15 @@ class PaceParts:
         return _sketch(values)
 
     def judge(self, d, st, step, ts, size: int) -> list:
+        if self.arrays:
+            return self._judge_arrays(d, st, step, ts, size)
         count = len(self.parts)
         times = [{} for _ in range(count)]
         for rank, t in zip(st.ranks, st.values):
             times[rank % count][rank] = t
         scaled, sent = self.scaled(times, size)
-        refs, shift = answer(sent, d.min_ranks if size else 1, d.ratio)
+        refs, usual = answer(sent, d.min_ranks if size else 1, d.ratio)
+        shift = math.log(usual) if usual else 0.0      # as PaceDicts.judge takes it
         qualifying, learned_now = [], []
         for part, own, mine in zip(self.parts, times, scaled):
             ratios = {rank: peer_ratio(v, refs[rank // size if size else 0])
@@ -71,6 +79,43 @@ class PaceParts:
             found, learned = part.apply(d, own, ratios, shift, step, ts)
             qualifying += found
             learned_now += learned
+        if learned_now:
+            self._slow_from_the_start(d, learned_now)
+        return qualifying
+
+    def _judge_arrays(self, d, st, step, ts, size: int) -> list:
+        count = len(self.parts)
+        ranks = np.array(st.ranks, dtype=np.int64)
+        where = ranks % count
+        mine, sent = [], {}
+        for p, part in enumerate(self.parts):        # the rank side, each partition
+            sel = np.flatnonzero(where == p)
+            if not len(sel):
+                mine.append(None)
+                continue
+            own = ranks[sel]
+            rows = part.rows.rows(own.tolist(), part._grow)
+            times = st.times[sel]
+            scaled = times / part.share[rows]
+            keys = own // size if size else np.zeros(len(own), dtype=np.int64)
+            mine.append((rows, times, scaled, keys))
+            for key in np.unique(keys).tolist():
+                sent.setdefault(key, []).append(self._column(scaled[keys == key].tolist()))
+        refs, usual = answer(sent, d.min_ranks if size else 1, d.ratio)
+        shift = float(np.log(usual)) if usual else 0.0  # as PaceArrays.judge takes it
+        qualifying, learned_now = [], []
+        for part, got in zip(self.parts, mine):
+            if got is None:
+                continue
+            rows, times, scaled, keys = got
+            ratios = np.zeros(len(scaled))
+            for key in np.unique(keys).tolist():
+                sel = keys == key
+                ratios[sel] = _ratio_array(scaled[sel], refs[key])
+            found, learned = part.apply(d, rows, times, ratios, shift, step, ts)
+            qualifying += found
+            rank_of = part.rows.rank_of
+            learned_now += [rank_of[r] for r in learned.tolist()]
         if learned_now:
             self._slow_from_the_start(d, learned_now)
         return qualifying
@@ -126,17 +171,31 @@ class PaceParts:
             self._part(rank).mark_named([rank])
 
 
+def _ratio_array(values: np.ndarray, refs) -> np.ndarray:
+    """:func:`~.partials.peer_ratio` of each of ``values``."""
+    if refs is None:
+        return np.zeros(len(values))
+    if not refs:
+        return np.ones(len(values))
+    mid, below, at, above = refs
+    ref = np.where(values < mid, below, np.where(values > mid, above, at))
+    out = np.ones(len(values))
+    np.divide(values, ref, out=out, where=ref > 0)
+    return out
+
+
 def answer(sent: dict, needed: int, ratio: float) -> tuple:
-    """The job side's half: ``({group: references}, shift)`` from each group's columns (one
-    per partition), ``needed`` ranks in a group to judge it."""
+    """The job side's half: ``({group: references}, usual)`` from each group's columns (one
+    per partition), ``needed`` ranks in a group to judge it; ``usual``, the median ratio of
+    the ranks that are not slow (its log is the step's shift; None: none)."""
     merged = {key: _merge_columns(columns, 0) for key, columns in sent.items()}
     refs = {key: peer_references(column, needed) for key, column in merged.items()}
-    return refs, _shift(merged, refs, ratio)
+    return refs, _usual(merged, refs, ratio)
 
 
-def _shift(merged: dict, refs: dict, ratio: float) -> float:
-    """The log of the median ratio, below ``ratio``, of the step's ranks, from the merged
-    sketches (each bucket's ranks at its mean's ratio)."""
+def _usual(merged: dict, refs: dict, ratio: float):
+    """The median ratio, below ``ratio``, of the step's ranks, from the merged sketches (each
+    bucket's ranks at its mean's ratio); None when no rank's is."""
     usual = []
     for key, column in merged.items():
         for value, count in buckets_of(column):
@@ -145,7 +204,7 @@ def _shift(merged: dict, refs: dict, ratio: float) -> float:
                 usual.append((r, count))
     total = sum(c for _, c in usual)
     if not total:
-        return 0.0
+        return None
     usual.sort()
     want = (total // 2,) if total % 2 else (total // 2 - 1, total // 2)
     found, seen = [], 0
@@ -155,4 +214,4 @@ def _shift(merged: dict, refs: dict, ratio: float) -> float:
             found.append(r)
         if len(found) == len(want):
             break
-    return math.log(sum(found) / len(found))
+    return (found[0] + found[-1]) / 2 if len(found) == 2 else found[0]

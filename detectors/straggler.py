@@ -398,10 +398,19 @@ class PaceArrays:
         rows = self.rows.rows(st.ranks, self._grow)
         times = st.times
         ratios = self._ratios(d, rows, times / self.share[rows], size)
-        log_ratio = float(np.log(d.ratio))
         # the typical ratio of the step's ranks that are not slow (see PaceDicts.judge)
         usual = ratios[(ratios > 0) & (ratios < d.ratio)]
         shift = float(np.log(array_median(usual))) if len(usual) else 0.0
+        qualifying, learned_now = self.apply(d, rows, times, ratios, shift, step, ts)
+        if len(learned_now):
+            self._slow_from_the_start(d, learned_now)
+        return qualifying
+
+    def apply(self, d: StragglerDetector, rows, times, ratios, shift: float, step,
+              ts) -> tuple:
+        """As :meth:`PaceDicts.apply`, over the rows of the step's ranks (``times`` and
+        ``ratios`` arrays in their order): ``(qualifying ranks, rows whose warm-up ended)``."""
+        log_ratio = float(np.log(d.ratio))
         judged = ratios > 0
         if not judged.all():
             rows, times, ratios = rows[judged], times[judged], ratios[judged]
@@ -454,9 +463,7 @@ class PaceArrays:
         if len(recovered):
             self.named_row[recovered] = False
         qualifying = [rank_of[i] for i in rows[~named_now & (count >= d.k)].tolist()]
-        if len(learned_now):
-            self._slow_from_the_start(d, rows[learned_now])
-        return qualifying
+        return qualifying, rows[learned_now]
 
     def _remember(self, rows, slow, step, ts, ratios, count) -> np.ndarray:
         """Each row's step in its ring of the last ``n``; returns the rows' new slow counts."""
@@ -500,6 +507,29 @@ class PaceArrays:
                 reset = mine[self.level[mine] - mid >= cut]
                 self.level[reset] = mid
                 self.share[reset] = np.exp(mid)
+
+    def warm_levels(self, d, learned_now) -> dict:
+        """As :meth:`PaceDicts.warm_levels` (``learned_now``: ranks)."""
+        size, used = d.view.stage_size, len(self.rows)
+        ranks = np.array(self.rows.rank_of, dtype=np.int64)
+        keys = ranks // size if size else np.zeros(used, dtype=np.int64)
+        warm = self.learned[:used] >= d.warmup
+        out = {}
+        for key in {rank // size if size else 0 for rank in learned_now}:
+            levels = self.level[:used][warm & (keys == key)]
+            if len(levels):
+                out[key] = levels.tolist()
+        return out
+
+    def set_back(self, d, learned_now, judged: dict) -> None:
+        """As :meth:`PaceDicts.set_back` (``learned_now``: ranks)."""
+        cut, size, row_of = math.log(d.ratio), d.view.stage_size, self.rows.row_of
+        for rank in learned_now:
+            mid, high, peers = judged[rank // size if size else 0]
+            row = row_of[rank]
+            if self.level[row] - mid >= cut and high <= max(1, peers // 4):
+                self.level[row] = mid
+                self.share[row] = math.exp(mid)
 
     def rising(self, d, qualifying) -> bool:
         """As :meth:`PaceDicts.rising`."""

@@ -66,3 +66,13 @@ def test_random_jobs_name_the_same_ranks_split_and_whole(seed, monkeypatch):
     monkeypatch.setattr(straggler, "ARRAYS_FROM", 0)
     whole = _named(settings, items)
     assert _named(settings, items, PaceParts(4, exact_upto=None)) == whole
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_jobs_name_the_same_ranks_split_over_arrays(seed, monkeypatch):
+    """The same, each partition's book in arrays (a large partition's)."""
+    settings, items = _job(seed)
+    monkeypatch.setattr(straggler, "ARRAYS_FROM", 0)
+    whole = _named(settings, items)
+    assert _named(settings, items, PaceParts(4, exact_upto=None, arrays=True,
+                                             n=settings["n"])) == whole
