@@ -36,8 +36,9 @@ import math
 
 import numpy as np
 
-from .partials import (EXACT_UPTO, _merge_columns, _sketch, buckets_of, peer_ratio,
-                       peer_references, values_at)
+from .partials import (_INV_LOG_GAMMA, EXACT_UPTO, _merge_columns, _sketch, buckets_of,
+                       peer_ratio, peer_references, values_at)
+from .base import median
 from .straggler import PaceArrays, PaceDicts
 
 __all__ = ["PaceParts", "answer"]
@@ -139,19 +140,27 @@ class PaceParts:
         return scaled, sent
 
     def _slow_from_the_start(self, d, learned_now) -> None:
+        """Each group's median usual share and how many ranks sit ``ratio`` above it, from
+        the partitions' warm ranks: their levels as they are when every partition has few
+        (``median(levels)``, as one book takes it), else sketches of the shares."""
         cut = math.log(d.ratio)
         sent: dict = {}
         for part in self.parts:
             for key, levels in part.warm_levels(d, learned_now).items():
-                sent.setdefault(key, []).append(self._column([math.exp(v) for v in levels]))
+                sent.setdefault(key, []).append(levels)
         judged = {}
-        for key, columns in sent.items():
-            column = _merge_columns(columns, 0)
+        for key, lists in sent.items():
+            if self.exact_upto is None or all(len(x) <= self.exact_upto for x in lists):
+                levels = [v for x in lists for v in x]
+                mid = median(levels)
+                judged[key] = (mid, sum(1 for v in levels if v - mid >= cut), len(levels))
+                continue
+            column = _merge_columns([self._column([math.exp(v) for v in x]) for x in lists], 0)
             n = column["n"]
             middle = values_at(column, (n // 2,) if n % 2 else (n // 2 - 1, n // 2))
-            mid = sum(math.log(v) for v in middle) / len(middle)    # as median(levels)
+            mid = sum(math.log(v) for v in middle) / len(middle)
             high = sum(c for v, c in buckets_of(column) if math.log(v) - mid >= cut)
-            judged[key] = (mid, high, column["n"])
+            judged[key] = (mid, high, n)
         for part in self.parts:
             mine = [rank for rank in learned_now if self._part(rank) is part]
             if mine:
@@ -177,8 +186,14 @@ def _ratio_array(values: np.ndarray, refs) -> np.ndarray:
         return np.zeros(len(values))
     if not refs:
         return np.ones(len(values))
-    mid, below, at, above = refs
-    ref = np.where(values < mid, below, np.where(values > mid, above, at))
+    mid, below, at, above, middle = refs
+    if middle is None:
+        ref = np.where(values < mid, below, np.where(values > mid, above, at))
+    else:                           # a sketch's middle: its bucket, not its mean, divides
+        index = np.full(len(values), -(1 << 62), dtype=np.int64)
+        positive = values > 0
+        index[positive] = np.ceil(np.log(values[positive]) * _INV_LOG_GAMMA).astype(np.int64)
+        ref = np.where(index < middle, below, np.where(index > middle, above, at))
     out = np.ones(len(values))
     np.divide(values, ref, out=out, where=ref > 0)
     return out

@@ -334,9 +334,12 @@ def buckets_of(column: dict) -> list:
 
 
 def peer_references(column: dict, needed: int):
-    """A group's ``(middle, below, at, above)``: the median of a rank's peers is ``below``
-    for a time under the middle one, ``above`` over it, ``at`` for it (as
-    :func:`~.peers.peer_ratio_array`); None: too few ranks to judge; ``()``: one rank."""
+    """A group's ``(middle, below, at, above, middle's bucket)``: the median of a rank's peers
+    is ``below`` for a value under the middle one, ``above`` over it, ``at`` for it (as
+    :func:`~.peers.peer_ratio_array`). Of a sketch, "under" and "over" are by bucket (a value
+    in the middle's bucket takes ``at``: the bucket's mean does not tell on which side of the
+    middle its values lie); of exact values, the bucket is None. None: too few ranks to
+    judge; ``()``: one rank."""
     n = column["n"]
     if n < needed:
         return None
@@ -344,11 +347,28 @@ def peer_references(column: dict, needed: int):
     if m < 1:
         return ()
     h = m // 2
+    bucket = None if "v" in column else _bucket_at(column, h)
     if m % 2:
         mid, after = values_at(column, (h, h + 1))
-        return mid, after, after, mid
+        return mid, after, after, mid, bucket
     before, mid, after = values_at(column, (h - 1, h, h + 1))
-    return mid, (mid + after) / 2, (before + after) / 2, (before + mid) / 2
+    return mid, (mid + after) / 2, (before + after) / 2, (before + mid) / 2, bucket
+
+
+def _bucket_at(column: dict, position: int) -> int:
+    """The index of the sketch's bucket that holds ``position`` (a zero's: below all)."""
+    seen = column["z"]
+    if position < seen:
+        return -(1 << 62)
+    for i in sorted(column["b"]):
+        seen += column["b"][i][0]
+        if position < seen:
+            return i
+    raise IndexError(position)
+
+
+def _bucket_of(value: float) -> int:
+    return math.ceil(math.log(value) * _INV_LOG_GAMMA) if value > 0 else -(1 << 62)
 
 
 def peer_ratio(value: float, refs) -> float:
@@ -358,8 +378,12 @@ def peer_ratio(value: float, refs) -> float:
         return 0.0
     if not refs:
         return 1.0
-    mid, below, at, above = refs
-    ref = below if value < mid else above if value > mid else at
+    mid, below, at, above, bucket = refs
+    if bucket is None:
+        ref = below if value < mid else above if value > mid else at
+    else:
+        i = _bucket_of(value)
+        ref = below if i < bucket else above if i > bucket else at
     return value / ref if ref > 0 else 1.0
 
 

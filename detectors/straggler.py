@@ -529,7 +529,7 @@ class PaceArrays:
             row = row_of[rank]
             if self.level[row] - mid >= cut and high <= max(1, peers // 4):
                 self.level[row] = mid
-                self.share[row] = math.exp(mid)
+                self.share[row] = np.exp(mid)          # as _slow_from_the_start
 
     def rising(self, d, qualifying) -> bool:
         """As :meth:`PaceDicts.rising`."""
