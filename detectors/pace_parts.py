@@ -21,14 +21,18 @@ travels over Kafka yet, and the references would come back a round trip after th
 
 >>> from .straggler import StragglerDetector
 >>> from .base import make_jobstep
->>> d = StragglerDetector(k=3, n=4, settle=0, warmup=2)
->>> d._paces = PaceParts(3, exact_upto=0)
->>> out = []
->>> for s in range(8):
-...     ct = [0.50, 0.51, 0.49, 0.50, 0.50, 0.52, 0.80 if s >= 3 else 0.5, 0.50]
-...     out += d.update(make_jobstep(s, 10.0 + s, compute_time=ct))
->>> [(f.kind, f.ranks, f.step) for f in out]
-[('straggler', [6], 3)]
+>>> detector = StragglerDetector(k=2, n=3, settle=0, warmup=3)
+>>> detector._paces = book = PaceParts(4, exact_upto=0)      # 4 partitions, all sketched
+>>> found = []
+>>> for step in range(10):
+...     times = [0.9 + 0.01 * (r % 3) for r in range(12)]
+...     times[9] *= 1.5 if step >= 5 else 1.0                  # rank 9 (partition 1) slows
+...     found += detector.update(make_jobstep(step, 100.0 + step, compute_time=times))
+>>> [(f.ranks, f.step, f.evidence["mean_ratio"]) for f in found]
+[([9], 5, {'9': 1.333})]
+>>> scaled, sent = book.scaled([{1: 0.9, 5: 0.92}, {}, {}, {3: 0.9}], 0)
+>>> [column["n"] for column in sent[0]]                          # what crosses: no ranks
+[2, 1]
 """
 from __future__ import annotations
 
