@@ -95,7 +95,8 @@ class StragglerDetector(UsesView, Detector):
                               live=(0, 1000))
         min_ranks: int = setting(3, "ranks needed in a step (and a stage) to compare",
                                  minimum=2)
-        warmup: int = setting(10, "steps each rank's own baseline is learned over")
+        warmup: int = setting(10, "steps each rank's own baseline is learned over (one step "
+                                  "learns no noise)", minimum=2)
         baseline_step: float = setting(0.002, "... then moved this much (log) per step")
         noise_z: float = setting(3.0, "slow also needs >= z x the rank's own spread")
 

@@ -196,6 +196,7 @@ type = "slurm"
     ("[detectors.nope]\nx = 1", "detectors.nope: unknown key in detectors"),
     ("[detectors.straggler]\nk = 20", "detectors.straggler.k (20) must be between 1 and "
                                       "detectors.straggler.n (10)"),
+    ("[detectors.straggler]\nwarmup = 1", "detectors.straggler.warmup: 1 is below the minimum 2"),
     ("[detectors.hang]\nquantile = 1.5", "detectors.hang.quantile must be in (0, 1], got 1.5"),
     ("[policy]\nover_evict = 'xx'", "policy.over_evict: 'xx' is not one of tp, pp, dp"),
     ("[policy.ladder]\nhang = ['explode']", "ladder.hang: unknown step(s) ['explode']"),

@@ -22,7 +22,7 @@ def _job(seed: int):
     n = rng.choice([3, 4, 6, 8, 16, 32, 64, 96])
     k_n = rng.choice([4, 6, 10])
     settings = dict(k=min(rng.choice([2, 3, 6]), k_n), n=k_n, settle=rng.choice([0, 1, 2]),
-                    warmup=rng.choice([1, 2, 3, 10]))
+                    warmup=rng.choice([2, 3, 10]))
     items = []
     if rng.random() < 0.5 and n % 4 == 0:
         items.append({"k": "life", "job": "j", "rank": 0, "node": "n0", "ts": 1.0,

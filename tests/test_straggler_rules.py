@@ -142,3 +142,17 @@ def test_after_a_resize_that_told_no_topology_the_old_stages_are_not_used(arrays
         out += d.update(make_jobstep(s, 200.0 + s, compute_time=times))
     assert [f.ranks for f in out] == [[8]]
     assert "their peers" in out[0].summary
+
+
+@pytest.mark.parametrize("warmup", [2, 10])
+def test_a_healthy_job_of_two_speeds_compared_as_a_whole_names_nobody(warmup):
+    """Two pipeline stages, one 30% slower by design, the layout not told: each rank learns
+    its usual share against the job. A one-step warm-up learned no noise and the share of a
+    single step against the other speed, and named the fast half at step 1; the setting's
+    minimum is 2 (``trainguard config check`` refuses 1, tests/test_config_tree.py)."""
+    d = StragglerDetector(k=3, n=4, settle=0, warmup=warmup)
+    out = []
+    for s in range(40):
+        out += d.update(make_jobstep(s, 10.0 + s, compute_time=[
+            1.0 + 0.001 * r if r < 4 else 1.3 + 0.001 * r for r in range(8)]))
+    assert out == []
