@@ -20,6 +20,11 @@ norm, step and compute times, tokens), ``STEPS`` steps after ``WARM``:
 
 The automatic garbage collector is off while it runs, as in the worker.
 
+- ``silent_*``: the silent detector's look, once a second of the job, over ranks all heard
+  lately: its one book's loop over every rank today, per rank, against the books split by
+  partition (the rank side's loops, per rank; the job side's merge of their answers, per
+  look).
+
 ``python bench/run.py step_partials --json``; ``TG_PARTIALS_SIZES=4096`` for fewer.
 """
 from __future__ import annotations
@@ -146,8 +151,51 @@ def one_size(ranks: int) -> dict:
             "straggler_records_us_per_rank_step": round(per_step["straggler_records"] / ranks, 3),
             "straggler_split_rank_side_us_per_rank_step": round(rank_side / ranks, 3),
             "straggler_split_job_side_us_per_step": round(per_step["straggler_answer"]),
+            **silent_looks(ranks, partitions),
             "straggler_findings": found["straggler_records"],
             "straggler_same_findings": found["straggler_records"] == found["straggler_parts"]}
+
+
+def silent_looks(ranks: int, partitions: int, looks: int = 10) -> dict:
+    """The silent detector's looks (one a second of the job) over ``ranks`` ranks heard every
+    second: its one book today against books per partition (the rank side's loops, the job
+    side's merge of their answers)."""
+    from trainguard.detectors import live_parts
+    from trainguard.detectors.liveness import SilentDetector
+
+    whole, split = SilentDetector(), live_parts.SilentParts(partitions)
+    books = {"whole": 0.0, "split": 0.0, "rank_side": 0.0}
+    look = live_parts.HeardBook.look
+    timing = [False]
+
+    def timed_look(self, *args):
+        t = time.process_time()
+        try:
+            return look(self, *args)
+        finally:
+            if timing[0]:
+                books["rank_side"] += time.process_time() - t
+
+    live_parts.HeardBook.look = timed_look
+    try:
+        for second in range(looks + 2):
+            for d in (whole, split):
+                for r in range(ranks):
+                    d.update({"k": "hb", "rank": r, "node": f"n{r // 8:05d}",
+                              "ts": 1.8e9 + second + (r % 13) * 1e-3})
+            timing[0] = second >= 2
+            for name, d in (("whole", whole), ("split", split)):
+                t = time.process_time()
+                d.advance(1.8e9 + second + 0.5)
+                if timing[0]:
+                    books[name] += time.process_time() - t
+    finally:
+        live_parts.HeardBook.look = look
+    merge = books["split"] - books["rank_side"]
+    return {"silent_look_records_us_per_rank": round(books["whole"] / looks / ranks * 1e6, 3),
+            "silent_split_rank_side_us_per_rank": round(
+                books["rank_side"] / looks / ranks * 1e6, 3),
+            "silent_split_job_side_us_per_look": round(merge / looks * 1e6)}
 
 
 def run() -> dict:

@@ -22,7 +22,7 @@ from .view import UsesView
 from .hang import HangDetector
 from .registry import register_detector
 
-__all__ = ["HangDetector", "SilentDetector", "CrashDetector"]
+__all__ = ["HangDetector", "SilentDetector", "CrashDetector", "look_over"]
 
 
 #: Signals (and the exit codes shells and ``subprocess`` use for them) by which a launcher,
@@ -30,6 +30,24 @@ __all__ = ["HangDetector", "SilentDetector", "CrashDetector"]
 #: failing.
 TEARDOWN_SIGNALS = frozenset(("SIGTERM", "SIGINT", "TERM", "INT"))
 TEARDOWN_CODES = {-15: "SIGTERM", 143: "SIGTERM", -2: "SIGINT", 130: "SIGINT"}
+
+
+def look_over(heard: dict, exited: set, reported: set, unseen, where: dict, limit: float,
+              going_on: float, half: float) -> tuple:
+    """:meth:`SilentDetector._look` over the ranks of ``heard`` (``{rank: job clock when
+    last heard}``); ``unseen``: ranks nobody reads now, not judged."""
+    quiet, pending, alive = [], set(), False
+    for rank, ts in heard.items():
+        if rank in exited or (unseen and rank in unseen):
+            continue
+        if ts > limit:
+            if ts > going_on:
+                alive = True
+            if ts <= half:
+                pending.add(where.get(rank))
+        elif rank not in reported:
+            quiet.append((rank, ts))
+    return quiet, pending, alive
 
 
 @register_detector(kinds="silent", ladder=("alert",), priority=40,
@@ -102,17 +120,47 @@ class SilentDetector(UsesView, Detector):
                 # online, a partition read ahead is applied up to a second before the others:
                 # heard once every partition was heard up to here, as analyze hears it
                 clock = max(ts, min(upto, clock))
-            self._heard[rank] = clock
-            if k == "life":
-                if item.get("event") == "exit":
-                    self._exited.add(rank)
-                else:
-                    self._exited.discard(rank)
-            if rank in self._reported:
-                self._reported.discard(rank)
+            self._hear(rank, clock, item.get("event") if k == "life" else None)
         elif getattr(item, "TYPE", "") == "gpu" and item.node:
             self._gpu_sample(item.node, self._tick(item.ts))
         return []
+
+    # The per-rank half: what a rank's items leave and what a look asks of it (a subclass
+    # may keep it elsewhere: detectors/live_parts.py splits it by partition).
+    def _hear(self, rank, clock: float, event) -> None:
+        """``rank`` heard at ``clock`` of the job; ``event``: a lifecycle item's."""
+        self._heard[rank] = clock
+        if event == "exit":
+            self._exited.add(rank)
+        elif event is not None:
+            self._exited.discard(rank)
+        if rank in self._reported:
+            self._reported.discard(rank)
+
+    def _shift(self, gap: float) -> None:
+        """Everything heard so far heard ``gap`` later (the whole job was quiet)."""
+        heard = self._heard
+        for rank in heard:
+            heard[rank] += gap
+
+    def _look(self, limit: float, going_on: float, half: float) -> tuple:
+        """``(quiet, pending, alive)``: the ranks last heard at ``limit`` or before and not
+        reported yet ``[(rank, heard), ...]``, the machines of those heard after it but at
+        ``half`` or before, and whether any rank was heard after ``going_on``; ranks that
+        exited or that nobody reads now are left out."""
+        return look_over(self._heard, self._exited, self._reported, self.view.unseen,
+                         self.view.where, limit, going_on, half)
+
+    def _settled(self, ranks) -> list:
+        """Of ``ranks``, those that exited or were reported."""
+        return [r for r in ranks if r in self._exited or r in self._reported]
+
+    def _exited_of(self, ranks) -> list:
+        """Of ``ranks``, those that exited."""
+        return [r for r in ranks if r in self._exited]
+
+    def _report(self, ranks) -> None:
+        self._reported.update(ranks)
 
     @property
     def _every(self) -> float:
@@ -131,9 +179,7 @@ class SilentDetector(UsesView, Detector):
             if clock is not None and ts - clock >= self.CADENCE_S * 2.0 and \
                     ts - clock >= self.timeout_s:
                 gap = ts - clock
-                heard = self._heard
-                for rank in heard:
-                    heard[rank] += gap
+                self._shift(gap)
                 seen = self._gpu_seen
                 for node in seen:
                     seen[node] += gap
@@ -153,50 +199,41 @@ class SilentDetector(UsesView, Detector):
             return []
         self._looked = at
         limit = at - self.timeout_s
-        going_on = limit + self.TOGETHER_S
-        quiet, pending, alive = [], set(), False
-        unseen = self.view.unseen         # nobody reads their records now: not judged
-        for rank, ts in self._heard.items():
-            if rank in self._exited or (unseen and rank in unseen):
-                continue
-            if ts > limit:
-                if ts > going_on:
-                    alive = True
-                if ts <= at - self.timeout_s / 2:
-                    pending.add(rank)
-            elif rank not in self._reported:
-                quiet.append(rank)
+        quiet, pending, alive = self._look(limit, limit + self.TOGETHER_S,
+                                           at - self.timeout_s / 2)
         if not quiet or not alive:
             return []
+        where = self.view.where
         by_node: dict = {}
-        for rank in quiet:
-            by_node.setdefault(self.view.where.get(rank), []).append(rank)
+        for rank, ts in quiet:
+            by_node.setdefault(where.get(rank), []).append((rank, ts))
         findings = []
-        for node, ranks in sorted(by_node.items(), key=lambda kv: str(kv[0])):
-            oldest = min(self._heard[r] for r in ranks)
-            if node is not None and at - oldest < self.timeout_s * 1.5 and any(
-                    self.view.where.get(r) == node for r in pending):
+        for node, heard in sorted(by_node.items(), key=lambda kv: str(kv[0])):
+            oldest = min(ts for _, ts in heard)
+            if node is not None and at - oldest < self.timeout_s * 1.5 and node in pending:
                 continue   # more ranks of this machine are going quiet: wait for them
-            findings.append(self._finding(node, ranks, at, looked))
+            findings.append(self._finding(node, heard, at, looked))
         return findings
 
-    def _finding(self, node, ranks, at, looked) -> Finding:
+    def _finding(self, node, heard, at, looked) -> Finding:
         """Stamped when the evidence sufficed: the first look of the grid after the ranks'
         silence reached ``timeout_s``, if the detector last looked before it and ``at`` (the
         time up to which every source was heard) is past it; else ``at``. The same online
         (partitions heard up to a time that moves in jumps while the job is quiet) as in
         ``analyze``."""
         unseen = self.view.unseen
-        node_ranks = [r for r, n in self.view.where.items()
-                      if n == node and r not in self._exited and r not in unseen]
-        all_quiet = node is not None and all(
-            r in ranks or r in self._reported for r in node_ranks)
+        ranks = [r for r, _ in heard]
+        on_node = [r for r, n in self.view.where.items() if n == node and r not in unseen]
+        settled = set(self._settled(on_node))        # exited or reported
+        exited = set(self._exited_of(on_node))
+        node_ranks = [r for r in on_node if r not in exited]
+        all_quiet = node is not None and all(r in ranks or r in settled for r in node_ranks)
         gpu = self._gpu_seen.get(node)
         machine = all_quiet and (gpu is None or at - gpu >= self.timeout_s / 2)
-        self._reported.update(ranks)
+        self._report(ranks)
         onset = min(self.view.last_seen[r] for r in ranks)
         every = self._every
-        due = math.ceil((max(self._heard[r] for r in ranks) + self.timeout_s) / every) * every
+        due = math.ceil((max(ts for _, ts in heard) + self.timeout_s) / every) * every
         if looked is not None and looked < due < at:
             at = due
         if machine:

@@ -14,6 +14,7 @@ from trainguard.detectors.offline import analyze_events
 from trainguard.detectors.partials import (BUCKET, NAMED_UPTO, PartialBuilder, column_median,
                                            merge, partial_of, slowest, step_summary)
 from trainguard.detectors.base import make_jobstep, median
+from trainguard.detectors.live_parts import SilentParts
 from trainguard.detectors.pace_parts import PaceParts
 from trainguard.detectors.straggler import StragglerDetector
 from trainguard.detectors.training import NanDetector
@@ -25,7 +26,8 @@ from scenarios import generate
 def _split(monkeypatch, partitions: int, exact_upto):
     """Each closed step's ranks split by ``rank % partitions``, one PartialBuilder each, and
     the step detectors given the merged partial instead of the records; the straggler's
-    book split the same way (detectors/pace_parts.py)."""
+    book and the silent detector's split the same way (detectors/pace_parts.py,
+    detectors/live_parts.py)."""
     original = stages.JobStage._jobstep
 
     def _jobstep(self, jobstep):
@@ -48,14 +50,24 @@ def _split(monkeypatch, partitions: int, exact_upto):
         start(self)
         self._paces = PaceParts(partitions, exact_upto=exact_upto)
 
+    init = stages.JobStage.__init__
+
+    def __init__(self, config=None):
+        init(self, config)
+        old = self.detectors["silent"]
+        silent = self.detectors["silent"] = SilentParts(partitions, **old._get_params())
+        silent.share_view(self.view)
+        self._routes = stages.routes(self.detectors.values())
+
     monkeypatch.setattr(stages.JobStage, "_jobstep", _jobstep)
+    monkeypatch.setattr(stages.JobStage, "__init__", __init__)
     monkeypatch.setattr(StragglerDetector, "_start", _start)
 
 
 def _incidents(events):
     engine, _ = analyze_events(events)
-    return [(i["kind"], i["ranks"], i["nodes"], i["onset_ts"], i["detected_ts"])
-            for i in engine.incidents()]
+    return [(i["kind"], i["ranks"], i["nodes"], i["onset_ts"], i["detected_ts"],
+             i["anomalies"]) for i in engine.incidents()]
 
 
 #: every fault and every third healthy shape (each shape family is still in it), as the
@@ -66,8 +78,9 @@ LIBRARY = [*HEALTHY[::3], *FAULTS]
 @pytest.mark.parametrize("sc", LIBRARY, ids=[sc.name for sc in LIBRARY])
 def test_partitions_merged_give_the_library_its_incidents(sc, monkeypatch):
     """Three partitions, each sketching its values even when it has few (exact_upto=0): the
-    step detectors on merged partials and the straggler's book split by partition find the
-    same incidents, with the same ranks, machines and times (the whole library, 189 jobs,
+    step detectors on merged partials, the straggler's and the silent detector's books split
+    by partition find the same incidents, with the same ranks, machines, times and
+    anomalies (the whole library, 189 jobs,
     gave the same on 2026-12-07)."""
     events, _ = generate(sc)
     want = _incidents(events)

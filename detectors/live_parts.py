@@ -1,0 +1,106 @@
+"""The silent detector's per-rank half split by telemetry partition (issue 21 point 1, step 2
+of the plan in docs/WORKER.md, its first detector; built beside today's path).
+
+:class:`SilentParts` is :class:`~.liveness.SilentDetector` with the ranks' state (when each
+was last heard on the job's clock, which exited, which were reported) kept in one
+:class:`HeardBook` per partition (a rank's is ``rank % partitions``), as the rank side would
+keep it. What the job side asks of them at each look is merged from per-partition answers:
+whether any rank was heard lately, the machines with ranks going quiet, and the quiet ranks
+with their times (the ranks a finding names); a finding asks the partitions of a machine's
+ranks which of them exited or were reported. A whole job quiet for a while shifts every
+partition's times (rare: one message to each). Nothing here is sent over Kafka yet; the
+job's clock at which a rank was heard is the one its item was applied at, which the rank
+side would learn from the job side (step 3).
+
+>>> from .liveness import SilentDetector, look_over
+>>> def run(detector):
+...     out = []
+...     for t in range(30):
+...         for r in range(8):
+...             if r < 6 or t < 5:      # n3 (ranks 6, 7) stops at t=4
+...                 detector.update({"k": "hb", "rank": r, "node": f"n{1 + r // 2}",
+...                                  "ts": float(t)})
+...         out += [(f.nodes, f.ranks, f.detected_ts) for f in detector.advance(float(t))]
+...     return out
+>>> run(SilentParts(3, timeout_s=10.0)) == run(SilentDetector(timeout_s=10.0))
+True
+>>> run(SilentParts(3, timeout_s=10.0))
+[(['n4'], [6, 7], 14.0)]
+"""
+from __future__ import annotations
+
+from .liveness import SilentDetector, look_over
+
+__all__ = ["HeardBook", "SilentParts"]
+
+
+class HeardBook:
+    """One partition's ranks for the silent detector: the job's clock when each was last
+    heard, which exited, which were reported (the rules are the detector's)."""
+
+    def __init__(self):
+        self.heard: dict = {}
+        self.exited: set = set()
+        self.reported: set = set()
+
+    def hear(self, rank, clock: float, event) -> None:
+        self.heard[rank] = clock
+        if event == "exit":
+            self.exited.add(rank)
+        elif event is not None:
+            self.exited.discard(rank)
+        self.reported.discard(rank)
+
+    def shift(self, gap: float) -> None:
+        heard = self.heard
+        for rank in heard:
+            heard[rank] += gap
+
+    def look(self, limit, going_on, half, unseen, where) -> tuple:
+        """As :meth:`SilentDetector._look`, over this partition's ranks."""
+        return look_over(self.heard, self.exited, self.reported, unseen, where, limit,
+                         going_on, half)
+
+
+class SilentParts(SilentDetector):
+    """:class:`~.liveness.SilentDetector` over ``partitions`` :class:`HeardBook`\\ s."""
+
+    def __init__(self, partitions: int = 3, **params):
+        self.partitions = partitions
+        super().__init__(**params)
+
+    def _start(self) -> None:
+        super()._start()
+        self.books = [HeardBook() for _ in range(self.partitions)]
+
+    def clone(self) -> "SilentParts":
+        return type(self)(self.partitions, **self._get_params())
+
+    def _book(self, rank) -> HeardBook:
+        return self.books[rank % len(self.books)]
+
+    def _hear(self, rank, clock: float, event) -> None:
+        self._book(rank).hear(rank, clock, event)
+
+    def _shift(self, gap: float) -> None:
+        for book in self.books:
+            book.shift(gap)
+
+    def _look(self, limit: float, going_on: float, half: float) -> tuple:
+        quiet, pending, alive = [], set(), False
+        for book in self.books:
+            q, p, a = book.look(limit, going_on, half, self.view.unseen, self.view.where)
+            quiet += q
+            pending |= p
+            alive = alive or a
+        return quiet, pending, alive
+
+    def _settled(self, ranks) -> list:
+        return [r for r in ranks if r in self._book(r).exited or r in self._book(r).reported]
+
+    def _exited_of(self, ranks) -> list:
+        return [r for r in ranks if r in self._book(r).exited]
+
+    def _report(self, ranks) -> None:
+        for rank in ranks:
+            self._book(rank).reported.add(rank)
