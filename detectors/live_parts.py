@@ -12,7 +12,7 @@ partition's times (rare: one message to each). Nothing here is sent over Kafka y
 job's clock at which a rank was heard is the one its item was applied at, which the rank
 side would learn from the job side (step 3).
 
->>> from .liveness import SilentDetector, look_over
+>>> from .liveness import SilentDetector
 >>> def run(detector):
 ...     out = []
 ...     for t in range(30):
@@ -29,6 +29,7 @@ True
 """
 from __future__ import annotations
 
+from .base import param_names
 from .liveness import SilentDetector, look_over
 
 __all__ = ["HeardBook", "SilentParts"]
@@ -64,6 +65,8 @@ class HeardBook:
 
 class SilentParts(SilentDetector):
     """:class:`~.liveness.SilentDetector` over ``partitions`` :class:`HeardBook`\\ s."""
+
+    _param_names = param_names(SilentDetector)       # its settings: the detector's
 
     def __init__(self, partitions: int = 3, **params):
         self.partitions = partitions

@@ -120,7 +120,8 @@ class SilentDetector(UsesView, Detector):
                 # online, a partition read ahead is applied up to a second before the others:
                 # heard once every partition was heard up to here, as analyze hears it
                 clock = max(ts, min(upto, clock))
-            self._hear(rank, clock, item.get("event") if k == "life" else None)
+            # a lifecycle item that is not an exit ends one (its event "" when it tells none)
+            self._hear(rank, clock, (item.get("event") or "") if k == "life" else None)
         elif getattr(item, "TYPE", "") == "gpu" and item.node:
             self._gpu_sample(item.node, self._tick(item.ts))
         return []
@@ -128,7 +129,8 @@ class SilentDetector(UsesView, Detector):
     # The per-rank half: what a rank's items leave and what a look asks of it (a subclass
     # may keep it elsewhere: detectors/live_parts.py splits it by partition).
     def _hear(self, rank, clock: float, event) -> None:
-        """``rank`` heard at ``clock`` of the job; ``event``: a lifecycle item's."""
+        """``rank`` heard at ``clock`` of the job; ``event``: a lifecycle item's (None: not
+        one)."""
         self._heard[rank] = clock
         if event == "exit":
             self._exited.add(rank)

@@ -78,3 +78,26 @@ def test_some_random_jobs_find_machines_going_quiet_one_rank_after_another():
         for f in _findings(SilentDetector(timeout_s=timeout), items):
             kinds.add("machine" if f["nodes"] else "ranks")
     assert kinds == {"machine", "ranks"}
+
+
+def test_a_lifecycle_item_that_is_not_an_exit_ends_one_in_both():
+    """A rank that exited and then sends a lifecycle item telling no event is no longer
+    taken for exited (as before the detector's per-rank half moved into methods)."""
+    items = []
+    for t in range(12):
+        items.append((float(t), {"k": "hb", "rank": 0, "node": "n0", "ts": float(t)}))
+        if t < 3:
+            items.append((float(t), {"k": "hb", "rank": 1, "node": "n1", "ts": float(t)}))
+        items.append((float(t), None))
+    items.insert(9, (3.0, {"k": "life", "rank": 1, "node": "n1", "ts": 3.0, "event": "exit"}))
+    items.insert(12, (4.0, {"k": "life", "rank": 1, "node": "n1", "ts": 4.0}))
+    want = _findings(SilentDetector(timeout_s=5.0), items)
+    assert [(f["ranks"], f["detected_ts"]) for f in want] == [([1], 9.0)]
+    assert _findings(SilentParts(3, timeout_s=5.0), items) == want
+
+
+def test_a_split_silent_detector_clones_with_its_partitions_and_settings():
+    d = SilentParts(4, timeout_s=7.0)
+    twin = d.clone()
+    assert (type(twin), twin.partitions, twin.timeout_s) == (SilentParts, 4, 7.0)
+    assert repr(d) == "SilentParts(timeout_s=7.0)"
