@@ -21,6 +21,8 @@ then on keeps the one view current before it feeds any detector.
 """
 from __future__ import annotations
 
+import math
+
 __all__ = ["JobView", "UsesView", "LEARNS_FROM"]
 
 #: the summary kinds the view learns from (a stage gives it the first three; a detector
@@ -91,7 +93,7 @@ class JobView:
         rank, ts = item.get("rank"), item.get("ts")
         if rank is None or ts is None:
             return
-        if ts > self.last_seen.get(rank, -1.0):
+        if ts > self.last_seen.get(rank, -math.inf):
             self.last_seen[rank] = ts
         node = item.get("node")
         if node and self.where.get(rank) != node:

@@ -101,3 +101,18 @@ def test_a_split_silent_detector_clones_with_its_partitions_and_settings():
     twin = d.clone()
     assert (type(twin), twin.partitions, twin.timeout_s) == (SilentParts, 4, 7.0)
     assert repr(d) == "SilentParts(timeout_s=7.0)"
+
+
+def test_a_job_stamped_below_zero_is_judged_as_any_other():
+    """Stamps before -1 (a simulator's relative time) are a rank's last seen too: the
+    finding once raised a KeyError for them (the view started its ranks at -1.0)."""
+    items = []
+    for t in range(-40, -20):
+        for r in range(4):
+            if r < 2 or t < -35:
+                items.append((float(t), {"k": "hb", "rank": r, "node": f"n{r // 2}",
+                                         "ts": float(t)}))
+        items.append((float(t), None))
+    found = _findings(SilentDetector(timeout_s=5.0), items)
+    assert [(f["nodes"], f["ranks"], f["onset_ts"]) for f in found] == [(["n1"], [2, 3], -36.0)]
+    assert _findings(SilentParts(2, timeout_s=5.0), items) == found
