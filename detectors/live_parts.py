@@ -30,7 +30,7 @@ True
 from __future__ import annotations
 
 from .base import param_names
-from .liveness import SilentDetector, look_over
+from .liveness import SilentDetector, hear, look_over, shift
 
 __all__ = ["HeardBook", "SilentParts"]
 
@@ -45,17 +45,10 @@ class HeardBook:
         self.reported: set = set()
 
     def hear(self, rank, clock: float, event) -> None:
-        self.heard[rank] = clock
-        if event == "exit":
-            self.exited.add(rank)
-        elif event is not None:
-            self.exited.discard(rank)
-        self.reported.discard(rank)
+        hear(self.heard, self.exited, self.reported, rank, clock, event)
 
     def shift(self, gap: float) -> None:
-        heard = self.heard
-        for rank in heard:
-            heard[rank] += gap
+        shift(self.heard, gap)
 
     def look(self, limit, going_on, half, unseen, where) -> tuple:
         """As :meth:`SilentDetector._look`, over this partition's ranks."""

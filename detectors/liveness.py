@@ -22,7 +22,7 @@ from .view import UsesView
 from .hang import HangDetector
 from .registry import register_detector
 
-__all__ = ["HangDetector", "SilentDetector", "CrashDetector", "look_over"]
+__all__ = ["HangDetector", "SilentDetector", "CrashDetector", "hear", "shift", "look_over"]
 
 
 #: Signals (and the exit codes shells and ``subprocess`` use for them) by which a launcher,
@@ -30,6 +30,22 @@ __all__ = ["HangDetector", "SilentDetector", "CrashDetector", "look_over"]
 #: failing.
 TEARDOWN_SIGNALS = frozenset(("SIGTERM", "SIGINT", "TERM", "INT"))
 TEARDOWN_CODES = {-15: "SIGTERM", 143: "SIGTERM", -2: "SIGINT", 130: "SIGINT"}
+
+
+def hear(heard: dict, exited: set, reported: set, rank, clock: float, event) -> None:
+    """:meth:`SilentDetector._hear` into the given maps."""
+    heard[rank] = clock
+    if event == "exit":
+        exited.add(rank)
+    elif event is not None:
+        exited.discard(rank)
+    reported.discard(rank)
+
+
+def shift(heard: dict, gap: float) -> None:
+    """:meth:`SilentDetector._shift` of the given map."""
+    for rank in heard:
+        heard[rank] += gap
 
 
 def look_over(heard: dict, exited: set, reported: set, unseen, where: dict, limit: float,
@@ -131,19 +147,11 @@ class SilentDetector(UsesView, Detector):
     def _hear(self, rank, clock: float, event) -> None:
         """``rank`` heard at ``clock`` of the job; ``event``: a lifecycle item's (None: not
         one)."""
-        self._heard[rank] = clock
-        if event == "exit":
-            self._exited.add(rank)
-        elif event is not None:
-            self._exited.discard(rank)
-        if rank in self._reported:
-            self._reported.discard(rank)
+        hear(self._heard, self._exited, self._reported, rank, clock, event)
 
     def _shift(self, gap: float) -> None:
         """Everything heard so far heard ``gap`` later (the whole job was quiet)."""
-        heard = self._heard
-        for rank in heard:
-            heard[rank] += gap
+        shift(self._heard, gap)
 
     def _look(self, limit: float, going_on: float, half: float) -> tuple:
         """``(quiet, pending, alive)``: the ranks last heard at ``limit`` or before and not

@@ -40,8 +40,8 @@ import math
 
 import numpy as np
 
-from .partials import (_INV_LOG_GAMMA, EXACT_UPTO, _merge_columns, _sketch, buckets_of,
-                       peer_ratio, peer_references, values_at)
+from .partials import (_INV_LOG_GAMMA, EXACT_UPTO, ZERO_BUCKET, _merge_columns, _sketch,
+                       buckets_of, middle_positions, peer_ratio, peer_references, values_at)
 from .base import median
 from .straggler import PaceArrays, PaceDicts
 
@@ -161,7 +161,7 @@ class PaceParts:
                 continue
             column = _merge_columns([self._column([math.exp(v) for v in x]) for x in lists], 0)
             n = column["n"]
-            middle = values_at(column, (n // 2,) if n % 2 else (n // 2 - 1, n // 2))
+            middle = values_at(column, middle_positions(n))
             mid = sum(math.log(v) for v in middle) / len(middle)
             high = sum(c for v, c in buckets_of(column) if math.log(v) - mid >= cut)
             judged[key] = (mid, high, n)
@@ -194,7 +194,7 @@ def _ratio_array(values: np.ndarray, refs) -> np.ndarray:
     if middle is None:
         ref = np.where(values < mid, below, np.where(values > mid, above, at))
     else:                           # a sketch's middle: its bucket, not its mean, divides
-        index = np.full(len(values), -(1 << 62), dtype=np.int64)
+        index = np.full(len(values), ZERO_BUCKET, dtype=np.int64)
         positive = values > 0
         index[positive] = np.ceil(np.log(values[positive]) * _INV_LOG_GAMMA).astype(np.int64)
         ref = np.where(index < middle, below, np.where(index > middle, above, at))
@@ -225,7 +225,7 @@ def _usual(merged: dict, refs: dict, ratio: float):
     if not total:
         return None
     usual.sort()
-    want = (total // 2,) if total % 2 else (total // 2 - 1, total // 2)
+    want = middle_positions(total)
     found, seen = [], 0
     for r, c in usual:
         seen += c

@@ -35,16 +35,18 @@ import numpy as np
 from .base import median, num
 from .peers import ARRAYS_FROM, StepTimes, step_times
 
-__all__ = ["BUCKET", "EXACT_UPTO", "NAMED_UPTO", "SLOWEST_K", "partial_of", "merge",
-           "column_median", "values_at", "buckets_of", "slowest", "peer_references", "peer_ratio",
-           "POSITIVE_FIELDS", "from_wire", "standing_out", "step_summary", "MEDIAN_FIELDS",
-           "PartialBuilder"]
+__all__ = ["BUCKET", "EXACT_UPTO", "NAMED_UPTO", "SLOWEST_K", "ZERO_BUCKET", "MEDIAN_FIELDS",
+           "POSITIVE_FIELDS", "partial_of", "merge", "from_wire", "PartialBuilder",
+           "column_median", "middle_positions", "values_at", "buckets_of", "slowest",
+           "peer_references", "peer_ratio", "standing_out", "step_summary"]
 
 #: a sketch bucket's relative width: a median read from a sketch is within this of the
 #: true one
 BUCKET = 0.002
 _INV_LOG_GAMMA = 1.0 / math.log1p(BUCKET)
 _HALF, _LOW = 1 << 31, (1 << 32) - 1
+#: the bucket index of a zero (below every other)
+ZERO_BUCKET = -(1 << 62)
 #: a partial of at most this many values of a field sends them as they are
 EXACT_UPTO = 32
 #: the non-finite ranks a partial names (how many there were is always sent)
@@ -108,7 +110,8 @@ def partial_of(ranks: dict, *, exact_upto: int | None = EXACT_UPTO,
                named_upto: int | None = NAMED_UPTO, k: int = SLOWEST_K) -> dict:
     """The partial summary of one step's records ``{rank: record}`` (``exact_upto=None``:
     every value kept, ``named_upto=None``: every non-finite rank named, as the job side does
-    for a step whose records it holds)."""
+    for a step whose records it holds). Its compute times are those of
+    :func:`~.peers.step_times`, in the same order."""
     loss_v, grad_v, step_v, token_v, compute_v, compute_r = [], [], [], [], [], []
     bad_loss, bad_grad = [], []
     bad_ts = math.inf
@@ -295,8 +298,14 @@ def column_median(column: dict):
     if "v" in column:
         values = column["v"]
         return median(values) if n > 1 else values[0]
-    found = values_at(column, (n // 2,) if n % 2 else (n // 2 - 1, n // 2))
+    found = values_at(column, middle_positions(n))
     return sum(found) / len(found)
+
+
+def middle_positions(n: int) -> tuple:
+    """The positions, in order, of the one or two middle values of ``n`` (their mean is the
+    median, as :func:`~.base.median` takes it)."""
+    return (n // 2,) if n % 2 else (n // 2 - 1, n // 2)
 
 
 def values_at(column: dict, positions) -> list:
@@ -359,7 +368,7 @@ def _bucket_at(column: dict, position: int) -> int:
     """The index of the sketch's bucket that holds ``position`` (a zero's: below all)."""
     seen = column["z"]
     if position < seen:
-        return -(1 << 62)
+        return ZERO_BUCKET
     for i in sorted(column["b"]):
         seen += column["b"][i][0]
         if position < seen:
@@ -368,7 +377,7 @@ def _bucket_at(column: dict, position: int) -> int:
 
 
 def _bucket_of(value: float) -> int:
-    return math.ceil(math.log(value) * _INV_LOG_GAMMA) if value > 0 else -(1 << 62)
+    return math.ceil(math.log(value) * _INV_LOG_GAMMA) if value > 0 else ZERO_BUCKET
 
 
 def peer_ratio(value: float, refs) -> float:
@@ -404,6 +413,9 @@ def step_summary(item: dict) -> dict:
         agg = item.get("_agg")
         if agg is None:
             agg = item["_agg"] = partial_of(item["ranks"], exact_upto=None, named_upto=None)
+            if "_step_times" not in item:      # the same ranks and times: not looped again
+                compute = agg["compute_time"]
+                item["_step_times"] = StepTimes(compute["r"], compute["v"])
     return agg
 
 

@@ -152,6 +152,21 @@ def test_a_jobstep_with_records_is_summarized_once_and_exactly():
     assert column_median(agg["loss"]) == 50.0
 
 
+def test_a_summary_from_records_gives_the_steps_compute_times_as_step_times_does():
+    """The summary hands its compute times on (the straggler and the throughput detector's
+    standouts read them), the same ranks and values as step_times' own loop."""
+    from trainguard.detectors.peers import step_times
+
+    times = [0.5, float("nan"), 0.0, "Infinity", 0.7, None, -1.0, "0.9"]
+    js = make_jobstep(2, 2.0, compute_time=[0.5] * len(times))
+    for rank, t in enumerate(times):
+        js["ranks"][rank]["compute_time"] = t
+    own = step_times(dict(js))
+    step_summary(js)
+    assert (js["_step_times"].ranks, js["_step_times"].values) == (own.ranks, own.values)
+    assert own.ranks == [0, 2, 4, 7] and own.values == [0.5, 0.0, 0.7, 0.9]
+
+
 def test_the_buckets_are_the_same_with_numpy_and_without():
     from trainguard.detectors.partials import _sketch, _sketch_arrays
 
