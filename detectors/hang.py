@@ -96,6 +96,7 @@ from trainguard.setting import MONTH_S, setting
 from .base import Detector, Finding, fmt_ranks, rank_nodes, whole_nodes
 from .hang_peers import PeersEvidence
 from .phases import STEP_PHASES, is_allowed_phase
+from .rank_books import PhaseBook
 from .view import UsesView
 from .registry import register_detector
 
@@ -156,14 +157,10 @@ class HangDetector(PeersEvidence, UsesView, Detector):
         self._phase_end_ts = None      # end of the latest allowed phase
         self._moved_ts = None          # latest start of a step phase on any rank
         self._paused_since_progress = False
-        self._hb: dict = {}            # rank -> [ts, phase, phase_since, step, first step in it
-                                       # (an allowed phase), or the step whose record ended it]
+        self._books = [PhaseBook()]    # the ranks' heartbeat entries, phases, exits
         self._latest = None            # the rank whose entry was put last (left_behind)
-        self._pausing: set = set()     # the ranks whose _hb phase is an allowed one
-        self._ended: dict = {}         # rank -> [phase, since, end, step] of its last allowed phase
         self._spread: dict = {}        # phase -> its slowest rank's time over its fastest's
         self._occurrence: dict = {}    # phase -> [step, shortest, longest] of its latest
-        self._exited: set = set()
         self._init_view()              # where ranks run, when each was last heard
         self._finished = False
         self._hung = False
@@ -181,16 +178,19 @@ class HangDetector(PeersEvidence, UsesView, Detector):
         if self._start_ts is None:
             self._start_ts = ts
         rank = item.get("rank")
+        if rank is not None:
+            books = self._books
+            book = books[rank % len(books)] if len(books) > 1 else books[0]
         if k == "step":
             step = item["step"]
             if rank is not None:
-                if self._exited:
-                    self._exited.discard(rank)
-                prev = self._hb.get(rank)
+                if book.exited:
+                    book.exited.discard(rank)
+                prev = book.hb.get(rank)
                 if prev is not None and prev[1] not in STEP_PHASES and prev[2] < ts and \
                         type(prev[1]) is str and (prev[3] is None or step > prev[3]):
-                    self._end_phase(rank, prev, ts)    # a later step proves it is over
-                    self._put_hb(rank, [ts, "step", ts, step, step])   # (a record's)
+                    self._end_phase(book, rank, prev, ts)    # a later step proves it is over
+                    self._put_hb(book, rank, [ts, "step", ts, step, step])   # (a record's)
                 if self._max_step is None or step > self._max_step:
                     self._step(step, ts)
                 elif step == self._max_step and ts > self._progress_ts and (
@@ -204,14 +204,14 @@ class HangDetector(PeersEvidence, UsesView, Detector):
         elif k == "hb":
             if rank is None:
                 return []
-            self._heartbeat(rank, item, ts)
-            self._exited.discard(rank)
+            self._heartbeat(book, rank, item, ts)
+            book.exited.discard(rank)
         elif k == "life":
             if item.get("event") == "exit" and rank is None and item.get("restart"):
                 self._finished = True           # trainguard run tears the job down
             elif item.get("event") == "exit":
                 if rank is not None:
-                    self._exited.add(rank)
+                    book.exited.add(rank)
                 if item.get("exit_code") == 0 and not item.get("signal") and rank is not None:
                     self._finished = True
             elif item.get("event") == "start":
@@ -224,10 +224,7 @@ class HangDetector(PeersEvidence, UsesView, Detector):
                 self._phase_end_ts = None
                 self._moved_ts = None
                 if rank is not None:
-                    self._exited.discard(rank)
-                    self._hb.pop(rank, None)
-                    self._pausing.discard(rank)
-                    self._ended.pop(rank, None)    # a new run: its phases are new
+                    book.forget(rank)              # a new run: its phases are new
         return []
 
     def _step(self, step, ts) -> None:
@@ -270,12 +267,12 @@ class HangDetector(PeersEvidence, UsesView, Detector):
                 and step_time - step_time == 0 and step not in self._paused_steps:
             self._step_time_max = step_time
 
-    def _heartbeat(self, rank, item, ts) -> None:
+    def _heartbeat(self, book, rank, item, ts) -> None:
         phase = item.get("phase")
         since = item.get("phase_since")
         since = ts if type(since) not in (int, float) or since > ts else since
         step = item.get("step")
-        prev = self._hb.get(rank)
+        prev = book.hb.get(rank)
         if prev is not None and (ts < prev[0] or (
                 prev[4] is not None and prev[1] == "step" and type(step) is int
                 and step < prev[4])):
@@ -287,9 +284,9 @@ class HangDetector(PeersEvidence, UsesView, Detector):
             # that wraps steps" for good
             return
         if prev is not None and prev[1] != phase and is_allowed_phase(prev[1]):
-            self._end_phase(rank, prev, since if since >= prev[2] else ts)
+            self._end_phase(book, rank, prev, since if since >= prev[2] else ts)
         if is_allowed_phase(phase):
-            ended = self._ended.get(rank)
+            ended = book.ended.get(rank)
             if ended is not None and ended[0] == phase and ended[1] == since:
                 if phase != "init" and phase not in self._not_pauses:
                     self._not_pauses.append(phase)     # back after a step: it wraps steps
@@ -301,29 +298,25 @@ class HangDetector(PeersEvidence, UsesView, Detector):
                     self._not_pauses.append(phase)     # steps go on inside it: no pause
             else:
                 first_step = step
-            self._put_hb(rank, [ts, phase, since, step, first_step])
+            self._put_hb(book, rank, [ts, phase, since, step, first_step])
             if phase not in self._not_pauses:
                 self._paused_since_progress = True
         else:
-            self._put_hb(rank, [ts, phase, since, step, None])
+            self._put_hb(book, rank, [ts, phase, since, step, None])
             if self._progress_ts is not None and since > self._progress_ts and (
                     self._moved_ts is None or since > self._moved_ts):
                 self._moved_ts = since           # the rank moved on within the step
 
-    def _put_hb(self, rank, entry) -> None:
-        """A rank's heartbeat entry, and whether it is in an allowed phase (the deadline
-        looks at those ranks only)."""
-        self._hb[rank] = entry
+    def _put_hb(self, book, rank, entry) -> None:
+        """A rank's heartbeat entry into its book (which tells the ranks in an allowed phase:
+        the deadline looks at those only)."""
+        book.put(rank, entry)
         self._latest = rank
-        if is_allowed_phase(entry[1]):
-            self._pausing.add(rank)
-        else:
-            self._pausing.discard(rank)
 
-    def _end_phase(self, rank, prev, end) -> None:
+    def _end_phase(self, book, rank, prev, end) -> None:
         """``prev`` (a heartbeat entry in an allowed phase) ended at ``end``."""
         phase, since, step = prev[1], prev[2], prev[3]
-        self._ended[rank] = [phase, since, end, step]
+        book.ended[rank] = [phase, since, end, step]
         if phase not in self._not_pauses:
             self._learn_phase(phase, end - since)
             self._learn_spread(phase, step, end - since)
@@ -423,10 +416,8 @@ class HangDetector(PeersEvidence, UsesView, Detector):
             if self._moved_ts is not None and self._moved_ts > since:
                 since = self._moved_ts
             deadline = since + self.timeout()
-        hb = self._hb
-        for rank in self._pausing:         # the ranks in an allowed phase, not all of them
-            _, phase, start, _, _ = hb[rank]
-            if rank not in self._exited and phase not in self._not_pauses:
+        for book in self._books:           # the ranks in an allowed phase, not all of them
+            for phase, start in book.pause_starts(self._not_pauses).items():
                 deadline = max(deadline, start + self.allowance(phase))
         return deadline
 
@@ -441,8 +432,7 @@ class HangDetector(PeersEvidence, UsesView, Detector):
                 return []
             suspects, majority = left
             rule = "left_behind"
-        elif self._exited and all(r in self._exited or now - ts >= self.stale_s
-                                  for r, ts in self.view.last_seen.items()):
+        elif self._over(now):
             return []      # every rank exited or went quiet after some exited: over, not hung
         elif self._unseen_may_pause(now):
             return []      # nobody reads some ranks now: one may be in a pause the rest wait for

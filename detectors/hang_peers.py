@@ -4,14 +4,15 @@ without a learned timeout, and the suspects of a hang (see :mod:`.hang`). A mixi
 from __future__ import annotations
 
 from .base import fmt_ranks
-from .phases import PHASE_ORDER, STEP_PHASES, is_allowed_phase
+from .rank_books import merge_positions
 
 __all__ = ["PeersEvidence"]
 
 
 class PeersEvidence:
-    """What a hang's peers tell: :meth:`left_behind` and :meth:`_suspects` (``HangDetector``
-    keeps the state they read: ``_hb``, ``_exited``, ``_pausing``, ``_ended``, ...)."""
+    """What a hang's peers tell: :meth:`left_behind` and :meth:`_suspects`, merged from the
+    answers of ``HangDetector``'s books of ranks (``_books``: :class:`~.rank_books.PhaseBook`,
+    one, or one per partition), over its state (``_latest``, ``_not_pauses``, ...)."""
 
     def left_behind(self, now: float):
         """Ranks held up where their peers went on (see the module): ``(ranks, why)`` or
@@ -25,12 +26,16 @@ class PeersEvidence:
         need = self._step_need()
         if (need is None or self._moved_within(need, now)) and not self._pausing_fresh(now):
             return None
-        fresh = {r: h for r, h in self._hb.items()
-                 if r not in self._exited and now - h[0] < self.stale_s}
-        if len(fresh) < 2:
+        books, stale_s = self._books, self.stale_s
+        positions = merge_positions(b.positions(now, stale_s) for b in books)
+        if positions is None:        # a rank in a pause: as many fresh as a step's positions
+            fresh = sum(b.census(now, stale_s, ())["fresh"] for b in books)
+        else:
+            fresh = positions[0]
+        if fresh < 2:
             return None
-        return (need is not None and self._behind_in_step(fresh, need)) \
-            or self._behind_in_phase(fresh)
+        return (need is not None and self._behind_in_step(positions, need, now)) \
+            or self._behind_in_phase(now)
 
     def _step_need(self) -> float | None:
         """How long ranks must have waited for peers still in an earlier point of the step
@@ -41,112 +46,138 @@ class PeersEvidence:
         return max(self.floor_s, self.peer_factor * known,
                    self.max_margin * self._longest.get("step", 0.0))
 
+    def _rank_book(self, rank):
+        books = self._books
+        return books[rank % len(books)] if len(books) > 1 else books[0]
+
     def _moved_within(self, need: float, now: float) -> bool:
         """Whether the rank heard of last, live and fresh, had been in its phase for less
         than ``need`` when it was heard."""
         rank = self._latest
-        h = self._hb.get(rank)
-        return h is not None and rank not in self._exited and now - h[0] < self.stale_s \
+        if rank is None:
+            return False
+        book = self._rank_book(rank)
+        h = book.hb.get(rank)
+        return h is not None and rank not in book.exited and now - h[0] < self.stale_s \
             and h[0] - h[2] < need
 
     def _pausing_fresh(self, now: float) -> bool:
         """Whether a live, fresh rank is in an allowed phase that pauses the job."""
-        hb, exited, not_pauses = self._hb, self._exited, self._not_pauses
-        return any(r not in exited and now - hb[r][0] < self.stale_s
-                   and hb[r][1] not in not_pauses for r in self._pausing)
+        return any(b.pausing_fresh(now, self.stale_s, self._not_pauses) for b in self._books)
 
-    def _behind_in_step(self, fresh, need: float):
-        known = self.known_step_s()
-        where = {}
-        for r, h in fresh.items():
-            order = PHASE_ORDER.get(h[1])
-            if order is None:
-                return None              # a pause (or an unknown phase) explains any wait
-            where[r] = (h[3] if h[3] is not None else -1, order)
-        first = min(where.values())
-        behind = sorted(r for r, w in where.items() if w == first)
-        if len(behind) * 2 > len(fresh):
+    def _over(self, now: float) -> bool:
+        """Whether some ranks exited and every rank exited or went quiet after them."""
+        if not any(b.exited for b in self._books):
+            return False
+        stale_s = self.stale_s
+        return all(now - ts >= stale_s or r in self._rank_book(r).exited
+                   for r, ts in self.view.last_seen.items())
+
+    def _behind_in_step(self, positions, need: float, now: float):
+        if positions is None:
+            return None                  # a pause (or an unknown phase) explains any wait
+        fresh, first, at, wait_at, waited = positions
+        if at * 2 > fresh:
             return None                  # most ranks are there: no peers went on without them
-        waited = min(fresh[r][0] - fresh[r][2] for r, w in where.items() if w != first)
-        if waited < need or min(fresh[r][0] - fresh[r][2] for r in behind) < waited:
+        if waited < need or wait_at < waited:
             return None
-        phase = fresh[behind[0]][1]
+        behind = sorted(r for b in self._books for r in b.at_position(first, now, self.stale_s))
+        phase = self._rank_book(behind[0]).hb[behind[0]][1]
+        known = self.known_step_s()
         return behind, (f"{fmt_ranks(behind)} still in {phase} while the others went on and "
                         f"waited {waited:.0f}s (the longest step known is {known:.1f}s)")
 
-    def _behind_in_phase(self, fresh):
+    def _behind_in_phase(self, now: float):
         groups: dict = {}
-        for r, h in fresh.items():
-            phase = h[1]
-            if type(phase) is str and phase not in STEP_PHASES and phase not in self._not_pauses:
-                groups.setdefault((phase, h[3]), []).append(r)
-        for (phase, step), inside in groups.items():
+        for book in self._books:
+            for key, g in book.phase_groups(now, self.stale_s, self._not_pauses).items():
+                m = groups.get(key)
+                if m is None:
+                    groups[key] = list(g)
+                else:
+                    m[0] += g[0]
+                    m[1] = max(m[1], g[1])
+                    m[2] += g[2]
+                    m[3] = max(m[3], g[3])
+                    m[4] = min(m[4], g[4])
+        for (phase, step), (inside, longest_wait, left, their_time, out) in sorted(
+                groups.items(), key=lambda kv: (kv[0][0], _step_key(kv[0][1]))):
             spread = self._spread.get(phase)
-            if spread is None:
+            if not inside or spread is None:
                 continue                 # never seen complete on two ranks: its allowance
-            left = [(self._ended[r], fresh[r][0]) for r in fresh
-                    if r in self._ended and self._ended[r][0] == phase
-                    and self._ended[r][3] == step and fresh[r][1] != phase]
-            if len(left) < len(inside):
+            if left < inside:
                 continue                 # most of the occurrence's ranks are still in it
-            their_time = max(e[2] - e[1] for e, _ in left)
-            out = min(ts - e[2] for e, ts in left)
             need = max(self.peer_factor * max(spread, 1.0) * their_time,
                        self._longest.get(phase, 0.0))
-            stuck = sorted(r for r in inside if fresh[r][0] - fresh[r][2] >= need)
-            if stuck and out >= self.floor_s:
+            if longest_wait >= need and out >= self.floor_s:
+                stuck = sorted(r for b in self._books for r in b.fresh_where(
+                    now, self.stale_s, (), lambda h: h[1] == phase and h[3] == step
+                    and h[0] - h[2] >= need))
                 return stuck, (f"{fmt_ranks(stuck)} still in {phase}, which the other ranks "
                                f"left after at most {their_time:.0f}s, {out:.0f}s ago")
         return None
 
     def _current_phase(self):
-        """The allowed phase the job is in or just left (for false-alarm feedback)."""
-        for _, phase, _, _, _ in self._hb.values():
-            if is_allowed_phase(phase) and phase not in self._not_pauses:
-                return phase
+        """The allowed phase the job is in or just left (for false-alarm feedback; the first
+        by name when ranks are in several)."""
+        phases = set()
+        for book in self._books:
+            phases |= book.pausing_phases(self._not_pauses)
+        if phases:
+            return min(phases)
         return None if self._progress_ts is not None else "first_step"
 
     def _suspects(self, now: float):
         unseen = self.view.unseen        # their heartbeats look stale: nobody reads them
-        live = {r: h for r, h in self._hb.items() if r not in self._exited and r not in unseen}
-        fresh = {r: h for r, h in live.items() if now - h[0] < self.stale_s}
-        stale = sorted(r for r in live if r not in fresh)
-        if not fresh:
+        books, stale_s = self._books, self.stale_s
+        census = [b.census(now, stale_s, unseen) for b in books]
+        live = sum(c["live"] for c in census)
+        stale = sorted(r for b in books for r in b.stale(now, stale_s, unseen))
+        if not any(c["fresh"] for c in census):
             return stale, "no heartbeats"
-        waiting = [r for r, h in fresh.items() if h[1] == "collective"]
-        working = sorted(r for r, h in fresh.items() if h[1] != "collective")
-        if waiting and working and len(working) < len(live):
+
+        def named(keep) -> list:
+            return sorted(r for b in books for r in b.fresh_where(now, stale_s, unseen, keep))
+
+        waiting = sum(c["waiting"] for c in census)
+        working = sum(c["fresh"] - c["waiting"] for c in census)
+        if waiting and working and working < live:
             # the ranks waiting in a collective wait for the ones that never came
-            phases = sorted({str(fresh[r][1]) for r in working})
-            return sorted(set(working) | set(stale)), \
-                f"{fmt_ranks(waiting)} wait in a collective; the others are in {', '.join(phases)}"
+            phases = sorted(set().union(*(c["working"] for c in census)))
+            return sorted(set(named(lambda h: h[1] != "collective")) | set(stale)), \
+                (f"{fmt_ranks(named(lambda h: h[1] == 'collective'))} wait in a collective; "
+                 f"the others are in {', '.join(phases)}")
         phases: dict = {}
         steps: dict = {}
-        for _, phase, _, step, _ in fresh.values():
-            phases[phase] = phases.get(phase, 0) + 1
-            steps[step] = steps.get(step, 0) + 1
+        for c in census:
+            for p, n in c["phases"].items():
+                phases[p] = phases.get(p, 0) + n
+            for s, n in c["steps"].items():
+                steps[s] = steps.get(s, 0) + n
         phase = max(phases.items(), key=lambda kv: (kv[1], str(kv[0])))[0]
-        step = max(steps.items(), key=lambda kv: (kv[1], kv[0] if kv[0] is not None else -1))[0]
-        odd = [r for r, h in fresh.items() if h[1] != phase or h[3] != step]
+        step = max(steps.items(), key=lambda kv: (kv[1], _step_key(kv[0])))[0]
+        odd = named(lambda h: h[1] != phase or h[3] != step)
         suspects = sorted(set(odd) | set(stale))
-        if len(suspects) * 2 >= len(live):
-            suspects = self._behind(fresh, live)
+        if len(suspects) * 2 >= live:
+            positions = merge_positions(b.positions(now, stale_s, unseen) for b in books)
+            suspects = self._behind(positions, live, now, unseen)
             if suspects:
                 return suspects, "the others went further in the step and wait for them"
         return suspects, f"phase {phase}, step {step}"
 
-    @staticmethod
-    def _behind(fresh, live) -> list:
+    def _behind(self, positions, live: int, now: float, unseen) -> list:
         """With no clear majority (two ranks, say): the ranks behind the others in the step
         (an earlier step, or an earlier phase of it) hold them up."""
-        where = {}
-        for r, h in fresh.items():
-            order = PHASE_ORDER.get(h[1])
-            if order is None:
-                return []
-            where[r] = (h[3] if h[3] is not None else -1, order)
-        if len(set(where.values())) < 2:
+        if positions is None:
             return []
-        first = min(where.values())
-        behind = sorted(r for r, w in where.items() if w == first)
-        return behind if len(behind) * 2 <= len(live) else []
+        fresh, first, at, _, _ = positions
+        if at == fresh:
+            return []                    # all at one place
+        if at * 2 > live:
+            return []
+        return sorted(r for b in self._books
+                      for r in b.at_position(first, now, self.stale_s, unseen))
+
+
+def _step_key(step) -> int:
+    return step if step is not None else -1

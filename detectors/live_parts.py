@@ -1,5 +1,10 @@
-"""The silent detector's per-rank half split by telemetry partition (issue 21 point 1, step 2
-of the plan in docs/WORKER.md, its first detector; built beside today's path).
+"""The liveness detectors' per-rank half split by telemetry partition (issue 21 point 1, step 2
+of the plan in docs/WORKER.md; built beside today's path): the silent, hang and crash
+detectors, and the data-position detector, which has no cross-rank state at all.
+
+The hang and crash detectors keep their ranks in books (:mod:`.rank_books`) and merge the
+books' answers whether they have one or several: :class:`HangParts` and :class:`CrashParts`
+give them one per partition (a rank's is ``rank % partitions``).
 
 :class:`SilentParts` is :class:`~.liveness.SilentDetector` with the ranks' state (when each
 was last heard on the job's clock, which exited, which were reported) kept in one
@@ -29,10 +34,12 @@ True
 """
 from __future__ import annotations
 
-from .base import param_names
-from .liveness import SilentDetector, hear, look_over, shift
+from .base import Detector, Finding, param_names
+from .data_position import DataPositionDetector
+from .liveness import CrashDetector, HangDetector, SilentDetector, hear, look_over, shift
+from .rank_books import ExitBook, PhaseBook
 
-__all__ = ["HeardBook", "SilentParts"]
+__all__ = ["HeardBook", "SilentParts", "HangParts", "CrashParts", "DataPositionParts"]
 
 
 class HeardBook:
@@ -100,3 +107,67 @@ class SilentParts(SilentDetector):
     def _report(self, ranks) -> None:
         for rank in ranks:
             self._book(rank).reported.add(rank)
+
+
+class _BooksByPartition:
+    """A detector that keeps its ranks in books (``_books``) with one per partition."""
+
+    BOOK = None
+
+    def __init__(self, partitions: int = 3, **params):
+        self.partitions = partitions
+        super().__init__(**params)
+
+    def _start(self) -> None:
+        super()._start()
+        self._books = [self.BOOK() for _ in range(self.partitions)]
+
+    def clone(self):
+        return type(self)(self.partitions, **self._get_params())
+
+
+class HangParts(_BooksByPartition, HangDetector):
+    """:class:`~.hang.HangDetector` over ``partitions`` :class:`~.rank_books.PhaseBook`\\ s."""
+
+    _param_names = param_names(HangDetector)
+    BOOK = PhaseBook
+
+
+class CrashParts(_BooksByPartition, CrashDetector):
+    """:class:`~.liveness.CrashDetector` over ``partitions`` :class:`~.rank_books.ExitBook`\\ s."""
+
+    _param_names = param_names(CrashDetector)
+    BOOK = ExitBook
+
+
+class DataPositionParts(Detector):
+    """:class:`~.data_position.DataPositionDetector` with each partition's ranks in a detector
+    of their own: it compares a rank with itself only, so nothing crosses partitions.
+
+    >>> parts, one = DataPositionParts(3), DataPositionDetector()
+    >>> items = [{"k": "step", "rank": r, "ts": float(s), "step": s, "samples": 8 * s}
+    ...          for s in range(3) for r in range(4)]
+    >>> items += [{"k": "life", "rank": r, "event": "start", "ts": 5.0} for r in range(4)]
+    >>> items += [{"k": "step", "rank": r, "ts": 6.0, "step": 1, "samples": 0 if r == 2 else 8}
+    ...           for r in range(4)]
+    >>> [f.ranks for i in items for f in parts.update(i)]
+    [[2]]
+    >>> [f.ranks for i in items for f in one.update(i)]
+    [[2]]
+    """
+
+    PREFIX = DataPositionDetector.PREFIX
+    CONSUMES = DataPositionDetector.CONSUMES
+
+    def __init__(self, partitions: int = 3):
+        self.partitions = partitions
+        super().__init__()
+
+    def _start(self) -> None:
+        self.parts = [DataPositionDetector() for _ in range(self.partitions)]
+
+    def update(self, item) -> list[Finding]:
+        rank = item.get("rank") if type(item) is dict else None
+        if rank is None:
+            return []          # it reads ranks' items only
+        return self.parts[rank % self.partitions].update(item)

@@ -20,6 +20,7 @@ from trainguard.setting import MONTH_S, setting
 from .base import Detector, Finding, fmt_ranks, rank_nodes
 from .view import UsesView
 from .hang import HangDetector
+from .rank_books import ExitBook
 from .registry import register_detector
 
 __all__ = ["HangDetector", "SilentDetector", "CrashDetector", "hear", "shift", "look_over"]
@@ -328,10 +329,8 @@ class CrashDetector(UsesView, Detector):
                                         "vanished (SIGKILL, OOM killer)", live=(0.0, 3600.0))
 
     def _start(self) -> None:
-        self._last: dict = {}      # rank -> last event time
-        self._step: dict = {}      # rank -> last step
+        self._books = [ExitBook()]  # when ranks were last heard, their steps, their exits
         self._init_view()          # where ranks run
-        self._exit: dict = {}      # rank -> time of its exit, until it starts again
         self._wave = None          # the open tear-down, see _open
         self._answered = None      # a failure our restart answered, until its exits settled
         self.own_restarts: list = []   # times trainguard run announced a restart (last 20)
@@ -350,7 +349,11 @@ class CrashDetector(UsesView, Detector):
             return []
         found = []
         event = item.get("event")
-        if rank is None and event == "exit" and item.get("restart"):
+        if rank is not None:
+            books = self._books
+            book = books[rank % len(books)] if len(books) > 1 else books[0]
+            exits = book.exit
+        elif event == "exit" and item.get("restart"):
             wave = self._wave
             if wave is not None and wave["failed"] and not wave["own"] \
                     and not wave["decided"]:
@@ -362,24 +365,27 @@ class CrashDetector(UsesView, Detector):
             self.own_restarts.append(ts)
             del self.own_restarts[:-20]
             return found
-        if k == "step" and rank in self._exit and ts > self._exit[rank]:
-            found = self._close(ts)                   # stepping again: a restart
-            del self._exit[rank]
-        elif event == "start":
-            found = self._close(ts)
-            self._exit.pop(rank, None)
-        if rank is not None:                  # _heard, inline: it runs for every summary
-            last = self._last
+        if rank is None:
+            if event == "start":
+                found = self._close(ts)
+        else:
+            if k == "step" and rank in exits and ts > exits[rank]:
+                found = self._close(ts)                   # stepping again: a restart
+                del exits[rank]
+            elif event == "start":
+                found = self._close(ts)
+                exits.pop(rank, None)
+            last = book.last                  # heard, inline: it runs for every summary
             if ts >= last.get(rank, ts):
                 last[rank] = ts
                 step = item.get("step")
                 if step is not None:
-                    self._step[rank] = step
+                    book.step[rank] = step
         if event != "exit":
             return found
         code, sig = item.get("exit_code"), item.get("signal")
         if rank is not None:
-            self._exit[rank] = ts
+            exits[rank] = ts
         if not sig and code in (0, None):
             return []
         teardown = sig in TEARDOWN_SIGNALS or (not sig and code in TEARDOWN_CODES)
@@ -456,11 +462,18 @@ class CrashDetector(UsesView, Detector):
         self._wave = None
         return found
 
-    def _pending_ranks(self, wave) -> list:
-        """Ranks heard shortly before the tear-down began that have not exited."""
-        since, unseen = wave["start"] - self.vanish_s, self.view.unseen
-        return sorted(r for r, ts in self._last.items()
-                      if ts >= since and r not in self._exit and r not in unseen)
+    def _pending(self, wave) -> dict:
+        """``{rank: (last heard, last step)}`` of the ranks heard shortly before the
+        tear-down began that have not exited, in rank order."""
+        since, unseen, pending = wave["start"] - self.vanish_s, self.view.unseen, {}
+        for book in self._books:
+            pending.update(book.pending(since, unseen))
+        return dict(sorted(pending.items()))
+
+    def _steps_of(self, ranks) -> list:
+        """The last steps known of ``ranks``."""
+        books, n = self._books, len(self._books)
+        return [books[r % n].step[r] for r in ranks if r in books[r % n].step]
 
     def _decide(self, now, wave=None) -> list[Finding]:
         wave = wave if wave is not None else self._wave
@@ -468,21 +481,22 @@ class CrashDetector(UsesView, Detector):
         if wave["own"]:
             return []        # trainguard's own restart: recorded by the supervisor, no alert
         start, torn = wave["start"], wave["torn"]
-        pending = self._pending_ranks(wave)
-        vanished = [r for r in pending if self._last[r] < start]
+        pending = self._pending(wave)
+        vanished = [r for r, (last, _) in pending.items() if last < start]
         answered = wave.get("answered")
-        stopped_by_us = answered is not None and any(
-            ts >= answered for ts in self._exit.values())     # alive until our restart
+        stopped_by_us = answered is not None and max(
+            b.latest_exit() for b in self._books) >= answered     # alive until our restart
         if not torn and not stopped_by_us and len(vanished) >= len(wave["failed"]):
             vanished = []   # as many silent as failed: hung in the collective, not killed
-        running = [r for r in pending if self._last[r] >= start]
+        running = [r for r, (last, _) in pending.items() if last >= start]
         evidence = {"exit_code": None, "signal": None, "teardown_ts": start,
                     "torn_down": {str(r): torn[r] for r in sorted(torn)},
                     "failed": sorted(wave["failed"]), "running": running}
         signals = "/".join(sorted(set(torn.values())))
         if vanished:
-            onset = min(self._last[r] for r in vanished)
-            step = max((self._step[r] for r in vanished if r in self._step), default=None)
+            onset = min(pending[r][0] for r in vanished)
+            step = max((pending[r][1] for r in vanished if pending[r][1] is not None),
+                       default=None)
             nodes = sorted({self.view.where[r] for r in vanished if r in self.view.where})
             where = f" on {', '.join(nodes)}" if nodes else ""
             after = f" after step {step}" if step is not None else ""
@@ -495,13 +509,13 @@ class CrashDetector(UsesView, Detector):
                          f"(killed by SIGKILL or the OOM killer, most likely){peers}"),
                 key=f"t{onset:.3f}",
                 evidence={**evidence, "vanished": True,
-                          "last_seen": {str(r): self._last[r] for r in vanished},
+                          "last_seen": {str(r): pending[r][0] for r in vanished},
                           # peers that failed or were stopped after it: its consequences
                           "collateral": sorted(set(torn) | set(wave["failed"])),
                           "rank_nodes": rank_nodes(vanished, self.view.where)})]
         if wave["failed"] or not torn:
             return []
-        step = max((self._step[r] for r in torn if r in self._step), default=None)
+        step = max(self._steps_of(torn), default=None)
         after = f" after step {step}" if step is not None else ""
         spread = wave["last"] - start
         if len(running) < len(torn):

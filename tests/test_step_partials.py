@@ -14,7 +14,8 @@ from trainguard.detectors.offline import analyze_events
 from trainguard.detectors.partials import (BUCKET, NAMED_UPTO, PartialBuilder, column_median,
                                            merge, partial_of, slowest, step_summary)
 from trainguard.detectors.base import make_jobstep, median
-from trainguard.detectors.live_parts import SilentParts
+from trainguard.detectors.live_parts import (CrashParts, DataPositionParts, HangParts,
+                                             SilentParts)
 from trainguard.detectors.pace_parts import PaceParts
 from trainguard.detectors.straggler import StragglerDetector
 from trainguard.detectors.training import NanDetector
@@ -26,8 +27,8 @@ from scenarios import generate
 def _split(monkeypatch, partitions: int, exact_upto):
     """Each closed step's ranks split by ``rank % partitions``, one PartialBuilder each, and
     the step detectors given the merged partial instead of the records; the straggler's
-    book and the silent detector's split the same way (detectors/pace_parts.py,
-    detectors/live_parts.py)."""
+    book and the silent, hang, crash and data-position detectors' split the same way
+    (detectors/pace_parts.py, detectors/live_parts.py)."""
     original = stages.JobStage._jobstep
 
     def _jobstep(self, jobstep):
@@ -54,9 +55,12 @@ def _split(monkeypatch, partitions: int, exact_upto):
 
     def __init__(self, config=None):
         init(self, config)
-        old = self.detectors["silent"]
-        silent = self.detectors["silent"] = SilentParts(partitions, **old._get_params())
-        silent.share_view(self.view)
+        for name, split in (("silent", SilentParts), ("hang", HangParts),
+                            ("crash", CrashParts)):
+            old = self.detectors[name]
+            parts = self.detectors[name] = split(partitions, **old._get_params())
+            parts.share_view(self.view)
+        self.detectors["data_position"] = DataPositionParts(partitions)
         self._routes = stages.routes(self.detectors.values())
 
     monkeypatch.setattr(stages.JobStage, "_jobstep", _jobstep)
@@ -78,10 +82,10 @@ LIBRARY = [*HEALTHY[::3], *FAULTS]
 @pytest.mark.parametrize("sc", LIBRARY, ids=[sc.name for sc in LIBRARY])
 def test_partitions_merged_give_the_library_its_incidents(sc, monkeypatch):
     """Three partitions, each sketching its values even when it has few (exact_upto=0): the
-    step detectors on merged partials, the straggler's and the silent detector's books split
-    by partition find the same incidents, with the same ranks, machines, times and
-    anomalies (the whole library, 189 jobs,
-    gave the same on 2026-12-07)."""
+    step detectors on merged partials, the straggler's, silent, hang, crash and
+    data-position detectors' books split by partition find the same incidents, with the
+    same ranks, machines, times and anomalies (the whole library, 189 jobs, gave the same
+    on 2026-12-07 and again with the hang, crash and data-position splits)."""
     events, _ = generate(sc)
     want = _incidents(events)
     with monkeypatch.context() as m:
