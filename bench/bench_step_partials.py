@@ -24,6 +24,10 @@ The automatic garbage collector is off while it runs, as in the worker.
   lately: its one book's loop over every rank today, per rank, against the books split by
   partition (the rank side's loops, per rank; the job side's merge of their answers, per
   look).
+- ``hang_*``: the hang detector's look (``advance``, twice a second of the job) while every
+  rank sits in a checkpoint, the case in which it asks the most of its ranks (the
+  deadline's pauses, the ranks left behind in a pause or in the step): one book against
+  books per partition, as for the silent detector.
 
 ``python bench/run.py step_partials --json``; ``TG_PARTIALS_SIZES=4096`` for fewer.
 """
@@ -152,6 +156,7 @@ def one_size(ranks: int) -> dict:
             "straggler_split_rank_side_us_per_rank_step": round(rank_side / ranks, 3),
             "straggler_split_job_side_us_per_step": round(per_step["straggler_answer"]),
             **silent_looks(ranks, partitions),
+            **hang_looks(ranks, partitions),
             "straggler_findings": found["straggler_records"],
             "straggler_same_findings": found["straggler_records"] == found["straggler_parts"]}
 
@@ -196,6 +201,75 @@ def silent_looks(ranks: int, partitions: int, looks: int = 10) -> dict:
             "silent_split_rank_side_us_per_rank": round(
                 books["rank_side"] / looks / ranks * 1e6, 3),
             "silent_split_job_side_us_per_look": round(merge / looks * 1e6)}
+
+
+def hang_looks(ranks: int, partitions: int, looks: int = 10) -> dict:
+    """The hang detector's looks while every rank is in a checkpoint begun together (each
+    rank heard once a second): one book against books per partition. The split's look runs
+    twice: once with its books' answers timed and recorded (the rank side), once with the
+    recorded answers given back at once (the job side: the merges and the rules; a look
+    changes nothing while the checkpoint lasts)."""
+    from trainguard.detectors import live_parts, rank_books
+    from trainguard.detectors.liveness import HangDetector
+
+    whole, split = HangDetector(), live_parts.HangParts(partitions)
+    spent = {"whole": 0.0, "job_side": 0.0, "rank_side": 0.0}
+    questions = ("pause_starts", "pausing_fresh", "pausing_phases", "fresh_count",
+                 "positions", "phase_groups", "census", "stale", "fresh_where", "at_position")
+    originals = {name: getattr(rank_books.PhaseBook, name) for name in questions}
+    tape: list = []
+
+    def recorded(method):
+        def run(self, *args, **kwargs):
+            t = time.process_time()
+            out = method(self, *args, **kwargs)
+            spent["rank_side"] += time.process_time() - t
+            tape.append(out)
+            return out
+        return run
+
+    def replayed(self, *args, **kwargs):
+        return next(answers)
+
+    t0 = 1.8e9
+    for step in range(8):                       # steps to learn from, then the checkpoint
+        for d in (whole, split):
+            for r in range(ranks):
+                d.update({"k": "step", "rank": r, "node": f"n{r // 8:05d}",
+                          "ts": t0 + step + (r % 13) * 1e-3, "step": step, "step_time": 0.9})
+    try:
+        for tick in range(2 * (looks + 2)):
+            now = t0 + 8 + tick / 2
+            if tick % 2 == 0:
+                for d in (whole, split):
+                    for r in range(ranks):
+                        d.update({"k": "hb", "rank": r, "node": f"n{r // 8:05d}",
+                                  "ts": now + (r % 13) * 1e-3, "step": 7,
+                                  "phase": "checkpoint", "phase_since": t0 + 8.0})
+            if tick < 4:
+                continue
+            t = time.process_time()
+            assert whole.advance(now + 0.25) == []
+            spent["whole"] += time.process_time() - t
+            tape.clear()
+            for name, method in originals.items():
+                setattr(rank_books.PhaseBook, name, recorded(method))
+            assert split.advance(now + 0.25) == []
+            answers = iter(list(tape))
+            for name in originals:
+                setattr(rank_books.PhaseBook, name, replayed)
+            t = time.process_time()
+            split.advance(now + 0.25)
+            spent["job_side"] += time.process_time() - t
+            for name, method in originals.items():
+                setattr(rank_books.PhaseBook, name, method)
+    finally:
+        for name, method in originals.items():
+            setattr(rank_books.PhaseBook, name, method)
+    n = 2 * looks
+    return {"hang_look_one_book_us_per_rank": round(spent["whole"] / n / ranks * 1e6, 3),
+            "hang_split_rank_side_us_per_rank": round(spent["rank_side"] / n / ranks * 1e6, 3),
+            "hang_split_job_side_us_per_look": round(spent["job_side"] / n * 1e6)}
 
 
 def run() -> dict:

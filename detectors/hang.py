@@ -310,8 +310,12 @@ class HangDetector(PeersEvidence, UsesView, Detector):
     def _put_hb(self, book, rank, entry) -> None:
         """A rank's heartbeat entry into its book (which tells the ranks in an allowed phase:
         the deadline looks at those only)."""
-        book.put(rank, entry)
+        book.hb[rank] = entry          # PhaseBook.put, inline: it runs for most items
         self._latest = rank
+        if is_allowed_phase(entry[1]):
+            book.pausing.add(rank)
+        else:
+            book.pausing.discard(rank)
 
     def _end_phase(self, book, rank, prev, end) -> None:
         """``prev`` (a heartbeat entry in an allowed phase) ended at ``end``."""

@@ -24,18 +24,20 @@ class PeersEvidence:
         one behind in the step (it is either behind, and not for long, or ahead, and its
         peers did not wait long), and only ranks in an allowed phase can be behind in one."""
         need = self._step_need()
-        if (need is None or self._moved_within(need, now)) and not self._pausing_fresh(now):
+        pausing = self._pausing_fresh(now)
+        if (need is None or self._moved_within(need, now)) and not pausing:
             return None
         books, stale_s = self._books, self.stale_s
-        positions = merge_positions(b.positions(now, stale_s) for b in books)
-        if positions is None:        # a rank in a pause: as many fresh as a step's positions
-            fresh = sum(b.census(now, stale_s, ())["fresh"] for b in books)
+        positions = None if pausing or need is None else merge_positions(
+            b.positions(now, stale_s) for b in books)   # a rank in a pause has no position
+        if positions is None:
+            fresh = sum(b.fresh_count(now, stale_s) for b in books)
         else:
             fresh = positions[0]
         if fresh < 2:
             return None
-        return (need is not None and self._behind_in_step(positions, need, now)) \
-            or self._behind_in_phase(now)
+        return (positions is not None and self._behind_in_step(positions, need, now)) \
+            or (pausing and self._behind_in_phase(now)) or None
 
     def _step_need(self) -> float | None:
         """How long ranks must have waited for peers still in an earlier point of the step
@@ -101,7 +103,7 @@ class PeersEvidence:
                     m[3] = max(m[3], g[3])
                     m[4] = min(m[4], g[4])
         for (phase, step), (inside, longest_wait, left, their_time, out) in sorted(
-                groups.items(), key=lambda kv: (kv[0][0], _step_key(kv[0][1]))):
+                groups.items(), key=lambda kv: (kv[0][0], _order_of_step(kv[0][1]))):
             spread = self._spread.get(phase)
             if not inside or spread is None:
                 continue                 # never seen complete on two ranks: its allowance
@@ -181,3 +183,13 @@ class PeersEvidence:
 
 def _step_key(step) -> int:
     return step if step is not None else -1
+
+
+def _order_of_step(step) -> tuple:
+    """A step's place among pauses' steps: numbers first, in order (None before them), then
+    anything else a heartbeat told, by its text."""
+    if step is None:
+        return (0, -1)
+    if type(step) in (int, float):
+        return (0, step)
+    return (1, str(step))

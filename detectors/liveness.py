@@ -472,8 +472,12 @@ class CrashDetector(UsesView, Detector):
 
     def _steps_of(self, ranks) -> list:
         """The last steps known of ``ranks``."""
-        books, n = self._books, len(self._books)
-        return [books[r % n].step[r] for r in ranks if r in books[r % n].step]
+        books, steps = self._books, []
+        for r in ranks:
+            book = books[r % len(books)] if len(books) > 1 else books[0]
+            if r in book.step:
+                steps.append(book.step[r])
+        return steps
 
     def _decide(self, now, wave=None) -> list[Finding]:
         wave = wave if wave is not None else self._wave

@@ -127,6 +127,14 @@ class PhaseBook:
             if rank not in exited and now - h[0] < stale_s and not (unseen and rank in unseen):
                 yield rank, h
 
+    def fresh_count(self, now: float, stale_s: float) -> int:
+        """How many live ranks were heard within ``stale_s``."""
+        exited, n = self.exited, 0
+        for rank, h in self.hb.items():
+            if now - h[0] < stale_s and rank not in exited:
+                n += 1
+        return n
+
     def positions(self, now: float, stale_s: float, unseen=()):
         """Where the fresh live ranks are in the step (its number, then the phase's place in
         :data:`~.phases.PHASE_ORDER`): ``(fresh, lowest, how many there, their shortest wait,
@@ -163,15 +171,24 @@ class PhaseBook:
         for rank, h in self._fresh(now, stale_s, ()):
             phase = h[1]
             if type(phase) is str and phase not in STEP_PHASES and phase not in not_pauses:
-                g = groups.setdefault((phase, h[3]), [0, -math.inf, 0, -math.inf, math.inf])
+                g = groups.get((phase, h[3]))
+                if g is None:
+                    g = groups[(phase, h[3])] = [0, -math.inf, 0, -math.inf, math.inf]
                 g[0] += 1
-                g[1] = max(g[1], h[0] - h[2])
+                wait = h[0] - h[2]
+                if wait > g[1]:
+                    g[1] = wait
             e = ended.get(rank)
             if e is not None and h[1] != e[0]:
-                g = groups.setdefault((e[0], e[3]), [0, -math.inf, 0, -math.inf, math.inf])
+                g = groups.get((e[0], e[3]))
+                if g is None:
+                    g = groups[(e[0], e[3])] = [0, -math.inf, 0, -math.inf, math.inf]
                 g[2] += 1
-                g[3] = max(g[3], e[2] - e[1])
-                g[4] = min(g[4], h[0] - e[2])
+                took, out = e[2] - e[1], h[0] - e[2]
+                if took > g[3]:
+                    g[3] = took
+                if out < g[4]:
+                    g[4] = out
         return groups
 
     def census(self, now: float, stale_s: float, unseen) -> dict:

@@ -180,3 +180,22 @@ def test_split_detectors_clone_with_their_partitions_and_settings():
         assert (type(twin), twin.partitions, twin._get_params()) == \
             (type(d), 4, d._get_params())
     assert DataPositionParts(4).clone().partitions == 4
+
+
+def test_odd_ranks_and_steps_are_judged_as_before_the_books():
+    """Stamps the schema refuses but the detectors took (a float rank, a heartbeat's step
+    as text) raise nothing (a review found both raising TypeError once in books)."""
+    d = CrashDetector(grace_s=1.0)
+    for r in (0.0, 1.0):
+        d.update({"k": "step", "rank": r, "ts": 9.0, "step": 5})
+    d.update({"k": "life", "rank": 0.0, "ts": 10.0, "event": "exit", "exit_code": None,
+              "signal": "SIGTERM"})
+    d.update({"k": "step", "rank": 1.0, "ts": 10.5, "step": 6})
+    assert [f.summary for f in d.advance(12.0)] == [
+        "rank 0.0 exited by signal SIGTERM after step 5 while rank 1.0 went on"]
+    h = HangDetector()
+    h.update({"k": "step", "rank": 0, "ts": 0.0, "step": 0})
+    for r, step in ((0, "3"), (1, 4)):
+        h.update({"k": "hb", "rank": r, "ts": 5.0, "step": step, "phase": "checkpoint",
+                  "phase_since": 4.0})
+    assert h.advance(6.0) == []

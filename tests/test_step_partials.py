@@ -60,7 +60,8 @@ def _split(monkeypatch, partitions: int, exact_upto):
             old = self.detectors[name]
             parts = self.detectors[name] = split(partitions, **old._get_params())
             parts.share_view(self.view)
-        self.detectors["data_position"] = DataPositionParts(partitions)
+        if "data_position" in self.detectors:
+            self.detectors["data_position"] = DataPositionParts(partitions)
         self._routes = stages.routes(self.detectors.values())
 
     monkeypatch.setattr(stages.JobStage, "_jobstep", _jobstep)
