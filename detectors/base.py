@@ -178,21 +178,6 @@ def median(values: list) -> float:
     return s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2
 
 
-def rank_nodes(ranks, where: dict) -> dict:
-    """``{str(rank): node}`` for the evidence, so correlation can relate ranks to machines."""
-    return {str(r): where[r] for r in sorted(ranks) if where.get(r)}
-
-
-def whole_nodes(ranks, where: dict) -> list:
-    """Machines all of whose known ranks are in ``ranks``."""
-    chosen = set(ranks)
-    by_node: dict = {}
-    for rank, node in where.items():
-        if node:
-            by_node.setdefault(node, []).append(rank)
-    return sorted(n for n, rs in by_node.items() if rs and all(r in chosen for r in rs))
-
-
 def fmt_ranks(ranks) -> str:
     ranks = sorted(ranks)
     if len(ranks) == 1:

@@ -93,7 +93,7 @@ from river import stats
 
 from trainguard.setting import MONTH_S, setting
 
-from .base import Detector, Finding, fmt_ranks, rank_nodes, whole_nodes
+from .base import Detector, Finding, fmt_ranks
 from .hang_peers import PeersEvidence
 from .phases import STEP_PHASES, is_allowed_phase
 from .rank_books import PhaseBook
@@ -398,8 +398,8 @@ class HangDetector(PeersEvidence, UsesView, Detector):
         unseen = self.view.ranks_unseen
         if not unseen:
             return False
-        seen = self.view.last_seen
-        last = max((seen[r] for r in unseen if r in seen), default=None)
+        seen = self.view.seen
+        last = max((t for t in map(seen, unseen) if t is not None), default=None)
         if last is None:
             return False
         phases = {"checkpoint", "eval", "init", "phase", *self._longest}
@@ -445,7 +445,7 @@ class HangDetector(PeersEvidence, UsesView, Detector):
         self._hung = True
         onset = self._progress_ts if self._progress_ts is not None else self._start_ts
         clock = max(t for t in (onset, self._phase_end_ts, self._moved_ts) if t is not None)
-        nodes = whole_nodes(suspects, self.view.where) if suspects else []
+        nodes = self.view.whole_nodes(suspects) if suspects else []
         stalled = now - onset
         what = (f"no new step after step {self._max_step}" if self._max_step is not None
                 else "no first step")
@@ -459,4 +459,4 @@ class HangDetector(PeersEvidence, UsesView, Detector):
             key=f"s{self._max_step}t{onset:.3f}",
             evidence={"rule": rule, "stalled_s": stalled, "timeout_s": self.timeout(),
                       "clock_start_ts": clock, "phase": self._current_phase(),
-                      "majority": majority, "rank_nodes": rank_nodes(suspects, self.view.where)})]
+                      "majority": majority, "rank_nodes": self.view.rank_nodes(suspects)})]

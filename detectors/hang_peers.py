@@ -71,9 +71,8 @@ class PeersEvidence:
         """Whether some ranks exited and every rank exited or went quiet after them."""
         if not any(b.exited for b in self._books):
             return False
-        stale_s = self.stale_s
-        return all(now - ts >= stale_s or r in self._rank_book(r).exited
-                   for r, ts in self.view.last_seen.items())
+        return not self.view.heard_within(now, self.stale_s,
+                                          lambda r: r in self._rank_book(r).exited)
 
     def _behind_in_step(self, positions, need: float, now: float):
         if positions is None:

@@ -38,6 +38,7 @@ from .base import Detector, Finding, param_names
 from .data_position import DataPositionDetector
 from .liveness import CrashDetector, HangDetector, SilentDetector, hear, look_over, shift
 from .rank_books import ExitBook, PhaseBook
+from .view import JobView
 
 __all__ = ["HeardBook", "SilentParts", "HangParts", "CrashParts", "DataPositionParts"]
 
@@ -57,9 +58,9 @@ class HeardBook:
     def shift(self, gap: float) -> None:
         shift(self.heard, gap)
 
-    def look(self, limit, going_on, half, unseen, where) -> tuple:
+    def look(self, limit, going_on, half, unseen, node_of) -> tuple:
         """As :meth:`SilentDetector._look`, over this partition's ranks."""
-        return look_over(self.heard, self.exited, self.reported, unseen, where, limit,
+        return look_over(self.heard, self.exited, self.reported, unseen, node_of, limit,
                          going_on, half)
 
 
@@ -75,6 +76,7 @@ class SilentParts(SilentDetector):
     def _start(self) -> None:
         super()._start()
         self.books = [HeardBook() for _ in range(self.partitions)]
+        self.view = JobView(self.partitions)     # its own, until a stage shares one
 
     def clone(self) -> "SilentParts":
         return type(self)(self.partitions, **self._get_params())
@@ -92,7 +94,7 @@ class SilentParts(SilentDetector):
     def _look(self, limit: float, going_on: float, half: float) -> tuple:
         quiet, pending, alive = [], set(), False
         for book in self.books:
-            q, p, a = book.look(limit, going_on, half, self.view.unseen, self.view.where)
+            q, p, a = book.look(limit, going_on, half, self.view.unseen, self.view.node_of)
             quiet += q
             pending |= p
             alive = alive or a
@@ -121,6 +123,7 @@ class _BooksByPartition:
     def _start(self) -> None:
         super()._start()
         self._books = [self.BOOK() for _ in range(self.partitions)]
+        self.view = JobView(self.partitions)     # its own, until a stage shares one
 
     def clone(self):
         return type(self)(self.partitions, **self._get_params())

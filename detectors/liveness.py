@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from trainguard.setting import MONTH_S, setting
 
-from .base import Detector, Finding, fmt_ranks, rank_nodes
+from .base import Detector, Finding, fmt_ranks
 from .view import UsesView
 from .hang import HangDetector
 from .rank_books import ExitBook
@@ -49,7 +49,7 @@ def shift(heard: dict, gap: float) -> None:
         heard[rank] += gap
 
 
-def look_over(heard: dict, exited: set, reported: set, unseen, where: dict, limit: float,
+def look_over(heard: dict, exited: set, reported: set, unseen, node_of, limit: float,
               going_on: float, half: float) -> tuple:
     """:meth:`SilentDetector._look` over the ranks of ``heard`` (``{rank: job clock when
     last heard}``); ``unseen``: ranks nobody reads now, not judged."""
@@ -61,7 +61,7 @@ def look_over(heard: dict, exited: set, reported: set, unseen, where: dict, limi
             if ts > going_on:
                 alive = True
             if ts <= half:
-                pending.add(where.get(rank))
+                pending.add(node_of(rank))
         elif rank not in reported:
             quiet.append((rank, ts))
     return quiet, pending, alive
@@ -160,7 +160,7 @@ class SilentDetector(UsesView, Detector):
         ``half`` or before, and whether any rank was heard after ``going_on``; ranks that
         exited or that nobody reads now are left out."""
         return look_over(self._heard, self._exited, self._reported, self.view.unseen,
-                         self.view.where, limit, going_on, half)
+                         self.view.node_of, limit, going_on, half)
 
     def _settled(self, ranks) -> list:
         """Of ``ranks``, those that exited or were reported."""
@@ -214,10 +214,10 @@ class SilentDetector(UsesView, Detector):
                                            at - self.timeout_s / 2)
         if not quiet or not alive:
             return []
-        where = self.view.where
+        node_of = self.view.node_of
         by_node: dict = {}
         for rank, ts in quiet:
-            by_node.setdefault(where.get(rank), []).append((rank, ts))
+            by_node.setdefault(node_of(rank), []).append((rank, ts))
         findings = []
         for node, heard in sorted(by_node.items(), key=lambda kv: str(kv[0])):
             oldest = min(ts for _, ts in heard)
@@ -234,7 +234,7 @@ class SilentDetector(UsesView, Detector):
         ``analyze``."""
         unseen = self.view.unseen
         ranks = [r for r, _ in heard]
-        on_node = [r for r, n in self.view.where.items() if n == node and r not in unseen]
+        on_node = [r for r in self.view.ranks_on(node) if r not in unseen]
         settled = set(self._settled(on_node))        # exited or reported
         exited = set(self._exited_of(on_node))
         node_ranks = [r for r in on_node if r not in exited]
@@ -242,7 +242,7 @@ class SilentDetector(UsesView, Detector):
         gpu = self._gpu_seen.get(node)
         machine = all_quiet and (gpu is None or at - gpu >= self.timeout_s / 2)
         self._report(ranks)
-        onset = min(self.view.last_seen[r] for r in ranks)
+        onset = min(self.view.seen(r) for r in ranks)
         every = self._every
         due = math.ceil((max(ts for _, ts in heard) + self.timeout_s) / every) * every
         if looked is not None and looked < due < at:
@@ -257,9 +257,9 @@ class SilentDetector(UsesView, Detector):
         return Finding(kind="silent", severity="critical", ranks=sorted(ranks),
                        nodes=[node] if machine else [], step=None, onset_ts=onset,
                        detected_ts=at, detector=self.PREFIX, summary=summary,
-                       evidence={"last_seen": {str(r): self.view.last_seen[r] for r in sorted(ranks)},
+                       evidence={"last_seen": {str(r): self.view.seen(r) for r in sorted(ranks)},
                                  "gpu_last_seen": gpu, "machine": machine,
-                                 "rank_nodes": rank_nodes(ranks, self.view.where)})
+                                 "rank_nodes": self.view.rank_nodes(ranks)})
 
 
 @register_detector(kinds="crash", ladder=("evict_if_repeated", "restart", "alert"),
@@ -501,7 +501,7 @@ class CrashDetector(UsesView, Detector):
             onset = min(pending[r][0] for r in vanished)
             step = max((pending[r][1] for r in vanished if pending[r][1] is not None),
                        default=None)
-            nodes = sorted({self.view.where[r] for r in vanished if r in self.view.where})
+            nodes = self.view.nodes_of(vanished)
             where = f" on {', '.join(nodes)}" if nodes else ""
             after = f" after step {step}" if step is not None else ""
             peers = (f"; {fmt_ranks(torn)} {'was' if len(torn) == 1 else 'were'} torn down by "
@@ -516,7 +516,7 @@ class CrashDetector(UsesView, Detector):
                           "last_seen": {str(r): pending[r][0] for r in vanished},
                           # peers that failed or were stopped after it: its consequences
                           "collateral": sorted(set(torn) | set(wave["failed"])),
-                          "rank_nodes": rank_nodes(vanished, self.view.where)})]
+                          "rank_nodes": self.view.rank_nodes(vanished)})]
         if wave["failed"] or not torn:
             return []
         step = max(self._steps_of(torn), default=None)
@@ -532,7 +532,7 @@ class CrashDetector(UsesView, Detector):
                 key=f"t{start:.3f}", evidence={**evidence, "external_stop": True,
                                                "rank_nodes": {}})]
         ranks = sorted(torn)
-        nodes = sorted({self.view.where[r] for r in ranks if r in self.view.where})
+        nodes = self.view.nodes_of(ranks)
         where = f" on {', '.join(nodes)}" if nodes else ""
         return [Finding(
             kind="crash", severity="critical", ranks=ranks, nodes=[], step=step,
@@ -540,7 +540,7 @@ class CrashDetector(UsesView, Detector):
             summary=(f"{fmt_ranks(ranks)}{where} exited by signal {signals}{after} while "
                      f"{fmt_ranks(running)} went on"),
             key=f"t{start:.3f}", evidence={**evidence, "signal": signals,
-                                           "rank_nodes": rank_nodes(ranks, self.view.where)})]
+                                           "rank_nodes": self.view.rank_nodes(ranks)})]
 
     def _exited(self, item) -> Finding:
         code, sig = item.get("exit_code"), item.get("signal")

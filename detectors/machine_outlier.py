@@ -256,9 +256,7 @@ class MachineOutlierDetector(UsesView, Detector):
         size = self.view.stage_size
         if not size:
             return {(): nodes}
-        stages: dict = {}
-        for rank, node in self.view.where.items():
-            stages.setdefault(node, set()).add(rank // size)
+        stages = self.view.node_stages(size)
         groups: dict = {}
         for node in nodes:
             groups.setdefault(tuple(sorted(stages.get(node, ()))), []).append(node)
@@ -335,7 +333,7 @@ class MachineOutlierDetector(UsesView, Detector):
         counters = [{"counter": FEATURES[i], "value": round(v, 4), "peers": round(med, 4),
                      "z": round(z, 2), "usual_z": round(usual, 2), "score": round(s, 1)}
                     for s, i, v, med, z, usual in scores[:self.top]]
-        ranks = sorted(r for r, n in self.view.where.items() if n == node)
+        ranks = self.view.ranks_on(node)
         text = ", ".join(f"{c['counter']} {c['value']:g} vs peers {c['peers']:g}"
                          for c in counters)
         return Finding(kind="machine_outlier", severity="warning", ranks=[], nodes=[node],

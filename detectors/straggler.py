@@ -27,8 +27,7 @@ import numpy as np
 
 from trainguard.setting import setting
 
-from .base import (Detector, Finding, fmt_ranks, make_jobstep, median, rank_nodes,
-                   whole_nodes)
+from .base import Detector, Finding, fmt_ranks, make_jobstep, median
 from .peers import (ARRAYS_FROM, RankRows, array_median, peer_ratio_array, peer_ratios,
                     step_times)
 from .registry import register_detector
@@ -156,7 +155,7 @@ class StragglerDetector(UsesView, Detector):
                     key=lambda h: (h[1], h[2]))
         mean_ratio = {str(r): round(sum(h[3] for h in history[r]) / len(history[r]), 3)
                       for r in sorted(qualifying)}
-        nodes = whole_nodes(qualifying, self.view.where)
+        nodes = self.view.whole_nodes(qualifying)
         where = f" (all of machine{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})" if nodes else ""
         worst = max(float(v) for v in mean_ratio.values())
         peers = "the peers of their pipeline stage" if size else "their peers"
@@ -168,7 +167,7 @@ class StragglerDetector(UsesView, Detector):
             evidence={"mean_ratio": mean_ratio, "ratio_threshold": self.ratio,
                       "k": self.k, "n": self.n, "detected_step": step,
                       "stage_size": self.view.stage_size,
-                      "rank_nodes": rank_nodes(qualifying, self.view.where)})
+                      "rank_nodes": self.view.rank_nodes(qualifying)})
 
 
 class PaceDicts:

@@ -11,6 +11,7 @@ import pytest
 
 from trainguard.detectors.live_parts import CrashParts, DataPositionParts, HangParts
 from trainguard.detectors.liveness import CrashDetector, HangDetector
+from trainguard.detectors.view import JobView
 
 STEP_PHASES = ("data", "forward", "backward", "optimizer", "collective")
 
@@ -199,3 +200,42 @@ def test_odd_ranks_and_steps_are_judged_as_before_the_books():
         h.update({"k": "hb", "rank": r, "ts": 5.0, "step": step, "phase": "checkpoint",
                   "phase_since": 4.0})
     assert h.advance(6.0) == []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_job_view_split_by_partition_answers_as_one_book(seed):
+    """Ranks that move between machines, stamps out of order, jobsteps naming machines: a
+    view of 5 books answers every question as a view of one."""
+    rng = random.Random(seed)
+    one, split = JobView(), JobView(partitions=5)
+    ranks = rng.randint(1, 40)
+    for _ in range(300):
+        r = rng.randrange(ranks)
+        item = {"k": rng.choice(["step", "hb", "life"]), "rank": r,
+                "node": rng.choice([f"n{r // 4}", f"n{rng.randrange(12)}", None, ""]),
+                "ts": rng.uniform(0, 100)}
+        if rng.random() < 0.05:
+            item = {"k": "jobstep", "ranks": {q: {"node": f"n{rng.randrange(12)}"}
+                                              for q in rng.sample(range(ranks), 3 if ranks > 2 else 1)}}
+        one.learn(item)
+        split.learn(item)
+    assert split.where == one.where and split.last_seen == one.last_seen
+    chosen = rng.sample(range(ranks + 3), rng.randint(0, ranks))
+    for q in ("rank_nodes", "nodes_of", "whole_nodes"):
+        assert getattr(split, q)(chosen) == getattr(one, q)(chosen), q
+    where = one.where          # as the functions over the whole map answered before books
+    by_node: dict = {}
+    for rank, node in where.items():
+        by_node.setdefault(node, []).append(rank)
+    assert one.whole_nodes(chosen) == sorted(
+        n for n, rs in by_node.items() if n and all(r in chosen for r in rs))
+    assert one.rank_nodes(chosen) == {str(r): where[r] for r in sorted(chosen) if where.get(r)}
+    for node in [f"n{i}" for i in range(13)] + [None]:
+        assert split.ranks_on(node) == one.ranks_on(node)
+    assert split.node_stages(3) == one.node_stages(3)
+    skip = set(rng.sample(range(ranks), ranks // 2))
+    for now in (50.0, 100.0, 130.0):
+        assert split.heard_within(now, 20.0, skip.__contains__) == \
+            one.heard_within(now, 20.0, skip.__contains__)
+    assert all(split.seen(r) == one.seen(r) and split.node_of(r) == one.node_of(r)
+               for r in range(ranks + 3))

@@ -18,6 +18,7 @@ from trainguard.detectors.live_parts import (CrashParts, DataPositionParts, Hang
                                              SilentParts)
 from trainguard.detectors.pace_parts import PaceParts
 from trainguard.detectors.straggler import StragglerDetector
+from trainguard.detectors.view import JobView
 from trainguard.detectors.training import NanDetector
 
 from scenario_library import FAULTS, HEALTHY
@@ -62,6 +63,10 @@ def _split(monkeypatch, partitions: int, exact_upto):
             parts.share_view(self.view)
         if "data_position" in self.detectors:
             self.detectors["data_position"] = DataPositionParts(partitions)
+        self.view = JobView(partitions)              # the job view's books too
+        for detector in self.detectors.values():
+            if getattr(detector, "USES_VIEW", False):
+                detector.share_view(self.view)
         self._routes = stages.routes(self.detectors.values())
 
     monkeypatch.setattr(stages.JobStage, "_jobstep", _jobstep)
