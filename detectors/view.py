@@ -70,21 +70,16 @@ class JobView:
         books = self.books
         return books[rank % len(books)] if len(books) > 1 else books[0]
 
-    @property
-    def where(self) -> dict:
-        """``{rank: node}`` of the whole job (a copy when there are several books)."""
+    def _whole(self, name: str) -> dict:
+        """A map of the books' over the whole job (a copy when there are several)."""
         books = self.books
         if len(books) == 1:
-            return books[0].where
-        return {r: n for b in books for r, n in b.where.items()}
+            return getattr(books[0], name)
+        return {r: v for b in books for r, v in getattr(b, name).items()}
 
-    @property
-    def last_seen(self) -> dict:
-        """``{rank: newest ts heard}`` of the whole job (a copy when there are several)."""
-        books = self.books
-        if len(books) == 1:
-            return books[0].last_seen
-        return {r: t for b in books for r, t in b.last_seen.items()}
+    where = property(lambda self: self._whole("where"), doc="``{rank: node}``")
+    last_seen = property(lambda self: self._whole("last_seen"),
+                         doc="``{rank: newest ts heard}``")
 
     def node_of(self, rank):
         return self.book(rank).where.get(rank)
