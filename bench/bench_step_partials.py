@@ -24,6 +24,10 @@ The automatic garbage collector is off while it runs, as in the worker.
   lately: its one book's loop over every rank today, per rank, against the books split by
   partition (the rank side's loops, per rank; the job side's merge of their answers, per
   look).
+- ``silent_ticks_*``: the same looks judged from each partition's summary (its ``k`` = 8
+  longest-unheard ranks, ``detectors/live_ticks.py``): the rank side's summaries per rank,
+  the job side's look over the summaries, a summary's JSON size, and how many of the looks'
+  summaries did not suffice (``asked``: none, the ranks are all heard lately).
 - ``hang_*``: the hang detector's look (``advance``, twice a second of the job) while every
   rank sits in a checkpoint, the case in which it asks the most of its ranks (the
   deadline's pauses, the ranks left behind in a pause or in the step): one book against
@@ -156,6 +160,7 @@ def one_size(ranks: int) -> dict:
             "straggler_split_rank_side_us_per_rank_step": round(rank_side / ranks, 3),
             "straggler_split_job_side_us_per_step": round(per_step["straggler_answer"]),
             **silent_looks(ranks, partitions),
+            **silent_ticks(ranks, partitions),
             **hang_looks(ranks, partitions),
             "straggler_findings": found["straggler_records"],
             "straggler_same_findings": found["straggler_records"] == found["straggler_parts"]}
@@ -201,6 +206,53 @@ def silent_looks(ranks: int, partitions: int, looks: int = 10) -> dict:
             "silent_split_rank_side_us_per_rank": round(
                 books["rank_side"] / looks / ranks * 1e6, 3),
             "silent_split_job_side_us_per_look": round(merge / looks * 1e6)}
+
+
+def silent_ticks(ranks: int, partitions: int, looks: int = 10, k: int = 8) -> dict:
+    """The silent detector's looks from its partitions' summaries: each summary timed and
+    recorded (the rank side), then the look again on the recorded summaries (the job
+    side)."""
+    import orjson
+
+    from trainguard.detectors import live_ticks
+
+    ticks = live_ticks.SilentTicks(partitions, k)
+    original = live_ticks.heard_summary
+    spent = {"rank_side": 0.0, "job_side": 0.0}
+    tape: list = []
+
+    def recorded(*args):
+        t = time.process_time()
+        out = original(*args)
+        spent["rank_side"] += time.process_time() - t
+        tape.append(out)
+        return out
+
+    try:
+        for second in range(looks + 2):
+            for r in range(ranks):
+                ticks.update({"k": "hb", "rank": r, "node": f"n{r // 8:05d}",
+                              "ts": 1.8e9 + second + (r % 13) * 1e-3})
+            if second < 2:
+                ticks.advance(1.8e9 + second + 0.5)
+                continue
+            tape.clear()
+            live_ticks.heard_summary = recorded
+            ticks._looked = None                # the same look twice
+            assert ticks.advance(1.8e9 + second + 0.5) == []
+            answers = iter(list(tape))
+            live_ticks.heard_summary = lambda *args: next(answers)
+            ticks._looked = None
+            t = time.process_time()
+            ticks.advance(1.8e9 + second + 0.5)
+            spent["job_side"] += time.process_time() - t
+    finally:
+        live_ticks.heard_summary = original
+    return {"silent_ticks_rank_side_us_per_rank": round(
+                spent["rank_side"] / looks / ranks * 1e6, 3),
+            "silent_ticks_job_side_us_per_look": round(spent["job_side"] / looks * 1e6),
+            "silent_ticks_summary_bytes": len(orjson.dumps(tape[0])),
+            "silent_ticks_asked": ticks.asked}
 
 
 def hang_looks(ranks: int, partitions: int, looks: int = 10) -> dict:
