@@ -28,6 +28,9 @@ The automatic garbage collector is off while it runs, as in the worker.
   longest-unheard ranks, ``detectors/live_ticks.py``): the rank side's summaries per rank,
   the job side's look over the summaries, a summary's JSON size, and how many of the looks'
   summaries did not suffice (``asked``: none, the ranks are all heard lately).
+- ``hang_ticks_*``: the same looks from each partition's summary (``PhaseSummary``, its
+  full part, ``k`` = 8): the rank side's summaries per rank (light part alone: the ranks in
+  a pause; with the full part), the job side's look over them.
 - ``hang_*``: the hang detector's look (``advance``, twice a second of the job) while every
   rank sits in a checkpoint, the case in which it asks the most of its ranks (the
   deadline's pauses, the ranks left behind in a pause or in the step): one book against
@@ -162,6 +165,7 @@ def one_size(ranks: int) -> dict:
             **silent_looks(ranks, partitions),
             **silent_ticks(ranks, partitions),
             **hang_looks(ranks, partitions),
+            **hang_ticks(ranks, partitions),
             "straggler_findings": found["straggler_records"],
             "straggler_same_findings": found["straggler_records"] == found["straggler_parts"]}
 
@@ -253,6 +257,46 @@ def silent_ticks(ranks: int, partitions: int, looks: int = 10, k: int = 8) -> di
             "silent_ticks_job_side_us_per_look": round(spent["job_side"] / looks * 1e6),
             "silent_ticks_summary_bytes": len(orjson.dumps(tape[0])),
             "silent_ticks_asked": ticks.asked}
+
+
+def hang_ticks(ranks: int, partitions: int, looks: int = 10, k: int = 8) -> dict:
+    """The hang detector's looks while every rank is in a checkpoint, from its partitions'
+    summaries: taken and timed first (the rank side), then the look over them (the job
+    side)."""
+    from trainguard.detectors import live_parts, live_ticks
+
+    ticks = live_ticks.HangTicks(partitions, k)
+    spent = {"light": 0.0, "full": 0.0, "job_side": 0.0}
+    t0 = 1.8e9
+    for step in range(8):
+        for r in range(ranks):
+            ticks.update({"k": "step", "rank": r, "node": f"n{r // 8:05d}",
+                          "ts": t0 + step + (r % 13) * 1e-3, "step": step, "step_time": 0.9})
+    for tick in range(2 * (looks + 2)):
+        now = t0 + 8 + tick / 2
+        if tick % 2 == 0:
+            for r in range(ranks):
+                ticks.update({"k": "hb", "rank": r, "node": f"n{r // 8:05d}",
+                              "ts": now + (r % 13) * 1e-3, "step": 7,
+                              "phase": "checkpoint", "phase_since": t0 + 8.0})
+        t = time.process_time()
+        summaries = [live_ticks.PhaseSummary(b, k, ticks.stale_s) for b in ticks._books]
+        light = time.process_time()
+        for summary in summaries:
+            summary._take_full()
+        full = time.process_time()
+        ticks._ticked = summaries
+        assert live_parts.HangParts.advance(ticks, now + 0.25) == []
+        done = time.process_time()
+        ticks._ticked = None
+        if tick >= 4:
+            spent["light"] += light - t
+            spent["full"] += full - t
+            spent["job_side"] += done - full
+    n = 2 * looks
+    return {"hang_ticks_light_us_per_rank": round(spent["light"] / n / ranks * 1e6, 3),
+            "hang_ticks_full_us_per_rank": round(spent["full"] / n / ranks * 1e6, 3),
+            "hang_ticks_job_side_us_per_look": round(spent["job_side"] / n * 1e6)}
 
 
 def hang_looks(ranks: int, partitions: int, looks: int = 10) -> dict:

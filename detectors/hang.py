@@ -420,7 +420,7 @@ class HangDetector(PeersEvidence, UsesView, Detector):
             if self._moved_ts is not None and self._moved_ts > since:
                 since = self._moved_ts
             deadline = since + self.timeout()
-        for book in self._books:           # the ranks in an allowed phase, not all of them
+        for book in self._askable():       # the ranks in an allowed phase, not all of them
             for phase, start in book.pause_starts(self._not_pauses).items():
                 deadline = max(deadline, start + self.allowance(phase))
         return deadline

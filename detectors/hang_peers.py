@@ -27,7 +27,7 @@ class PeersEvidence:
         pausing = self._pausing_fresh(now)
         if (need is None or self._moved_within(need, now)) and not pausing:
             return None
-        books, stale_s = self._books, self.stale_s
+        books, stale_s = self._askable(), self.stale_s
         positions = None if pausing or need is None else merge_positions(
             b.positions(now, stale_s) for b in books)   # a rank in a pause has no position
         if positions is None:
@@ -48,6 +48,11 @@ class PeersEvidence:
         return max(self.floor_s, self.peer_factor * known,
                    self.max_margin * self._longest.get("step", 0.0))
 
+    def _askable(self) -> list:
+        """What the questions are asked of: the books (a subclass may answer from their
+        summaries, :mod:`.live_ticks`)."""
+        return self._books
+
     def _rank_book(self, rank):
         books = self._books
         return books[rank % len(books)] if len(books) > 1 else books[0]
@@ -65,7 +70,8 @@ class PeersEvidence:
 
     def _pausing_fresh(self, now: float) -> bool:
         """Whether a live, fresh rank is in an allowed phase that pauses the job."""
-        return any(b.pausing_fresh(now, self.stale_s, self._not_pauses) for b in self._books)
+        return any(b.pausing_fresh(now, self.stale_s, self._not_pauses)
+                   for b in self._askable())
 
     def _over(self, now: float) -> bool:
         """Whether some ranks exited and every rank exited or went quiet after them."""
@@ -82,7 +88,8 @@ class PeersEvidence:
             return None                  # most ranks are there: no peers went on without them
         if waited < need or wait_at < waited:
             return None
-        behind = sorted(r for b in self._books for r in b.at_position(first, now, self.stale_s))
+        behind = sorted(r for b in self._askable()
+                        for r in b.at_position(first, now, self.stale_s))
         phase = self._rank_book(behind[0]).hb[behind[0]][1]
         known = self.known_step_s()
         return behind, (f"{fmt_ranks(behind)} still in {phase} while the others went on and "
@@ -90,7 +97,7 @@ class PeersEvidence:
 
     def _behind_in_phase(self, now: float):
         groups: dict = {}
-        for book in self._books:
+        for book in self._askable():
             for key, g in book.phase_groups(now, self.stale_s, self._not_pauses).items():
                 m = groups.get(key)
                 if m is None:
@@ -111,7 +118,7 @@ class PeersEvidence:
             need = max(self.peer_factor * max(spread, 1.0) * their_time,
                        self._longest.get(phase, 0.0))
             if longest_wait >= need and out >= self.floor_s:
-                stuck = sorted(r for b in self._books for r in b.fresh_where(
+                stuck = sorted(r for b in self._askable() for r in b.fresh_where(
                     now, self.stale_s, (), lambda h: h[1] == phase and h[3] == step
                     and h[0] - h[2] >= need))
                 return stuck, (f"{fmt_ranks(stuck)} still in {phase}, which the other ranks "
@@ -122,7 +129,7 @@ class PeersEvidence:
         """The allowed phase the job is in or just left (for false-alarm feedback; the first
         by name when ranks are in several)."""
         phases = set()
-        for book in self._books:
+        for book in self._askable():
             phases |= book.pausing_phases(self._not_pauses)
         if phases:
             return min(phases)
@@ -130,7 +137,7 @@ class PeersEvidence:
 
     def _suspects(self, now: float):
         unseen = self.view.unseen        # their heartbeats look stale: nobody reads them
-        books, stale_s = self._books, self.stale_s
+        books, stale_s = self._askable(), self.stale_s
         census = [b.census(now, stale_s, unseen) for b in books]
         live = sum(c["live"] for c in census)
         stale = sorted(r for b in books for r in b.stale(now, stale_s, unseen))
@@ -176,7 +183,7 @@ class PeersEvidence:
             return []                    # all at one place
         if at * 2 > live:
             return []
-        return sorted(r for b in self._books
+        return sorted(r for b in self._askable()
                       for r in b.at_position(first, now, self.stale_s, unseen))
 
 

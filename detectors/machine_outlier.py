@@ -333,7 +333,7 @@ class MachineOutlierDetector(UsesView, Detector):
         counters = [{"counter": FEATURES[i], "value": round(v, 4), "peers": round(med, 4),
                      "z": round(z, 2), "usual_z": round(usual, 2), "score": round(s, 1)}
                     for s, i, v, med, z, usual in scores[:self.top]]
-        ranks = self.view.ranks_on(node)
+        ranks = sorted(self.view.ranks_on(node))
         text = ", ".join(f"{c['counter']} {c['value']:g} vs peers {c['peers']:g}"
                          for c in counters)
         return Finding(kind="machine_outlier", severity="warning", ranks=[], nodes=[node],

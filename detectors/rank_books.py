@@ -127,11 +127,11 @@ class PhaseBook:
             if rank not in exited and now - h[0] < stale_s and not (unseen and rank in unseen):
                 yield rank, h
 
-    def fresh_count(self, now: float, stale_s: float) -> int:
-        """How many live ranks were heard within ``stale_s``."""
+    def fresh_count(self, now: float, stale_s: float, unseen=()) -> int:
+        """How many live ranks (but ``unseen``) were heard within ``stale_s``."""
         exited, n = self.exited, 0
         for rank, h in self.hb.items():
-            if now - h[0] < stale_s and rank not in exited:
+            if now - h[0] < stale_s and rank not in exited and not (unseen and rank in unseen):
                 n += 1
         return n
 
@@ -162,13 +162,13 @@ class PhaseBook:
                 wait_else = min(wait_else, wait)
         return (n, lowest, at, wait_at, wait_else) if n else NO_POSITIONS
 
-    def phase_groups(self, now: float, stale_s: float, not_pauses) -> dict:
+    def phase_groups(self, now: float, stale_s: float, not_pauses, unseen=()) -> dict:
         """Per occurrence ``(phase, step)`` of an allowed phase that pauses, over the fresh
         live ranks: ``[inside, their longest wait, how many left it, the longest time one
         spent in it, the shortest time since one left it]``."""
         groups: dict = {}
         ended = self.ended
-        for rank, h in self._fresh(now, stale_s, ()):
+        for rank, h in self._fresh(now, stale_s, unseen):
             phase = h[1]
             if type(phase) is str and phase not in STEP_PHASES and phase not in not_pauses:
                 g = groups.get((phase, h[3]))

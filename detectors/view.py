@@ -89,8 +89,8 @@ class JobView:
         return self.book(rank).last_seen.get(rank)
 
     def ranks_on(self, node) -> list:
-        """The ranks that run on ``node``, in order."""
-        return sorted(r for b in self.books for r, n in b.where.items() if n == node)
+        """The ranks that run on ``node`` (as the books hold them)."""
+        return [r for b in self.books for r, n in b.where.items() if n == node]
 
     def rank_nodes(self, ranks) -> dict:
         """``{str(rank): node}`` for the evidence, so correlation can relate ranks to

@@ -215,20 +215,22 @@ class PartitionWatch:
                 del self._unseen[job]
             return frozenset()
         parts_of = self.rank_parts.setdefault(job, {})
-        where = getattr(getattr(slot.stage, "view", None), "where", {})
+        books = getattr(getattr(slot.stage, "view", None), "books", ())
+        known = sum(len(b.where) for b in books)          # ranks the job view knows
         count = self.count
-        key = (frozenset(blind), len(parts_of), len(where), count)
+        key = (frozenset(blind), len(parts_of), known, count)
         if found is not None and found[0] == key:
             self._unseen[job] = (key, found[1], still)
             return found[1]
         parts = key[0]
         if count:               # guessed once, replaced by where its items come from
-            for r in where:
-                if r not in parts_of and type(r) is int:
-                    parts_of[r] = rank_partition(job, r, count)
+            for book in books:
+                for r in book.where:
+                    if r not in parts_of and type(r) is int:
+                        parts_of[r] = rank_partition(job, r, count)
             if None not in parts_of:
                 parts_of[None] = job_partition(job, count)
-            key = (parts, len(parts_of), len(where), count)
+            key = (parts, len(parts_of), known, count)
         ranks = frozenset(r for r, p in parts_of.items() if p in parts)
         if parts_of.get(None) not in slot.sources:
             # the launcher's partition unknown, or carrying no rank of the job (so its

@@ -32,5 +32,22 @@ def test_summaries_suffice_unless_a_partition_has_more_quiet_ranks_than_k():
 
 
 def test_a_summary_detector_clones_with_its_partitions_k_and_settings():
+    from trainguard.detectors.live_ticks import HangTicks
+
     twin = SilentTicks(4, 3, timeout_s=7.0).clone()
     assert (type(twin), twin.partitions, twin.k, twin.timeout_s) == (SilentTicks, 4, 3, 7.0)
+    twin = HangTicks(4, 3, floor_s=7.0).clone()
+    assert (type(twin), twin.partitions, twin.k, twin.floor_s) == (HangTicks, 4, 3, 7.0)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_hang_detector_from_summaries_reports_what_it_does_from_every_rank(seed):
+    from test_rank_books import _findings as findings, _hang_job
+
+    from trainguard.detectors.live_ticks import HangTicks
+    from trainguard.detectors.liveness import HangDetector
+
+    settings, items = _hang_job(seed)
+    want = findings(HangDetector(**settings), items)
+    for partitions, k in ((2, 1), (3, 2), (5, 8)):
+        assert findings(HangTicks(partitions, k, **settings), items) == want
