@@ -2,14 +2,16 @@
 
 The ranks of a synchronous job end a step within a fraction of a step of each other, so the
 machines' stamps of one step number tell how far each machine's clock is off. For each step
-the first record of every machine is kept; once the job is ``settle`` steps further, the
-step's reference is the median of those stamps, and each machine's offset is the median of
-its last ``samples`` differences from the references (a machine whose records of a step come
-after it settled, its partition read behind, is measured against that step's reference, kept
-for ``max_steps`` steps; a machine's records from before its ranks' latest start belong to
-the run before a restart and are left out). Every item of a machine whose offset
-is at least ``min_offset_s`` is restamped (``ts``, and a heartbeat's ``phase_since``) before
-any detector sees it: a machine whose clock runs a minute ahead no longer drives the job's
+the earliest stamp of every machine's records is kept, in whatever order its ranks' records
+come (they are spread over telemetry partitions read apart); once the job is ``settle``
+steps further, the step's reference is the median of those stamps, and each machine's
+offset is the median of its last ``samples`` differences from the references (a machine
+whose records of a step come after it settled, its partition read behind, is measured
+against that step's reference, kept for ``max_steps`` steps; a machine's records from
+before its ranks' latest start belong to the run before a restart and are left out; with
+no start known, none are). Every item of a machine whose offset is at least
+``min_offset_s`` is restamped (``ts``, and a heartbeat's ``phase_since``) before any
+detector sees it: a machine whose clock runs a minute ahead no longer drives the job's
 notion of "now" (so its peers do not look silent or hung), and its records land in their
 steps.
 
@@ -330,9 +332,9 @@ class JobClock:
         if stamps is None:
             stamps = self._stamps[step] = {}
         first = stamps.get(node)
-        if first is not None and first[0] < self._runs.get(node, ts):
-            del stamps[node]             # the run before the node's restart: this one counts
-        if node not in stamps:           # its stamp, and that on the job's clock
+        if first is not None and first[0] < self._runs.get(node, -math.inf):
+            first = None                 # the run before the node's restart: this one counts
+        if first is None or ts < first[0]:   # its earliest stamp, and that on the job's clock
             stamps[node] = (ts, self._shifted(node, ts, rank))
         if top is None or step > top:
             self._top = step

@@ -556,3 +556,26 @@ def test_a_step_back_told_by_a_step_record_moves_a_phase_once():
     assert rs.update(step.replace(ts=71.0, step=6))[0]["jump"] == -29.5
     after = rs.update(hb.replace(ts=71.2, step=6))[0]
     assert ("jump" not in after, after["phase_since"]) == (True, 60.5)
+
+
+def test_a_machines_stamp_of_a_step_is_its_earliest_whatever_order_its_ranks_come_in():
+    """A machine's ranks are spread over telemetry partitions read apart: the job side learns
+    the same offsets whichever partition's records of a step it reads first (issue 21,
+    step 3 of docs/WORKER.md's plan: a machine's stamp is the minimum over partitions)."""
+    from trainguard.detectors.clock import JobClock
+
+    def offsets(late_first: bool) -> dict:
+        clock = JobClock()
+        for node, off in (("n1", 0.0), ("n2", 0.0), ("n3", 30.0)):
+            for rank in (0, 1):
+                clock.correct({"k": "life", "event": "start", "node": node, "rank": rank,
+                               "ts": 99.0 + off})
+        for s in range(12):
+            for node, off in (("n1", 0.0), ("n2", 0.0), ("n3", 30.0)):
+                pair = [(0, 100.0 + s + off), (1, 100.0 + s + off + 2.5)]   # rank 1 ends late
+                for rank, ts in (reversed(pair) if late_first and node != "n1" else pair):
+                    clock.correct({"k": "step", "node": node, "rank": rank, "step": s,
+                                   "ts": ts})
+        return {n: round(clock.offset(n), 6) for n in ("n1", "n2", "n3")}
+
+    assert offsets(True) == offsets(False) == {"n1": 0.0, "n2": 0.0, "n3": 30.0}
