@@ -82,7 +82,8 @@ class SilentParts(SilentDetector):
         return type(self)(self.partitions, **self._get_params())
 
     def _book(self, rank) -> HeardBook:
-        return self.books[rank % len(self.books)]
+        books = self.books
+        return books[rank % len(books)] if len(books) > 1 else books[0]
 
     def _hear(self, rank, clock: float, event) -> None:
         self._book(rank).hear(rank, clock, event)

@@ -45,6 +45,11 @@ from .rank_books import PhaseBook, merge_positions
 __all__ = ["SilentTicks", "heard_summary", "HangTicks", "PhaseSummary"]
 
 
+def _stamp(entry) -> float:
+    """A ``(stamp, rank)`` pair's stamp: ranks of equal stamps stay in the books' order."""
+    return entry[0]
+
+
 def heard_summary(book: HeardBook, k: int, unseen=()) -> tuple:
     """``(newest, [(rank, heard, reported), ...], next)`` of a partition's live ranks (not
     exited, but ``unseen``): the newest time one was heard, the ``k`` heard longest ago, and
@@ -55,7 +60,7 @@ def heard_summary(book: HeardBook, k: int, unseen=()) -> tuple:
                  if r not in exited and not (unseen and r in unseen)}
     if not heard:
         return -math.inf, [], math.inf
-    oldest = heapq.nsmallest(k + 1, zip(heard.values(), heard.keys()))
+    oldest = heapq.nsmallest(k + 1, zip(heard.values(), heard.keys()), key=_stamp)
     beyond = oldest[k][0] if len(oldest) > k else math.inf
     return max(heard.values()), [(r, ts, r in reported) for ts, r in oldest[:k]], beyond
 
@@ -137,7 +142,7 @@ class PhaseSummary:
     def _take_full(self) -> None:
         book, k, stale_s = self.book, self.k, self.stale_s
         live = [(h[0], r) for r, h in book.hb.items() if r not in book.exited]
-        stalest = heapq.nsmallest(k + 1, live)
+        stalest = heapq.nsmallest(k + 1, live, key=_stamp)
         self.beyond = stalest[k][0] if len(stalest) > k else math.inf
         few = self.few = PhaseBook()             # the k ranks, apart; the rest over the book
         for _, r in stalest[:k]:
@@ -154,9 +159,12 @@ class PhaseSummary:
 
     def _whole(self, now: float, stale_s: float, unseen=()) -> bool:
         """Whether the summary answers at ``now``: the rest are all fresh."""
+        if unseen or stale_s != self.stale_s:
+            self.asked += 1
+            return False
         if self.full is None:
             self._take_full()
-        if unseen or stale_s != self.stale_s or not now - self.beyond < stale_s:
+        if not now - self.beyond < stale_s:
             self.asked += 1
             return False
         return True

@@ -219,7 +219,7 @@ class SilentDetector(UsesView, Detector):
         for rank, ts in quiet:
             by_node.setdefault(node_of(rank), []).append((rank, ts))
         findings = []
-        for node, heard in sorted(by_node.items(), key=lambda kv: str(kv[0])):
+        for node, heard in sorted(by_node.items(), key=lambda kv: (str(kv[0]), kv[0] is None)):
             oldest = min(ts for _, ts in heard)
             if node is not None and at - oldest < self.timeout_s * 1.5 and node in pending:
                 continue   # more ranks of this machine are going quiet: wait for them

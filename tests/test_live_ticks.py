@@ -51,3 +51,20 @@ def test_the_hang_detector_from_summaries_reports_what_it_does_from_every_rank(s
     want = findings(HangDetector(**settings), items)
     for partitions, k in ((2, 1), (3, 2), (5, 8)):
         assert findings(HangTicks(partitions, k, **settings), items) == want
+
+
+def test_a_rank_named_by_text_tied_with_a_number_raises_nothing_in_a_summary():
+    """A review found the summaries comparing ranks of equal stamps (a text rank, which
+    the detectors take, beside a number raised TypeError)."""
+    from trainguard.detectors.live_ticks import HangTicks
+    from trainguard.detectors.liveness import HangDetector
+
+    items = [{"k": "step", "rank": 0, "ts": 0.0, "step": 0}] + [
+        {"k": "hb", "rank": r, "ts": 5.0, "step": 0, "phase": "checkpoint",
+         "phase_since": 4.0} for r in (0, "1")]
+    found = []
+    for d in (HangDetector(), HangTicks(1, 8), SilentTicks(1, 1, timeout_s=1.0)):
+        for item in items:
+            d.update(dict(item))
+        found.append(d.advance(6.0))
+    assert found == [[], [], []]
