@@ -9,7 +9,9 @@ job side judges the look from the summaries alone when each partition's next tim
 the look's ``half`` (then every rank going quiet is among its ``k``); else it asks that
 partition for its ranks, as :class:`~.live_parts.SilentParts` does at every look
 (``asked`` counts those, ``summaries`` the summaries taken). In a healthy job the ``k``
-longest-unheard ranks were heard within a heartbeat, and no partition is asked.
+longest-unheard ranks were heard within a heartbeat, and no partition is asked. The hang
+detector's summaries (:class:`PhaseSummary`, :class:`HangTicks`) work alike over the ranks
+it would take for fresh.
 
 >>> from .liveness import SilentDetector
 >>> def run(detector):
@@ -51,9 +53,9 @@ def _stamp(entry) -> float:
 
 
 def heard_summary(book: HeardBook, k: int, unseen=()) -> tuple:
-    """``(newest, [(rank, heard, reported), ...], next)`` of a partition's live ranks (not
-    exited, but ``unseen``): the newest time one was heard, the ``k`` heard longest ago, and
-    when the one after them was heard (``math.inf``: none)."""
+    """``(newest, [(rank, heard, reported), ...], next)`` of a partition's live ranks (those
+    neither exited nor ``unseen``): the newest time one was heard, the ``k`` heard longest
+    ago, and when the one after them was heard (``math.inf``: none)."""
     heard, exited, reported = book.heard, book.exited, book.reported
     if exited or unseen:
         heard = {r: ts for r, ts in heard.items()
