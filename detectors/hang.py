@@ -363,7 +363,7 @@ class HangDetector(PeersEvidence, UsesView, Detector):
 
     def timeout(self) -> float:
         """Seconds without a new step before a hang, outside allowed phases."""
-        if self._n_intervals >= self.min_intervals:
+        if self._n_intervals >= max(self.min_intervals, 1):    # (0: as soon as one is known)
             learned = max(self.factor * self._intervals.get(),
                           self._margin() * self._recent_max)
         else:

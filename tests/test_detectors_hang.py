@@ -114,3 +114,16 @@ def test_of_two_ranks_the_one_behind_in_the_step_is_blamed():
         d.update(hb(t, "data", 19.1, 9, rank=1))        # its data loader is stuck
     found = d.advance(45.0)
     assert [(f.kind, f.ranks) for f in found] == [("hang", [1])]
+
+
+def test_min_intervals_zero_judges_from_the_first_interval_and_raises_nothing():
+    """``min_intervals`` may be 0 (its range starts there): before any interval is known the
+    first-step budget applies, as for any other value (it raised TypeError: the quantile of
+    no interval is None)."""
+    d = HangDetector(min_intervals=0, floor_s=10.0)
+    d.update({"k": "step", "rank": 0, "ts": 0.0, "step": 0})
+    assert d.advance(1.0) == [] and d.timeout() == d.allowance("first_step")
+    for s in range(1, 4):
+        d.update({"k": "step", "rank": 0, "ts": float(s), "step": s})
+    assert d.timeout() == 10.0
+    assert [f.kind for f in d.advance(20.0)] == ["hang"]
