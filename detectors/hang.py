@@ -180,7 +180,7 @@ class HangDetector(PeersEvidence, UsesView, Detector):
         rank = item.get("rank")
         if rank is not None:
             books = self._books
-            book = books[rank % len(books)] if len(books) > 1 else books[0]
+            book = books[rank % len(books)] if len(books) > 1 else books[0]   # book_of, inline
         if k == "step":
             step = item["step"]
             if rank is not None:

@@ -4,7 +4,7 @@ without a learned timeout, and the suspects of a hang (see :mod:`.hang`). A mixi
 from __future__ import annotations
 
 from .base import fmt_ranks
-from .rank_books import merge_positions
+from .rank_books import book_of, merge_positions
 
 __all__ = ["PeersEvidence"]
 
@@ -54,8 +54,7 @@ class PeersEvidence:
         return self._books
 
     def _rank_book(self, rank):
-        books = self._books
-        return books[rank % len(books)] if len(books) > 1 else books[0]
+        return book_of(self._books, rank)
 
     def _moved_within(self, need: float, now: float) -> bool:
         """Whether the rank heard of last, live and fresh, had been in its phase for less

@@ -37,7 +37,7 @@ from __future__ import annotations
 from .base import Detector, Finding, param_names
 from .data_position import DataPositionDetector
 from .liveness import CrashDetector, HangDetector, SilentDetector, hear, look_over, shift
-from .rank_books import ExitBook, PhaseBook
+from .rank_books import ExitBook, PhaseBook, book_of
 from .view import JobView
 
 __all__ = ["HeardBook", "SilentParts", "HangParts", "CrashParts", "DataPositionParts"]
@@ -82,8 +82,7 @@ class SilentParts(SilentDetector):
         return type(self)(self.partitions, **self._get_params())
 
     def _book(self, rank) -> HeardBook:
-        books = self.books
-        return books[rank % len(books)] if len(books) > 1 else books[0]
+        return book_of(self.books, rank)
 
     def _hear(self, rank, clock: float, event) -> None:
         self._book(rank).hear(rank, clock, event)

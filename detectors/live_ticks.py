@@ -148,11 +148,9 @@ class PhaseSummary:
         self.beyond = stalest[k][0] if len(stalest) > k else math.inf
         few = self.few = PhaseBook()             # the k ranks, apart; the rest over the book
         for _, r in stalest[:k]:
-            few.hb[r] = book.hb[r]
+            few.put(r, book.hb[r])
             if r in book.ended:
                 few.ended[r] = book.ended[r]
-            if r in book.pausing:
-                few.pausing.add(r)
         apart = frozenset(few.hb)
         self.full = {"fresh": book.fresh_count(_ALL_FRESH, stale_s, apart),
                      "positions": book.positions(_ALL_FRESH, stale_s, apart),

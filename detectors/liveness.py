@@ -20,7 +20,7 @@ from trainguard.setting import MONTH_S, setting
 from .base import Detector, Finding, fmt_ranks
 from .view import UsesView
 from .hang import HangDetector
-from .rank_books import ExitBook
+from .rank_books import ExitBook, book_of
 from .registry import register_detector
 
 __all__ = ["HangDetector", "SilentDetector", "CrashDetector", "hear", "shift", "look_over"]
@@ -351,7 +351,7 @@ class CrashDetector(UsesView, Detector):
         event = item.get("event")
         if rank is not None:
             books = self._books
-            book = books[rank % len(books)] if len(books) > 1 else books[0]
+            book = books[rank % len(books)] if len(books) > 1 else books[0]   # book_of, inline
             exits = book.exit
         elif event == "exit" and item.get("restart"):
             wave = self._wave
@@ -472,12 +472,8 @@ class CrashDetector(UsesView, Detector):
 
     def _steps_of(self, ranks) -> list:
         """The last steps known of ``ranks``."""
-        books, steps = self._books, []
-        for r in ranks:
-            book = books[r % len(books)] if len(books) > 1 else books[0]
-            if r in book.step:
-                steps.append(book.step[r])
-        return steps
+        steps = (book_of(self._books, r).step.get(r) for r in ranks)
+        return [step for step in steps if step is not None]      # (a step is never None)
 
     def _decide(self, now, wave=None) -> list[Finding]:
         wave = wave if wave is not None else self._wave

@@ -21,7 +21,17 @@ import math
 
 from .phases import PHASE_ORDER, STEP_PHASES, is_allowed_phase
 
-__all__ = ["ExitBook", "PhaseBook", "NO_POSITIONS", "merge_positions"]
+__all__ = ["ExitBook", "PhaseBook", "NO_POSITIONS", "merge_positions", "book_of"]
+
+
+def book_of(books: list, rank):
+    """The book of ``rank``: its partition's (``rank % len(books)``), or the only one (any
+    rank; the hot paths inline this).
+
+    >>> book_of(["a", "b", "c"], 7), book_of(["a"], "7")
+    ('b', 'a')
+    """
+    return books[rank % len(books)] if len(books) > 1 else books[0]
 
 
 class ExitBook:

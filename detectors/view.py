@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import math
 
+from .rank_books import book_of
+
 __all__ = ["JobView", "ViewBook", "UsesView", "LEARNS_FROM"]
 
 #: the summary kinds the view learns from (a stage gives it the first three; a detector
@@ -67,8 +69,7 @@ class JobView:
 
     # -- the ranks' part, from the books ---------------------------------------------------------
     def book(self, rank) -> ViewBook:
-        books = self.books
-        return books[rank % len(books)] if len(books) > 1 else books[0]
+        return book_of(self.books, rank)
 
     def _whole(self, name: str) -> dict:
         """A map of the books' over the whole job (a copy when there are several)."""
@@ -193,7 +194,7 @@ class JobView:
         if rank is None or ts is None:
             return
         books = self.books
-        book = books[rank % len(books)] if len(books) > 1 else books[0]
+        book = books[rank % len(books)] if len(books) > 1 else books[0]    # book_of, inline
         last_seen = book.last_seen
         if ts > last_seen.get(rank, -math.inf):
             last_seen[rank] = ts
