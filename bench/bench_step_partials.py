@@ -174,12 +174,12 @@ def silent_looks(ranks: int, partitions: int, looks: int = 10) -> dict:
     """The silent detector's looks (one a second of the job) over ``ranks`` ranks heard every
     second: its one book today against books per partition (the rank side's loops, the job
     side's merge of their answers)."""
-    from trainguard.detectors import live_parts
+    from trainguard.detectors import live_parts, rank_books
     from trainguard.detectors.liveness import SilentDetector
 
     whole, split = SilentDetector(), live_parts.SilentParts(partitions)
     books = {"whole": 0.0, "split": 0.0, "rank_side": 0.0}
-    look = live_parts.HeardBook.look
+    look = rank_books.HeardBook.look
     timing = [False]
 
     def timed_look(self, *args):
@@ -187,10 +187,10 @@ def silent_looks(ranks: int, partitions: int, looks: int = 10) -> dict:
         try:
             return look(self, *args)
         finally:
-            if timing[0]:
+            if timing[0] and self not in whole._books:
                 books["rank_side"] += time.process_time() - t
 
-    live_parts.HeardBook.look = timed_look
+    rank_books.HeardBook.look = timed_look
     try:
         for second in range(looks + 2):
             for d in (whole, split):
@@ -204,7 +204,7 @@ def silent_looks(ranks: int, partitions: int, looks: int = 10) -> dict:
                 if timing[0]:
                     books[name] += time.process_time() - t
     finally:
-        live_parts.HeardBook.look = look
+        rank_books.HeardBook.look = look
     merge = books["split"] - books["rank_side"]
     return {"silent_look_records_us_per_rank": round(books["whole"] / looks / ranks * 1e6, 3),
             "silent_split_rank_side_us_per_rank": round(

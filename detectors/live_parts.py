@@ -2,20 +2,16 @@
 of the plan in docs/WORKER.md; built beside today's path): the silent, hang and crash
 detectors, and the data-position detector, which has no cross-rank state at all.
 
-The hang and crash detectors keep their ranks in books (:mod:`.rank_books`) and merge the
-books' answers whether they have one or several: :class:`HangParts` and :class:`CrashParts`
-give them one per partition (a rank's is ``rank % partitions``).
-
-:class:`SilentParts` is :class:`~.liveness.SilentDetector` with the ranks' state (when each
-was last heard on the job's clock, which exited, which were reported) kept in one
-:class:`HeardBook` per partition (a rank's is ``rank % partitions``), as the rank side would
-keep it. What the job side asks of them at each look is merged from per-partition answers:
-whether any rank was heard lately, the machines with ranks going quiet, and the quiet ranks
-with their times (the ranks a finding names); a finding asks the partitions of a machine's
-ranks which of them exited or were reported. A whole job quiet for a while shifts every
-partition's times (rare: one message to each). Nothing here is sent over Kafka yet; the
-job's clock at which a rank was heard is the one its item was applied at, which the rank
-side would learn from the job side (step 3).
+The silent, hang and crash detectors keep their ranks in books (:mod:`.rank_books`) and merge
+the books' answers whether they have one or several: :class:`SilentParts`, :class:`HangParts`
+and :class:`CrashParts` give them one per partition (a rank's is ``rank % partitions``), as
+the rank side would keep them. For the silent detector, what the job side asks at each look
+is merged from per-partition answers (whether any rank was heard lately, the machines with
+ranks going quiet, and the quiet ranks with their times: the ranks a finding names), and a
+finding asks the partitions of a machine's ranks which of them exited or were reported. A
+whole job quiet for a while shifts every partition's times (rare: one message to each).
+Nothing here is sent over Kafka yet; the job's clock at which a rank was heard is the one its
+item was applied at, which the rank side would learn from the job side (step 3).
 
 >>> from .liveness import SilentDetector
 >>> def run(detector):
@@ -36,79 +32,11 @@ from __future__ import annotations
 
 from .base import Detector, Finding, param_names
 from .data_position import DataPositionDetector
-from .liveness import CrashDetector, HangDetector, SilentDetector, hear, look_over, shift
-from .rank_books import ExitBook, PhaseBook, book_of
+from .liveness import CrashDetector, HangDetector, SilentDetector
+from .rank_books import ExitBook, HeardBook, PhaseBook
 from .view import JobView
 
-__all__ = ["HeardBook", "SilentParts", "HangParts", "CrashParts", "DataPositionParts"]
-
-
-class HeardBook:
-    """One partition's ranks for the silent detector: the job's clock when each was last
-    heard, which exited, which were reported (the rules are the detector's)."""
-
-    def __init__(self):
-        self.heard: dict = {}
-        self.exited: set = set()
-        self.reported: set = set()
-
-    def hear(self, rank, clock: float, event) -> None:
-        hear(self.heard, self.exited, self.reported, rank, clock, event)
-
-    def shift(self, gap: float) -> None:
-        shift(self.heard, gap)
-
-    def look(self, limit, going_on, half, unseen, node_of) -> tuple:
-        """As :meth:`SilentDetector._look`, over this partition's ranks."""
-        return look_over(self.heard, self.exited, self.reported, unseen, node_of, limit,
-                         going_on, half)
-
-
-class SilentParts(SilentDetector):
-    """:class:`~.liveness.SilentDetector` over ``partitions`` :class:`HeardBook`\\ s."""
-
-    _param_names = param_names(SilentDetector)       # its settings: the detector's
-
-    def __init__(self, partitions: int = 3, **params):
-        self.partitions = partitions
-        super().__init__(**params)
-
-    def _start(self) -> None:
-        super()._start()
-        self.books = [HeardBook() for _ in range(self.partitions)]
-        self.view = JobView(self.partitions)     # its own, until a stage shares one
-
-    def clone(self) -> "SilentParts":
-        return type(self)(self.partitions, **self._get_params())
-
-    def _book(self, rank) -> HeardBook:
-        return book_of(self.books, rank)
-
-    def _hear(self, rank, clock: float, event) -> None:
-        self._book(rank).hear(rank, clock, event)
-
-    def _shift(self, gap: float) -> None:
-        for book in self.books:
-            book.shift(gap)
-
-    def _look(self, limit: float, going_on: float, half: float) -> tuple:
-        quiet, pending, alive = [], set(), False
-        for book in self.books:
-            q, p, a = book.look(limit, going_on, half, self.view.unseen, self.view.node_of)
-            quiet += q
-            pending |= p
-            alive = alive or a
-        return quiet, pending, alive
-
-    def _settled(self, ranks) -> list:
-        return [r for r in ranks if r in self._book(r).exited or r in self._book(r).reported]
-
-    def _exited_of(self, ranks) -> list:
-        return [r for r in ranks if r in self._book(r).exited]
-
-    def _report(self, ranks) -> None:
-        for rank in ranks:
-            self._book(rank).reported.add(rank)
+__all__ = ["SilentParts", "HangParts", "CrashParts", "DataPositionParts"]
 
 
 class _BooksByPartition:
@@ -134,6 +62,13 @@ class HangParts(_BooksByPartition, HangDetector):
 
     _param_names = param_names(HangDetector)
     BOOK = PhaseBook
+
+
+class SilentParts(_BooksByPartition, SilentDetector):
+    """:class:`~.liveness.SilentDetector` over ``partitions`` :class:`~.rank_books.HeardBook`\\ s."""
+
+    _param_names = param_names(SilentDetector)
+    BOOK = HeardBook
 
 
 class CrashParts(_BooksByPartition, CrashDetector):

@@ -41,8 +41,8 @@ import math
 
 from .base import param_names
 from .liveness import HangDetector, SilentDetector
-from .live_parts import HangParts, HeardBook, SilentParts
-from .rank_books import PhaseBook, merge_positions
+from .live_parts import HangParts, SilentParts
+from .rank_books import HeardBook, PhaseBook, merge_positions
 
 __all__ = ["SilentTicks", "heard_summary", "HangTicks", "PhaseSummary"]
 
@@ -92,7 +92,7 @@ class SilentTicks(_Summarized, SilentParts):
     def _look(self, limit: float, going_on: float, half: float) -> tuple:
         quiet, pending, alive = [], set(), False
         unseen, node_of = self.view.unseen, self.view.node_of
-        for book in self.books:
+        for book in self._books:
             newest, oldest, beyond = heard_summary(book, self.k, unseen)
             self.summaries += 1
             alive = alive or newest > going_on

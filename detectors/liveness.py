@@ -20,10 +20,10 @@ from trainguard.setting import MONTH_S, setting
 from .base import Detector, Finding, fmt_ranks
 from .view import UsesView
 from .hang import HangDetector
-from .rank_books import ExitBook, book_of
+from .rank_books import ExitBook, HeardBook, book_of
 from .registry import register_detector
 
-__all__ = ["HangDetector", "SilentDetector", "CrashDetector", "hear", "shift", "look_over"]
+__all__ = ["HangDetector", "SilentDetector", "CrashDetector"]
 
 
 #: Signals (and the exit codes shells and ``subprocess`` use for them) by which a launcher,
@@ -31,40 +31,6 @@ __all__ = ["HangDetector", "SilentDetector", "CrashDetector", "hear", "shift", "
 #: failing.
 TEARDOWN_SIGNALS = frozenset(("SIGTERM", "SIGINT", "TERM", "INT"))
 TEARDOWN_CODES = {-15: "SIGTERM", 143: "SIGTERM", -2: "SIGINT", 130: "SIGINT"}
-
-
-def hear(heard: dict, exited: set, reported: set, rank, clock: float, event) -> None:
-    """:meth:`SilentDetector._hear` into the given maps."""
-    heard[rank] = clock
-    if event == "exit":
-        exited.add(rank)
-    elif event is not None:
-        exited.discard(rank)
-    reported.discard(rank)
-
-
-def shift(heard: dict, gap: float) -> None:
-    """:meth:`SilentDetector._shift` of the given map."""
-    for rank in heard:
-        heard[rank] += gap
-
-
-def look_over(heard: dict, exited: set, reported: set, unseen, node_of, limit: float,
-              going_on: float, half: float) -> tuple:
-    """:meth:`SilentDetector._look` over the ranks of ``heard`` (``{rank: job clock when
-    last heard}``); ``unseen``: ranks nobody reads now, not judged."""
-    quiet, pending, alive = [], set(), False
-    for rank, ts in heard.items():
-        if rank in exited or (unseen and rank in unseen):
-            continue
-        if ts > limit:
-            if ts > going_on:
-                alive = True
-            if ts <= half:
-                pending.add(node_of(rank))
-        elif rank not in reported:
-            quiet.append((rank, ts))
-    return quiet, pending, alive
 
 
 @register_detector(kinds="silent", ladder=("alert",), priority=40,
@@ -115,9 +81,7 @@ class SilentDetector(UsesView, Detector):
         self._init_view()          # where ranks run, when each was last heard
         self._gpu_seen: dict = {}  # node -> job clock at its last gpu sample
         self._clock = None         # the newest event time of the job
-        self._heard: dict = {}     # rank -> job clock when it was last heard from
-        self._exited: set = set()
-        self._reported: set = set()
+        self._books = [HeardBook()]   # when each rank was last heard, its exit, its report
         self._looked = None        # the time the detector last looked at
 
     def update(self, item) -> list[Finding]:
@@ -137,41 +101,37 @@ class SilentDetector(UsesView, Detector):
                 # online, a partition read ahead is applied up to a second before the others:
                 # heard once every partition was heard up to here, as analyze hears it
                 clock = max(ts, min(upto, clock))
+            books = self._books       # book_of, inline: it runs for every item
+            book = books[rank % len(books)] if len(books) > 1 else books[0]
             # a lifecycle item that is not an exit ends one (its event "" when it tells none)
-            self._hear(rank, clock, (item.get("event") or "") if k == "life" else None)
+            book.hear(rank, clock, (item.get("event") or "") if k == "life" else None)
         elif getattr(item, "TYPE", "") == "gpu" and item.node:
             self._gpu_sample(item.node, self._tick(item.ts))
         return []
 
-    # The per-rank half: what a rank's items leave and what a look asks of it (a subclass
-    # may keep it elsewhere: detectors/live_parts.py splits it by partition).
-    def _hear(self, rank, clock: float, event) -> None:
-        """``rank`` heard at ``clock`` of the job; ``event``: a lifecycle item's (None: not
-        one)."""
-        hear(self._heard, self._exited, self._reported, rank, clock, event)
-
-    def _shift(self, gap: float) -> None:
-        """Everything heard so far heard ``gap`` later (the whole job was quiet)."""
-        shift(self._heard, gap)
-
     def _look(self, limit: float, going_on: float, half: float) -> tuple:
-        """``(quiet, pending, alive)``: the ranks last heard at ``limit`` or before and not
-        reported yet ``[(rank, heard), ...]``, the machines of those heard after it but at
-        ``half`` or before, and whether any rank was heard after ``going_on``; ranks that
-        exited or that nobody reads now are left out."""
-        return look_over(self._heard, self._exited, self._reported, self.view.unseen,
-                         self.view.node_of, limit, going_on, half)
+        """:meth:`~.rank_books.HeardBook.look` of the job: its books' answers merged."""
+        unseen, node_of = self.view.unseen, self.view.node_of
+        books = self._books
+        if len(books) == 1:
+            return books[0].look(limit, going_on, half, unseen, node_of)
+        quiet, pending, alive = [], set(), False
+        for book in books:
+            q, p, a = book.look(limit, going_on, half, unseen, node_of)
+            quiet += q
+            pending |= p
+            alive = alive or a
+        return quiet, pending, alive
 
-    def _settled(self, ranks) -> list:
-        """Of ``ranks``, those that exited or were reported."""
-        return [r for r in ranks if r in self._exited or r in self._reported]
-
-    def _exited_of(self, ranks) -> list:
-        """Of ``ranks``, those that exited."""
-        return [r for r in ranks if r in self._exited]
-
-    def _report(self, ranks) -> None:
-        self._reported.update(ranks)
+    def _by_book(self, ranks) -> list:
+        """``[(book, its ranks of ranks), ...]``."""
+        books = self._books
+        if len(books) == 1:
+            return [(books[0], ranks)]
+        by: dict = {}
+        for rank in ranks:
+            by.setdefault(rank % len(books), []).append(rank)
+        return [(books[i], of) for i, of in by.items()]
 
     @property
     def _every(self) -> float:
@@ -190,7 +150,8 @@ class SilentDetector(UsesView, Detector):
             if clock is not None and ts - clock >= self.CADENCE_S * 2.0 and \
                     ts - clock >= self.timeout_s:
                 gap = ts - clock
-                self._shift(gap)
+                for book in self._books:
+                    book.shift(gap)
                 seen = self._gpu_seen
                 for node in seen:
                     seen[node] += gap
@@ -235,13 +196,15 @@ class SilentDetector(UsesView, Detector):
         unseen = self.view.unseen
         ranks = [r for r, _ in heard]
         on_node = [r for r in self.view.ranks_on(node) if r not in unseen]
-        settled = set(self._settled(on_node))        # exited or reported
-        exited = set(self._exited_of(on_node))
+        by_book = self._by_book(on_node)
+        settled = {r for b, of in by_book for r in b.settled(of)}    # exited or reported
+        exited = {r for b, of in by_book for r in b.exited_of(of)}
         node_ranks = [r for r in on_node if r not in exited]
         all_quiet = node is not None and all(r in ranks or r in settled for r in node_ranks)
         gpu = self._gpu_seen.get(node)
         machine = all_quiet and (gpu is None or at - gpu >= self.timeout_s / 2)
-        self._report(ranks)
+        for book, of in self._by_book(ranks):
+            book.report(of)
         onset = min(self.view.seen(r) for r in ranks)
         every = self._every
         due = math.ceil((max(ts for _, ts in heard) + self.timeout_s) / every) * every

@@ -1,4 +1,4 @@
-"""The crash and hang detectors' per-rank state as books (issue 21 point 1, step 2 of the plan
+"""The silent, crash and hang detectors' per-rank state as books (issue 21 point 1, step 2 of the plan
 in docs/WORKER.md): what a rank's items leave, and the questions the detector asks of its
 ranks. An answer is small (counts, extremes, a histogram of phases or steps) or, for a
 finding, the ranks it names. A detector keeps one book; :mod:`.live_parts` keeps one per
@@ -21,7 +21,7 @@ import math
 
 from .phases import PHASE_ORDER, STEP_PHASES, is_allowed_phase
 
-__all__ = ["ExitBook", "PhaseBook", "NO_POSITIONS", "merge_positions", "book_of"]
+__all__ = ["HeardBook", "ExitBook", "PhaseBook", "NO_POSITIONS", "merge_positions", "book_of"]
 
 
 def book_of(books: list, rank):
@@ -32,6 +32,73 @@ def book_of(books: list, rank):
     ('b', 'a')
     """
     return books[rank % len(books)] if len(books) > 1 else books[0]
+
+
+class HeardBook:
+    """The silent detector's ranks: the job's clock when each was last heard, which exited,
+    which were reported (and not heard since).
+
+    >>> book = HeardBook()
+    >>> for rank, clock in ((0, 3.0), (1, 9.0), (2, 4.0)):
+    ...     book.hear(rank, clock, None)
+    >>> book.hear(2, 5.0, "exit")
+    >>> book.look(limit=4.0, going_on=8.0, half=6.0, unseen=(), node_of=str)
+    ([(0, 3.0)], set(), True)
+    >>> book.report([0]); book.settled([0, 1, 2])
+    [0, 2]
+    """
+
+    def __init__(self):
+        self.heard: dict = {}      # rank -> the job's clock when it was last heard
+        self.exited: set = set()
+        self.reported: set = set()
+
+    def hear(self, rank, clock: float, event) -> None:
+        """``rank`` heard at ``clock`` of the job; ``event``: a lifecycle item's (None: not
+        one; any other than ``exit`` ends an exit)."""
+        self.heard[rank] = clock
+        if event == "exit":
+            self.exited.add(rank)
+        elif event is not None:
+            self.exited.discard(rank)
+        self.reported.discard(rank)
+
+    def shift(self, gap: float) -> None:
+        """Everything heard so far heard ``gap`` later (the whole job was quiet)."""
+        heard = self.heard
+        for rank in heard:
+            heard[rank] += gap
+
+    def look(self, limit: float, going_on: float, half: float, unseen, node_of) -> tuple:
+        """``(quiet, pending, alive)``: the ranks last heard at ``limit`` or before and not
+        reported yet ``[(rank, heard), ...]``, the machines of those heard after it but at
+        ``half`` or before, and whether any rank was heard after ``going_on``; ranks that
+        exited or are ``unseen`` (nobody reads them now) are left out."""
+        quiet, pending, alive = [], set(), False
+        exited, reported = self.exited, self.reported
+        for rank, ts in self.heard.items():
+            if rank in exited or (unseen and rank in unseen):
+                continue
+            if ts > limit:
+                if ts > going_on:
+                    alive = True
+                if ts <= half:
+                    pending.add(node_of(rank))
+            elif rank not in reported:
+                quiet.append((rank, ts))
+        return quiet, pending, alive
+
+    # -- the ranks a finding names ----------------------------------------------------------------
+    def settled(self, ranks) -> list:
+        """Of ``ranks`` (all this book's), those that exited or were reported."""
+        exited, reported = self.exited, self.reported
+        return [r for r in ranks if r in exited or r in reported]
+
+    def exited_of(self, ranks) -> list:
+        return [r for r in ranks if r in self.exited]
+
+    def report(self, ranks) -> None:
+        self.reported.update(ranks)
 
 
 class ExitBook:

@@ -45,7 +45,7 @@ COMPRESS_ABOVE = 128
 MAX_STATE_BYTES = 256 * 1024 * 1024
 #: the stages' layout; raise it when what a stage keeps changes meaning without changing
 #: its attribute names (a new attribute changes the layout digest by itself)
-STATE_VERSION = 24
+STATE_VERSION = 25
 
 
 # -- the slots: a stage and where its input came from (what a snapshot holds) --------------
