@@ -17,6 +17,7 @@ from trainguard.detectors.base import make_jobstep, median
 from trainguard.detectors.live_parts import (CrashParts, DataPositionParts, HangParts,
                                              SilentParts)
 from trainguard.detectors.pace_parts import PaceParts
+from trainguard.detectors.steps import StepAggregator
 from trainguard.detectors.straggler import StragglerDetector
 from trainguard.detectors.view import JobView
 from trainguard.detectors.training import NanDetector
@@ -64,6 +65,8 @@ def _split(monkeypatch, partitions: int, exact_upto):
         if "data_position" in self.detectors:
             self.detectors["data_position"] = DataPositionParts(partitions)
         self.view = JobView(partitions)              # the job view's books too
+        self.steps = StepAggregator(window=self.steps.window, window_s=self.steps.window_s,
+                                    partitions=partitions)    # and the step aggregator's
         for detector in self.detectors.values():
             if getattr(detector, "USES_VIEW", False):
                 detector.share_view(self.view)
