@@ -39,13 +39,10 @@ class SilentDetector(UsesView, Detector):
     """A rank, or a whole machine, that stops sending anything while the rest go on.
 
     A rank is silent after ``timeout_s`` without any summary from it while some other rank
-    was heard within ``timeout_s``. "Heard" is on the job's clock: at the summary's own stamp,
-    or, when that is older, at the newest stamp of the job's items (its machines' samples
-    too) up to the first tick (``advance``) after the summary came, not past that tick's
-    time: a machine whose clock runs seconds
-    behind the others', whose collector sends in bursts, or whose partition is read late is
-    not quiet for that. (A rank side told that time at each tick can keep the ranks' times
-    by partition: issue 21.) Time in which nobody was heard at all (a gap between the job's records of
+    was heard within ``timeout_s``. "Heard" is on the job's clock (the newest event time of any
+    rank or machine) when its summary came, not the rank's own time stamp: a machine whose
+    clock runs seconds behind the others', or whose collector sends in bursts, is not quiet
+    for that. Time in which nobody was heard at all (a gap between the job's records of
     ``timeout_s`` and of 20 s, twice the longest between a collector's heartbeats, or more:
     the job was down, or its first records after a restart are those of a machine whose
     clock stepped back meanwhile) counts toward nobody's silence. When every known rank of a
@@ -86,9 +83,6 @@ class SilentDetector(UsesView, Detector):
         self._clock = None         # the newest event time of the job
         self._books = [HeardBook()]   # when each rank was last heard, its exit, its report
         self._looked = None        # the time the detector last looked at
-        self._tick_at = -math.inf  # the time of the last tick (advance) ...
-        self._told = -math.inf     # ... and the job's newest stamp up to it
-        self._ahead: list = []     # the job's stamps past the last tick's time, since it
 
     def update(self, item) -> list[Finding]:
         if type(item) is dict:
@@ -102,10 +96,15 @@ class SilentDetector(UsesView, Detector):
                 if k == "gpu" and item.get("node") and ts is not None:
                     self._gpu_sample(item["node"], clock)    # a NodeStage's gpu summary
                 return []
+            upto = self.view.heard_upto
+            if upto is not None and clock > ts:
+                # online, a partition read ahead is applied up to a second before the others:
+                # heard once every partition was heard up to here, as analyze hears it
+                clock = max(ts, min(upto, clock))
             books = self._books       # book_of, inline: it runs for every item
             book = books[rank % len(books)] if len(books) > 1 else books[0]
             # a lifecycle item that is not an exit ends one (its event "" when it tells none)
-            book.hear(rank, ts, (item.get("event") or "") if k == "life" else None)
+            book.hear(rank, clock, (item.get("event") or "") if k == "life" else None)
         elif getattr(item, "TYPE", "") == "gpu" and item.node:
             self._gpu_sample(item.node, self._tick(item.ts))
         return []
@@ -146,10 +145,6 @@ class SilentDetector(UsesView, Detector):
         meanwhile), counts toward nobody's silence: what was heard before it is heard that
         much later. (A shorter one makes nobody silent at once; a rank's summaries come at
         least every ``stages.heartbeat_summary_s``, which must be below ``timeout_s``.)"""
-        if ts > self._tick_at:
-            self._ahead.append(ts)
-        elif ts > self._told:
-            self._told = ts
         clock = self._clock
         if clock is None or ts > clock:
             if clock is not None and ts - clock >= self.CADENCE_S * 2.0 and \
@@ -168,26 +163,8 @@ class SilentDetector(UsesView, Detector):
         if prev is None or ts > prev:
             self._gpu_seen[node] = ts
 
-    def _settle(self, at: float) -> None:
-        """A tick at ``at``: the ranks heard since the last one are heard at the job's newest
-        stamp up to ``at`` at the earliest (:meth:`~.rank_books.HeardBook.settle`)."""
-        told, ahead = self._told, self._ahead
-        if ahead:
-            later = []
-            for ts in ahead:
-                if ts > at:
-                    later.append(ts)
-                elif ts > told:
-                    told = ts
-            self._told, self._ahead = told, later
-        self._tick_at = at
-        for book in self._books:
-            if book.fresh:
-                book.settle(told)
-
     def advance(self, now: float) -> list[Finding]:
         at = self.view.judged(now)       # a rank still on its way is not missing
-        self._settle(at)
         looked, every = self._looked, self._every
         # looks on a fixed grid of the job's time, however `at` moves
         if looked is not None and at < (math.floor(looked / every) + 1) * every:

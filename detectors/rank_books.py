@@ -39,12 +39,11 @@ class HeardBook:
     which were reported (and not heard since).
 
     >>> book = HeardBook()
-    >>> for rank, stamp in ((0, 3.0), (1, 9.0), (2, 4.0)):
-    ...     book.hear(rank, stamp, None)
+    >>> for rank, clock in ((0, 3.0), (1, 9.0), (2, 4.0)):
+    ...     book.hear(rank, clock, None)
     >>> book.hear(2, 5.0, "exit")
-    >>> book.settle(4.0)             # the job's newest stamp up to the tick: 0 was heard then
     >>> book.look(limit=4.0, going_on=8.0, half=6.0, unseen=(), node_of=str)
-    ([(0, 4.0)], set(), True)
+    ([(0, 3.0)], set(), True)
     >>> book.report([0]); book.settled([0, 1, 2])
     [0, 2]
     """
@@ -53,30 +52,16 @@ class HeardBook:
         self.heard: dict = {}      # rank -> the job's clock when it was last heard
         self.exited: set = set()
         self.reported: set = set()
-        self.fresh: set = set()    # heard since the last tick, at their own stamps so far
 
-    def hear(self, rank, stamp: float, event) -> None:
-        """``rank`` heard, its item stamped ``stamp`` on the job's clock (settled at the next
-        tick); ``event``: a lifecycle item's (None: not one; any other than ``exit`` ends an
-        exit)."""
-        self.heard[rank] = stamp
-        self.fresh.add(rank)
+    def hear(self, rank, clock: float, event) -> None:
+        """``rank`` heard at ``clock`` of the job; ``event``: a lifecycle item's (None: not
+        one; any other than ``exit`` ends an exit)."""
+        self.heard[rank] = clock
         if event == "exit":
             self.exited.add(rank)
         elif event is not None:
             self.exited.discard(rank)
         self.reported.discard(rank)
-
-    def settle(self, told: float) -> None:
-        """The ranks heard since the last tick were heard at ``told`` (the job's newest stamp
-        up to this tick) at the earliest: one whose item was stamped before (its machine's
-        clock behind, its partition read late, its collector sending in bursts) is not
-        quiet for that."""
-        heard = self.heard
-        for rank in self.fresh:
-            if heard[rank] < told:
-                heard[rank] = told
-        self.fresh.clear()
 
     def shift(self, gap: float) -> None:
         """Everything heard so far heard ``gap`` later (the whole job was quiet)."""

@@ -116,24 +116,3 @@ def test_a_job_stamped_below_zero_is_judged_as_any_other():
     found = _findings(SilentDetector(timeout_s=5.0), items)
     assert [(f["nodes"], f["ranks"], f["onset_ts"]) for f in found] == [(["n1"], [2, 3], -36.0)]
     assert _findings(SilentParts(2, timeout_s=5.0), items) == found
-
-
-def test_a_rank_is_heard_at_its_stamp_or_the_jobs_newest_up_to_the_next_tick():
-    """What a rank side can do: an item is heard at its own stamp, raised at the next tick to
-    the job's newest stamp up to that tick's time (stamps past it do not count yet)."""
-    d = SilentDetector(timeout_s=10.0)
-    hb = lambda rank, node, ts: d.update({"k": "hb", "rank": rank, "node": node, "ts": ts})
-    hb(0, "n1", 100.0)
-    hb(1, "n2", 88.0)             # its machine's clock 12 s behind, its offset not learned
-    hb(0, "n1", 100.7)            # past the next tick's time
-    heard = d._books[0].heard
-    assert (heard[0], heard[1]) == (100.7, 88.0)
-    d.advance(100.5)
-    assert (heard[0], heard[1]) == (100.7, 100.0)
-    hb(1, "n2", 89.0)
-    d.advance(101.0)              # 100.7 is the newest up to 101
-    assert heard[1] == 100.7
-    for t in range(102, 130):     # n2 keeps sending, 12 s behind: never silent
-        hb(0, "n1", float(t))
-        hb(1, "n2", t - 12.0)
-        assert d.advance(t + 0.5) == []
