@@ -65,7 +65,8 @@ class HangParts(_BooksByPartition, HangDetector):
 
 
 class SilentParts(_BooksByPartition, SilentDetector):
-    """:class:`~.liveness.SilentDetector` over ``partitions`` :class:`~.rank_books.HeardBook`\\ s."""
+    """:class:`~.liveness.SilentDetector` over ``partitions``
+    :class:`~.rank_books.HeardBook`\\ s."""
 
     _param_names = param_names(SilentDetector)
     BOOK = HeardBook

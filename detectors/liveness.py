@@ -125,13 +125,10 @@ class SilentDetector(UsesView, Detector):
 
     def _by_book(self, ranks) -> list:
         """``[(book, its ranks of ranks), ...]``."""
-        books = self._books
-        if len(books) == 1:
-            return [(books[0], ranks)]
         by: dict = {}
         for rank in ranks:
-            by.setdefault(rank % len(books), []).append(rank)
-        return [(books[i], of) for i, of in by.items()]
+            by.setdefault(book_of(self._books, rank), []).append(rank)
+        return list(by.items())
 
     @property
     def _every(self) -> float:

@@ -1,5 +1,5 @@
-"""The silent, crash and hang detectors' per-rank state as books (issue 21 point 1, step 2 of the plan
-in docs/WORKER.md): what a rank's items leave, and the questions the detector asks of its
+"""The silent, crash and hang detectors' per-rank state as books (issue 21 point 1, step 2 of
+the plan in docs/WORKER.md): what a rank's items leave, and the questions the detector asks of its
 ranks. An answer is small (counts, extremes, a histogram of phases or steps) or, for a
 finding, the ranks it names. A detector keeps one book; :mod:`.live_parts` keeps one per
 telemetry partition, as the rank side would, and the detector merges their answers the same

@@ -117,16 +117,15 @@ class StepAggregator:
     def __init__(self, window: int = 32, window_s: float = 5.0, partitions: int = 1):
         self.window = window
         self.window_s = window_s
-        self.partitions = partitions
         self._books = [StepBook() for _ in range(partitions)]
         self._open: dict = {}        # step -> [first_ts, last_ts, how many ranks reported it]
         self._closed = -1            # a record of this step or older is late (or a restart)
         self._closed_ts = float("-inf")   # when the newest closed step began
-        self._ranks = 0              # the ranks heard since the world size changed
+        self._n_ranks = 0            # the ranks heard since the world size changed
         self._world = 0
         self._stable = False         # some rank reported a second step: roster complete
         self._restarted = False
-        self._tops = 0               # the ranks with a highest step (since the start)
+        self._n_tops = 0             # the ranks with a highest step (since the start)
         self._low = None             # the lowest of those steps
         self._high = -1              # the highest step any rank reported
         self._base = 0               # the first step since the start (or a restart)
@@ -147,7 +146,7 @@ class StepAggregator:
                                 # read late (its partition's backlog), not a restart
             if item.get("world_size") and item["world_size"] != self._world:
                 self._world = item["world_size"]
-                self._ranks = 0
+                self._n_ranks = 0
                 for book in self._books:
                     book.ranks = set()
             self._restarted = True
@@ -165,7 +164,7 @@ class StepAggregator:
             self._closed = step - 1
             for book in self._books:
                 book.clear()
-            self._tops, self._low, self._high = 0, None, -1
+            self._n_tops, self._low, self._high = 0, None, -1
             self._stable = False
         self._restarted = False
         rank = item["rank"]
@@ -173,7 +172,7 @@ class StepAggregator:
         book = books[rank % len(books)] if len(books) > 1 else books[0]
         if rank not in book.ranks:
             book.ranks.add(rank)
-            self._ranks += 1
+            self._n_ranks += 1
         if not self._stable:
             first = book.first.setdefault(rank, step)
             self._stable = step != first
@@ -183,7 +182,7 @@ class StepAggregator:
             self._base = step        # the first step since the start
         new, moved = book.raise_top(rank, step)
         if new:
-            self._tops += 1
+            self._n_tops += 1
         if moved:
             self._low = book.low if len(books) == 1 else \
                 min(b.low for b in books if b.low is not None)
@@ -199,7 +198,7 @@ class StepAggregator:
         if rank not in records:
             entry[2] += 1
         records[rank] = item
-        expected = self._world if self._world > self._ranks else self._ranks
+        expected = self._world if self._world > self._n_ranks else self._n_ranks
         complete = self._stable or self._world
         if entry[2] >= expected and complete:
             return self._close_through(step)
@@ -220,8 +219,8 @@ class StepAggregator:
         if self._high - self._base >= self.window:
             return True
         if self._world:
-            return self._tops >= self._world
-        return self._stable and self._tops >= self._ranks
+            return self._n_tops >= self._world
+        return self._stable and self._n_tops >= self._n_ranks
 
     def expire(self, now: float) -> list[dict]:
         if not self._open:
@@ -231,7 +230,7 @@ class StepAggregator:
 
     def _jobstep(self, job, step, ts, first_ts, ranks) -> dict:
         return {"k": "jobstep", "job": job, "step": step, "ts": ts, "first_ts": first_ts,
-                "world": max(self._world, self._ranks), "ranks": ranks}
+                "world": max(self._world, self._n_ranks), "ranks": ranks}
 
     def _records(self, step) -> dict:
         """The records of ``step`` from every book, taken out of them."""
